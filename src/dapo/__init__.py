@@ -1,0 +1,3 @@
+"""dapo: DAPO reinforcement learning from verifiable rewards."""
+
+__version__ = "0.1.0"

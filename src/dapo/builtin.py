@@ -1,0 +1,262 @@
+"""The built-in default: a verifiable addition task and a tiny Qwen2 the project warms up itself.
+
+Nothing is downloaded. ``builtin:tiny`` builds a character tokenizer and a ~1M-parameter
+Qwen2, trains it briefly (supervised, loss on the response only) on *noisy* worked
+solutions, and caches the result. The noise (a dropped carry, a slip in the final line)
+means the warmed-up model starts well above zero but well below perfect accuracy, and
+reinforcement learning against the exact scorer has a clear, measurable job to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dapo.data import PromptRecord
+
+BUILTIN_MODEL = "builtin:tiny"
+BUILTIN_DATA = "builtin:addition"
+DATA_SOURCE = "builtin_addition"
+_VERSION = "v1"  # bump when the task, tokenizer, model or warm-up change
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+_CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+
+# Warm-up settings: chosen so that set-up takes about 2 minutes on 2 CPU cores.
+WARMUP_STEPS = 700
+WARMUP_BATCH = 64
+WARMUP_LR = 3e-3
+NOISE_CARRY = 0.4  # share of worked solutions (with a carry) that drop one carry
+NOISE_FINAL = 0.2  # share of worked solutions whose final line has a slip
+
+
+# --- the task -----------------------------------------------------------------------------
+
+
+def _prompt(a: int, b: int) -> str:
+    return f"Add {a}+{b} column by column. End with: Answer: <sum>\n"
+
+
+def worked_solution(a: int, b: int, rng: random.Random | None = None) -> tuple[str, int]:
+    """Column-by-column addition, least significant digit first, in the DAPO answer format.
+
+    With ``rng`` the solution may carry the warm-up noise: a dropped carry (the rest of the
+    working is consistent with it) or a slip in the final answer line. Returns the text and
+    the answer it ends with.
+    """
+    da, db = str(a)[::-1], str(b)[::-1]
+    n = max(len(da), len(db))
+    carries = [i for i in range(n) if _column_sum(da, db, i, 1) >= 10]
+    drop = -1
+    if rng is not None and carries and rng.random() < NOISE_CARRY:
+        drop = rng.choice(carries)
+    lines, result, carry = [], "", 0
+    for i in range(n):
+        x = int(da[i]) if i < len(da) else 0
+        y = int(db[i]) if i < len(db) else 0
+        s = x + y + carry
+        terms = f"{x}+{y}" + ("+1" if carry else "")
+        result = str(s % 10) + result
+        lines.append(f"{terms}={s}, {result}")
+        carry = 1 if s >= 10 and i != drop else 0
+    if carry:
+        result = "1" + result
+        lines.append(f"carry 1, {result}")
+    answer = int(result)
+    if rng is not None and rng.random() < NOISE_FINAL:
+        answer = _slip(answer, rng)
+    lines.append(f"Answer: {answer}")
+    return "\n".join(lines), answer
+
+
+def _column_sum(da: str, db: str, i: int, carry: int) -> int:
+    x = int(da[i]) if i < len(da) else 0
+    y = int(db[i]) if i < len(db) else 0
+    return x + y + carry
+
+
+def _slip(answer: int, rng: random.Random) -> int:
+    digits = list(str(answer))
+    i = rng.randrange(len(digits))
+    digits[i] = str((int(digits[i]) + rng.choice([1, 9])) % 10)
+    out = int("".join(digits))
+    return out if out != answer else answer + 1
+
+
+def _split_of(a: int, b: int) -> str:
+    h = int(hashlib.sha1(f"{a}+{b}".encode()).hexdigest()[:8], 16)
+    return "test" if h % 10 == 0 else "train"
+
+
+def _sample_operands(rng: random.Random) -> tuple[int, int]:
+    def number() -> int:
+        digits = rng.choice([1, 2, 3, 3])
+        return rng.randrange(10 ** (digits - 1) if digits > 1 else 0, 10**digits)
+
+    return number(), number()
+
+
+def addition_records(split: str = "train", n: int = 20000, seed: int = 1234) -> list[PromptRecord]:
+    """``n`` distinct problems of the given split ("train" or "test"; disjoint by hashing)."""
+    if split not in ("train", "test"):
+        raise ValueError(f"builtin:addition has splits 'train' and 'test', not {split!r}")
+    rng = random.Random(f"{seed}-{split}")
+    seen: set[tuple[int, int]] = set()
+    out: list[PromptRecord] = []
+    budget = n * 50
+    while len(out) < n and budget > 0:
+        budget -= 1
+        a, b = _sample_operands(rng)
+        if (a, b) in seen or _split_of(a, b) != split:
+            continue
+        seen.add((a, b))
+        out.append(
+            PromptRecord(
+                prompt=_prompt(a, b),
+                ground_truth=str(a + b),
+                data_source=DATA_SOURCE,
+                uid=f"add-{a}-{b}",
+                extra={"a": a, "b": b},
+            )
+        )
+    return out
+
+
+# --- the tokenizer and model ---------------------------------------------------------------
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer (every printable ASCII character and newline)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *_CHARS])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Split on every character, keeping spaces and newlines (an empty-string split drops them).
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK
+    )
+    tok.padding_side = "left"
+    return tok
+
+
+def build_model(vocab_size: int, seed: int = 0):
+    """A ~1M-parameter Qwen2 (a standard transformers architecture)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
+    return Qwen2ForCausalLM(config).float()
+
+
+# --- the warm-up ---------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """Where the warmed-up model lives (``$DAPO_CACHE`` or ``~/.cache/dapo``)."""
+    root = Path(os.environ.get("DAPO_CACHE", Path.home() / ".cache" / "dapo"))
+    return root / f"builtin-tiny-{_VERSION}"
+
+
+def _sft_batch(tok, rng: random.Random, size: int) -> tuple[torch.Tensor, ...]:
+    ids, labels = [], []
+    for _ in range(size):
+        a, b = _sample_operands(rng)
+        while _split_of(a, b) != "train":
+            a, b = _sample_operands(rng)
+        p = tok(_prompt(a, b), add_special_tokens=False)["input_ids"]
+        r = tok(worked_solution(a, b, rng)[0], add_special_tokens=False)["input_ids"]
+        r = r + [tok.eos_token_id]
+        ids.append(p + r)
+        labels.append([-100] * len(p) + r)
+    width = max(map(len, ids))
+    input_ids = torch.full((size, width), tok.pad_token_id)
+    label_t = torch.full((size, width), -100)
+    attn = torch.zeros((size, width), dtype=torch.long)
+    for i, (x, y) in enumerate(zip(ids, labels, strict=True)):
+        input_ids[i, : len(x)] = torch.tensor(x)
+        label_t[i, : len(y)] = torch.tensor(y)
+        attn[i, : len(x)] = 1
+    return input_ids, attn, label_t
+
+
+def warm_up(
+    out_dir: Path,
+    steps: int = WARMUP_STEPS,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Build the tiny model, train it on noisy worked solutions, save it to ``out_dir``.
+
+    The loss is masked to the response: with the prompt in the loss the model spends its
+    capacity on the (constant) instructions and barely learns to add.
+    """
+    tok = build_tokenizer()
+    model = build_model(len(tok), seed=seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
+    rng = random.Random(seed)
+    start = time.time()
+    for step in range(steps):
+        input_ids, attn, labels = _sft_batch(tok, rng, WARMUP_BATCH)
+        loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % max(1, steps // 10) == 0:
+            log(f"warm-up {step + 1}/{steps}: loss {loss.item():.3f} ({time.time() - start:.0f}s)")
+    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.eval()
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "builtin.json").write_text(
+        json.dumps({"version": _VERSION, "steps": steps, "seed": seed, "seconds": time.time() - start})
+    )
+    if out_dir.exists():  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+    return out_dir
+
+
+def ensure_builtin_model(log: Callable[[str], None] = print) -> Path:
+    """Path of the warmed-up ``builtin:tiny``, building it on first use (about 2 minutes)."""
+    path = cache_dir()
+    if (path / "builtin.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log(f"building builtin:tiny (first use; cached in {path}) ...")
+    torch_threads = torch.get_num_threads()
+    try:
+        return warm_up(path, log=log)
+    finally:
+        torch.set_num_threads(torch_threads)

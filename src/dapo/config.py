@@ -1,0 +1,509 @@
+"""Typed, validated configuration: dataclasses, presets, YAML and ``key.path=value`` overrides.
+
+Every run is described by one :class:`Config`. It is built in this order: defaults, then the
+named preset (``preset: dapo`` by default), then the YAML file, then the command-line
+overrides. Unknown keys and bad values raise :class:`ConfigError` naming the key, the value
+and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key, the value and the fix in the message."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy to train."""
+
+    name_or_path: str = "builtin:tiny"  # local path, hub id, or builtin:tiny
+    tokenizer: str | None = None  # defaults to name_or_path
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    """Training and held-out prompts (reference parquet format, JSONL, datasets, or builtin)."""
+
+    train: str = "builtin:addition"
+    eval: str | None = "builtin:addition"  # held-out set; None disables evaluation
+    train_split: str = "train"
+    eval_split: str = "test"
+    prompt_key: str = "prompt"
+    answer_key: str = "reward_model.ground_truth"
+    data_source_key: str = "data_source"
+    max_prompt_length: int = 256
+    max_eval_prompts: int = 200
+    shuffle: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling of responses (names as in TRL where the meaning is the same)."""
+
+    engine: Literal["hf", "vllm"] = "hf"
+    num_generations: int = 8  # G, responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    max_completion_length: int = 96  # L_max in tokens
+    generation_batch_size: int = 256  # sequences generated together
+    eval_temperature: float = 1.0
+    eval_top_p: float = 0.7
+    eval_num_generations: int = 1
+
+
+@dataclass
+class RewardFunctionConfig:
+    """A reward function: a built-in scorer name or ``module:function``, and its weight."""
+
+    name: str = "dapo_math"
+    weight: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored."""
+
+    functions: list[RewardFunctionConfig] = field(default_factory=list)  # empty: per data source
+    default_scorer: str = "dapo_math"
+    source_scorers: dict[str, str] = field(default_factory=dict)  # data_source -> scorer
+    timeout_s: float = 5.0
+    num_workers: int = 1
+
+
+@dataclass
+class AlgorithmConfig:
+    """The DAPO knobs; presets set these (``dapo presets`` lists them)."""
+
+    clip_low: float = 0.2  # eps_low (TRL: epsilon)
+    clip_high: float = 0.28  # eps_high (TRL: epsilon_high)
+    clip_c: float | None = None  # dual clip for negative advantages; None disables
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    advantage_scale: Literal["group", "batch", "none"] = "group"
+    beta: float = 0.0  # KL coefficient; 0 loads no reference model
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    dynamic_sampling: bool = True
+    dynamic_sampling_metric: Literal["acc", "reward"] = "acc"
+    max_gen_rounds: int = 8  # generation rounds per rollout step before giving up
+    overlong_filter: bool = True  # mask the loss of truncated responses
+    overlong_penalty: bool = True  # soft overlong punishment
+    overlong_buffer: int = 24  # L_cache in tokens
+    overlong_penalty_factor: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation. Batch sizes count prompts (each with G responses) unless noted."""
+
+    steps: int = 60  # rollout steps
+    prompts_per_step: int = 16  # prompts with a learning signal per rollout step
+    mini_batch_size: int = 16  # prompts per optimizer update
+    epochs: int = 1  # passes over the rollout batch
+    micro_batch_tokens: int = 16384  # token budget of one forward/backward (memory bound)
+    lr: float = 2e-4
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 5  # in rollout steps
+    min_lr_ratio: float = 0.1  # cosine floor
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    max_grad_norm: float = 1.0
+    entropy_chunk_size: int = 1024
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    console: bool = True
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "dapo"
+    run_name: str | None = None
+    eval_every: int = 0  # validation every N rollout steps; 0: only before and after
+
+
+@dataclass
+class CheckpointConfig:
+    """Periodic and final checkpoints."""
+
+    save_every: int = 20  # rollout steps; 0 saves only at the end
+    keep_last: int = 2
+    save_final_model: bool = True  # save_pretrained of the final policy
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    output_dir: str = "runs/default"
+    seed: int = 0
+    preset: str = "dapo"
+    resume: bool = False
+    evaluate: bool = True  # held-out accuracy before and after training
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --- presets --------------------------------------------------------------------------------
+
+_GRPO: dict[str, Any] = {
+    "algorithm.clip_low": 0.2,
+    "algorithm.clip_high": 0.2,
+    "algorithm.loss_agg": "seq-mean-token-mean",
+    "algorithm.advantage_scale": "group",
+    "algorithm.dynamic_sampling": False,
+    "algorithm.overlong_filter": False,
+    "algorithm.overlong_penalty": False,
+    "algorithm.beta": 0.0,
+}
+
+# The paper's ablation ladder (Table 1): each step adds one technique to the one before.
+_LADDER: list[tuple[str, str, dict[str, Any]]] = [
+    ("grpo", "naive GRPO: symmetric clip 0.2, per-response loss mean, no shaping", {}),
+    ("grpo+overlong_filter", "+ overlong filtering", {"algorithm.overlong_filter": True}),
+    ("grpo+clip_higher", "+ clip-higher (eps_high 0.28)", {"algorithm.clip_high": 0.28}),
+    ("grpo+soft_punish", "+ soft overlong punishment", {"algorithm.overlong_penalty": True}),
+    ("grpo+token_loss", "+ token-level loss", {"algorithm.loss_agg": "token-mean"}),
+    ("dapo", "+ dynamic sampling = DAPO (the paper's settings)", {"algorithm.dynamic_sampling": True}),
+]
+
+
+def _build_presets() -> dict[str, tuple[str, dict[str, Any]]]:
+    presets: dict[str, tuple[str, dict[str, Any]]] = {}
+    acc = dict(_GRPO)
+    for name, text, delta in _LADDER:
+        acc = {**acc, **delta}
+        presets[name] = (text, dict(acc))
+    presets["dr_grpo"] = (
+        "Dr. GRPO: no std division, token sums over responses x max length",
+        {
+            **_GRPO,
+            "algorithm.advantage_scale": "none",
+            "algorithm.loss_agg": "seq-mean-token-sum-norm",
+        },
+    )
+    return presets
+
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = _build_presets()
+ABLATION_LADDER: list[str] = [name for name, _, _ in _LADDER]
+
+
+def describe_presets() -> list[str]:
+    """One line per preset, for ``dapo presets``."""
+    width = max(map(len, PRESETS))
+    return [f"{name:<{width}}  {text}" for name, (text, _) in PRESETS.items()]
+
+
+# --- loading and validation -----------------------------------------------------------------
+
+# Names users bring from other libraries, mapped to ours.
+_ALIASES = {
+    "epsilon": "algorithm.clip_low",
+    "epsilon_low": "algorithm.clip_low",
+    "epsilon_high": "algorithm.clip_high",
+    "clip_ratio_low": "algorithm.clip_low",
+    "clip_ratio_high": "algorithm.clip_high",
+    "loss_type": "algorithm.loss_agg",
+    "loss_agg_mode": "algorithm.loss_agg",
+    "learning_rate": "train.lr",
+    "max_steps": "train.steps",
+    "n": "rollout.num_generations",
+    "max_new_tokens": "rollout.max_completion_length",
+    "max_response_length": "rollout.max_completion_length",
+    "model_name_or_path": "model.name_or_path",
+}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        path = f"{prefix}{f.name}"
+        keys.append(path)
+        if dataclasses.is_dataclass(tp):
+            keys.extend(_all_keys(tp, path + "."))
+    return keys
+
+
+def _unknown_key(path: str) -> ConfigError:
+    leaf = path.rsplit(".", 1)[-1]
+    suggestion = _ALIASES.get(leaf) or _ALIASES.get(path)
+    if suggestion is None:
+        keys = _all_keys()
+        close = difflib.get_close_matches(path, keys, n=1, cutoff=0.6)
+        if not close:
+            by_leaf = {k.rsplit(".", 1)[-1]: k for k in keys}
+            leaf_close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+            close = [by_leaf[leaf_close[0]]] if leaf_close else []
+        suggestion = close[0] if close else None
+    hint = f"did you mean `{suggestion}`?" if suggestion else "see `dapo train --help-config`"
+    return ConfigError(f"unknown config key `{path}`: {hint}")
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the type ``tp``, converting only where it is lossless."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(path, value, arg)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"`{path}`: invalid value {value!r}")
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"`{path}` = {value!r} is not one of {list(choices)}{hint}"
+            )
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"`{path}` must be a mapping of keys, got {value!r}")
+        return _build(tp, value, path + ".")
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"`{path}` must be a list, got {value!r}")
+        return [_coerce(f"{path}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if origin is dict:
+        key_tp, val_tp = get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"`{path}` must be a mapping, got {value!r}")
+        return {
+            _coerce(f"{path}.<key>", k, key_tp): _coerce(f"{path}.{k}", v, val_tp)
+            for k, v in value.items()
+        }
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"`{path}` must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"`{path}` must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads "1e-6" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"`{path}` must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"`{path}` must be a string, got {value!r}")
+    raise ConfigError(f"`{path}`: unsupported type {tp}")  # pragma: no cover
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise _unknown_key(f"{prefix}{key}")
+        kwargs[key] = _coerce(f"{prefix}{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _nest(dotted: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, value in dotted.items():
+        parts = path.split(".")
+        node = out
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"`{path}`: `{part}` is a value, not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"train.lr=1e-5"`` -> ``("train.lr", 1e-5)``; the value is read as YAML."""
+    if "=" not in item:
+        raise ConfigError(
+            f"override {item!r} is not of the form key.path=value (e.g. train.steps=100)"
+        )
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+) -> Config:
+    """Defaults < preset < YAML file < overrides; validated."""
+    file_data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p} (give a YAML file path)")
+        try:
+            file_data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+        if not isinstance(file_data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of keys, got {file_data!r}")
+    if isinstance(overrides, dict):
+        dotted = dict(overrides)
+    else:
+        dotted = dict(parse_override(o) for o in overrides or [])
+    cli_data = _nest(dotted)
+    preset = cli_data.get("preset", file_data.get("preset", "dapo"))
+    if preset not in PRESETS:
+        close = difflib.get_close_matches(str(preset), list(PRESETS), n=1)
+        hint = f"did you mean `{close[0]}`? " if close else ""
+        raise ConfigError(
+            f"`preset` = {preset!r} is not a known preset; {hint}run `dapo presets` to list them"
+        )
+    data = _merge(_nest(PRESETS[preset][1]), file_data)
+    data = _merge(data, cli_data)
+    data["preset"] = preset
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build and validate a config from a nested dict (e.g. a saved ``config.yaml``)."""
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def _check(ok: bool, key: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"`{key}` = {value!r} is invalid: {fix}")
+
+
+def validate(cfg: Config) -> None:
+    """Raise :class:`ConfigError` for values that cannot work together."""
+    a, r, t, d = cfg.algorithm, cfg.rollout, cfg.train, cfg.data
+    _check(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "use a value in [0, 1), e.g. 0.2")
+    _check(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "use a value >= 0, e.g. 0.28")
+    if a.clip_c is not None:
+        _check(a.clip_c > 1, "algorithm.clip_c", a.clip_c, "dual clip needs a value > 1 (e.g. 3.0) or null")
+    _check(a.beta >= 0, "algorithm.beta", a.beta, "use 0 (no KL, DAPO) or a positive coefficient")
+    _check(a.max_gen_rounds >= 1, "algorithm.max_gen_rounds", a.max_gen_rounds, "use at least 1")
+    _check(a.overlong_buffer >= 0, "algorithm.overlong_buffer", a.overlong_buffer, "use a value >= 0")
+    _check(
+        a.overlong_buffer < r.max_completion_length,
+        "algorithm.overlong_buffer",
+        a.overlong_buffer,
+        f"the overlong buffer must be shorter than rollout.max_completion_length "
+        f"({r.max_completion_length}); lower it or raise the maximum length",
+    )
+    _check(
+        r.num_generations >= 2,
+        "rollout.num_generations",
+        r.num_generations,
+        "group-relative advantages need at least 2 responses per prompt",
+    )
+    _check(r.temperature > 0, "rollout.temperature", r.temperature, "use a value > 0 (1.0 in the paper)")
+    _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "use a value in (0, 1]")
+    _check(r.top_k >= 0, "rollout.top_k", r.top_k, "use 0 (disabled) or a positive integer")
+    _check(0 < r.eval_top_p <= 1, "rollout.eval_top_p", r.eval_top_p, "use a value in (0, 1]")
+    _check(r.eval_temperature >= 0, "rollout.eval_temperature", r.eval_temperature, "use a value >= 0 (0 = greedy)")
+    _check(r.eval_num_generations >= 1, "rollout.eval_num_generations", r.eval_num_generations, "use at least 1")
+    _check(r.max_completion_length >= 1, "rollout.max_completion_length", r.max_completion_length, "use at least 1")
+    _check(r.generation_batch_size >= 1, "rollout.generation_batch_size", r.generation_batch_size, "use at least 1")
+    _check(d.max_prompt_length >= 1, "data.max_prompt_length", d.max_prompt_length, "use at least 1")
+    _check(t.steps >= 0, "train.steps", t.steps, "use 0 (evaluate only) or more rollout steps")
+    _check(t.prompts_per_step >= 1, "train.prompts_per_step", t.prompts_per_step, "use at least 1")
+    _check(
+        1 <= t.mini_batch_size <= t.prompts_per_step and t.prompts_per_step % t.mini_batch_size == 0,
+        "train.mini_batch_size",
+        t.mini_batch_size,
+        f"use a divisor of train.prompts_per_step ({t.prompts_per_step}); "
+        f"{t.prompts_per_step} // mini_batch_size is the number of updates per rollout step",
+    )
+    _check(t.epochs >= 1, "train.epochs", t.epochs, "use at least 1")
+    _check(t.micro_batch_tokens >= 1, "train.micro_batch_tokens", t.micro_batch_tokens, "use a positive token budget")
+    _check(t.lr > 0, "train.lr", t.lr, "use a positive learning rate, e.g. 1e-6 for large models")
+    _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "use a value >= 0")
+    _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "use a value in [0, 1]")
+    _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "use a value >= 0")
+    _check(t.max_grad_norm >= 0, "train.max_grad_norm", t.max_grad_norm, "use 0 (no clipping) or a positive norm")
+    _check(0 <= t.adam_beta1 < 1, "train.adam_beta1", t.adam_beta1, "use a value in [0, 1)")
+    _check(0 <= t.adam_beta2 < 1, "train.adam_beta2", t.adam_beta2, "use a value in [0, 1)")
+    _check(t.entropy_chunk_size >= 1, "train.entropy_chunk_size", t.entropy_chunk_size, "use at least 1")
+    _check(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "use a positive number of seconds")
+    _check(cfg.reward.num_workers >= 0, "reward.num_workers", cfg.reward.num_workers, "use 0 (in-process) or more workers")
+    _check(cfg.checkpoint.save_every >= 0, "checkpoint.save_every", cfg.checkpoint.save_every, "use 0 (final only) or a positive step count")
+    _check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "keep at least 1 checkpoint")
+    _check(cfg.logging.eval_every >= 0, "logging.eval_every", cfg.logging.eval_every, "use 0 or a positive step count")
+    _check(bool(cfg.output_dir), "output_dir", cfg.output_dir, "give a directory for the run")
+    for i, fn in enumerate(cfg.reward.functions):
+        _check(bool(fn.name), f"reward.functions[{i}].name", fn.name, "a scorer name or module:function")

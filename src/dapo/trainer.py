@@ -1,0 +1,568 @@
+"""The rollout-step loop: sample, score, filter, compute advantages, update, log, save.
+
+The trainer is the one place that knows the order of the stages; each stage is a module of
+its own (rollout, rewards, sampling, algorithms, update, metrics, checkpoint).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dapo import algorithms as alg
+from dapo.builtin import BUILTIN_DATA, addition_records
+from dapo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dapo.config import Config
+from dapo.data import PromptRecord, encode_prompts, load_records
+from dapo.evaluation import evaluate
+from dapo.metrics import MetricsLogger, plot_dashboard
+from dapo.models import context_length, load_policy, load_tokenizer, resolve_model_path
+from dapo.rewards import RewardScorer, ScoreRequest, soft_overlong_punishment
+from dapo.rollout import HFEngine, RolloutEngine, SamplingParams
+from dapo.sampling import DynamicSampler, ScoredGroup
+from dapo.update import (
+    LossSettings,
+    Sample,
+    accumulate_gradients,
+    compute_logprobs,
+    loss_denominator,
+)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the message says why and what to change."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def load_prompt_set(cfg: Config, which: str) -> list[PromptRecord]:
+    """The training (``which="train"``) or held-out (``"eval"``) prompts of the config."""
+    d = cfg.data
+    source = d.train if which == "train" else d.eval
+    split = d.train_split if which == "train" else d.eval_split
+    if source is None:
+        return []
+    if source == BUILTIN_DATA:
+        n = 20000 if which == "train" else d.max_eval_prompts
+        return addition_records("train" if which == "train" else "test", n=n)
+    records, _ = load_records(
+        source,
+        split=split,
+        prompt_key=d.prompt_key,
+        answer_key=d.answer_key,
+        data_source_key=d.data_source_key,
+        dedupe=True,
+    )
+    return records[: d.max_eval_prompts] if which == "eval" else records
+
+
+class PromptStream:
+    """Endless, seeded, reshuffled-per-epoch stream over the training prompts."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True) -> None:
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.epoch, self.pos = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        order = list(range(self.n))
+        if self.shuffle:
+            random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
+        return order
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos == self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._make_order()
+            out.append(self._order[self.pos])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._make_order()
+
+
+@dataclass
+class StepOutput:
+    metrics: dict[str, float]
+    groups: list[ScoredGroup]
+
+
+class Trainer:
+    """Trains ``cfg.model`` with the configured algorithm; ``run()`` does the whole job."""
+
+    def __init__(self, cfg: Config, log: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.out = Path(cfg.output_dir)
+        _check_output_dir(self.out)
+        seed_everything(cfg.seed)
+
+        model_path = resolve_model_path(cfg.model.name_or_path, log=log)
+        self.tokenizer = load_tokenizer(
+            cfg.model.tokenizer or model_path, trust_remote_code=cfg.model.trust_remote_code
+        )
+        self.model = load_policy(
+            model_path,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
+        )
+        self.model.train()
+        self.ref_model = None
+        if cfg.algorithm.beta > 0:  # beta = 0 (DAPO) needs no reference model at all
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+        ctx = context_length(self.model)
+        need = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
+        if ctx is not None and need > ctx:
+            raise TrainingError(
+                f"data.max_prompt_length ({cfg.data.max_prompt_length}) + "
+                f"rollout.max_completion_length ({cfg.rollout.max_completion_length}) = {need} "
+                f"exceeds the model's context of {ctx} positions; lower one of them"
+            )
+
+        train = load_prompt_set(cfg, "train")
+        self.train_records, self.train_ids, dropped = encode_prompts(
+            train, self.tokenizer, cfg.data.max_prompt_length
+        )
+        if dropped:
+            log(f"dropped {dropped} training prompts longer than data.max_prompt_length")
+        self.eval_records, self.eval_ids = [], []
+        if cfg.evaluate and cfg.data.eval is not None:
+            self.eval_records, self.eval_ids, _ = encode_prompts(
+                load_prompt_set(cfg, "eval"), self.tokenizer, cfg.data.max_prompt_length
+            )
+
+        self.engine: RolloutEngine = make_engine(cfg, self.model, self.tokenizer)
+        self.scorer = RewardScorer(
+            [(f.name, f.weight) for f in cfg.reward.functions] or None,
+            source_scorers=cfg.reward.source_scorers,
+            default_scorer=cfg.reward.default_scorer,
+            timeout_s=cfg.reward.timeout_s,
+            num_workers=cfg.reward.num_workers,
+        )
+        t = cfg.train
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            (no_decay if p.dim() < 2 or "norm" in name else decay).append(p)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=t.lr,
+            betas=(t.adam_beta1, t.adam_beta2),
+        )
+        self.sampler = DynamicSampler(
+            t.prompts_per_step,
+            enabled=cfg.algorithm.dynamic_sampling,
+            metric=cfg.algorithm.dynamic_sampling_metric,
+            max_rounds=cfg.algorithm.max_gen_rounds,
+        )
+        self.stream = PromptStream(len(self.train_records), cfg.seed, cfg.data.shuffle)
+        self.loss_settings = LossSettings(
+            clip_low=cfg.algorithm.clip_low,
+            clip_high=cfg.algorithm.clip_high,
+            clip_c=cfg.algorithm.clip_c,
+            loss_agg=cfg.algorithm.loss_agg,
+            beta=cfg.algorithm.beta,
+            kl_estimator=cfg.algorithm.kl_estimator,
+            temperature=cfg.rollout.temperature,
+            max_len=cfg.rollout.max_completion_length,
+        )
+        self.step = 0
+        self.summary: dict[str, Any] = {}
+        self.reward_failures = 0
+
+    # --- one rollout step -------------------------------------------------------------------
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up over rollout steps, then constant or cosine."""
+        t = self.cfg.train
+        warm = min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps else 1.0
+        if t.lr_schedule == "cosine" and t.steps > t.warmup_steps:
+            progress = min(1.0, max(0.0, (step - t.warmup_steps) / (t.steps - t.warmup_steps)))
+            floor = t.min_lr_ratio
+            return t.lr * warm * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+        return t.lr * warm
+
+    def score_groups(self, groups: list[Any], records: list[PromptRecord], step: int) -> list[ScoredGroup]:
+        """Correctness (+ soft overlong punishment) for every response of every group."""
+        a, r = self.cfg.algorithm, self.cfg.rollout
+        requests = [
+            ScoreRequest(
+                response=self.tokenizer.decode(resp, skip_special_tokens=True),
+                ground_truth=rec.ground_truth,
+                data_source=rec.data_source,
+            )
+            for g, rec in zip(groups, records, strict=True)
+            for resp in g.response_ids
+        ]
+        result = self.scorer.score(requests)
+        self.reward_failures += result.failures
+        out, k = [], 0
+        for g, rec in zip(groups, records, strict=True):
+            n = len(g.response_ids)
+            rewards = list(result.rewards[k : k + n])
+            correct = list(result.correct[k : k + n])
+            k += n
+            if a.overlong_penalty:
+                for i, resp in enumerate(g.response_ids):
+                    rewards[i] += a.overlong_penalty_factor * soft_overlong_punishment(
+                        len(resp), r.max_completion_length, a.overlong_buffer
+                    )
+            out.append(
+                ScoredGroup(
+                    prompt_ids=g.prompt_ids,
+                    response_ids=g.response_ids,
+                    sample_logprobs=g.logprobs,
+                    truncated=g.truncated,
+                    rewards=rewards,
+                    correct=correct,
+                    record=rec,
+                    step=step,
+                )
+            )
+        return out
+
+    def rollout(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
+        """Fill the training batch (dynamic sampling); metrics of everything generated."""
+        r = self.cfg.rollout
+        generated: list[ScoredGroup] = []
+        timing = {"gen": 0.0, "score": 0.0, "tokens": 0}
+        round_no = [0]
+
+        def produce(k: int) -> list[ScoredGroup]:
+            idx = self.stream.take(k)
+            params = SamplingParams(
+                n=r.num_generations,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                top_k=r.top_k,
+                max_tokens=r.max_completion_length,
+                seed=_mix(self.cfg.seed, step, round_no[0]),
+            )
+            round_no[0] += 1
+            t0 = time.perf_counter()
+            groups = self.engine.generate([self.train_ids[i] for i in idx], params)
+            t1 = time.perf_counter()
+            scored = self.score_groups(groups, [self.train_records[i] for i in idx], step)
+            timing["gen"] += t1 - t0
+            timing["score"] += time.perf_counter() - t1
+            timing["tokens"] += sum(len(x) for g in groups for x in g.response_ids)
+            generated.extend(scored)
+            return scored
+
+        batch, fill = self.sampler.fill(produce)
+        rewards = [x for g in generated for x in g.rewards]
+        correct = [x for g in generated for x in g.correct]
+        lengths = [len(x) for g in generated for x in g.response_ids]
+        truncated = [x for g in generated for x in g.truncated]
+        penalty = [
+            soft_overlong_punishment(n, r.max_completion_length, self.cfg.algorithm.overlong_buffer)
+            for n in lengths
+        ]
+        m = {
+            "reward/mean": _mean(rewards),
+            "reward/std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
+            "reward/acc": _mean([float(c) for c in correct]),
+            "reward/overlong_penalty_mean": _mean(penalty),
+            "reward/failures": float(self.reward_failures),
+            "response_length/mean": _mean([float(n) for n in lengths]),
+            "response_length/max": float(max(lengths)) if lengths else 0.0,
+            "response_length/clip_ratio": _mean([float(t) for t in truncated]),
+            "perf/gen_s": timing["gen"],
+            "perf/score_s": timing["score"],
+            "perf/rollout_tokens_per_s": timing["tokens"] / max(timing["gen"], 1e-9),
+            **fill.as_metrics(),
+        }
+        return batch, m
+
+    def build_samples(self, groups: list[ScoredGroup]) -> list[Sample]:
+        """Advantages (group-normalised) and loss masks (overlong filtering)."""
+        a = self.cfg.algorithm
+        g_size = groups[0].size
+        if any(g.size != g_size for g in groups):
+            raise TrainingError("all groups of a batch must have the same number of responses")
+        rewards = torch.tensor([x for g in groups for x in g.rewards], dtype=torch.float64)
+        adv = alg.group_advantages(rewards, g_size, a.advantage_scale).tolist()
+        r = self.cfg.rollout
+        exact_sampling_logprobs = r.top_p == 1.0 and r.top_k == 0
+        samples, k = [], 0
+        for g in groups:
+            for resp, trunc, lp in zip(g.response_ids, g.truncated, g.sample_logprobs, strict=True):
+                keep = 0.0 if (a.overlong_filter and trunc) else 1.0
+                s = Sample(g.prompt_ids, resp, adv[k], [keep] * len(resp))
+                if g.step < self.step and exact_sampling_logprobs:
+                    # Carried over from an earlier step: the ratio is taken against the
+                    # policy that generated it, whose log-probs the engine recorded.
+                    s.old_logprobs = torch.tensor(lp)
+                samples.append(s)
+                k += 1
+        return samples
+
+    def update(self, groups: list[ScoredGroup], step: int) -> dict[str, float]:
+        """Mini-batches x epochs of exact-normalised gradient updates on the batch."""
+        cfg, t = self.cfg, self.cfg.train
+        lr = self.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        samples = self.build_samples(groups)
+        g_size = groups[0].size
+        n_mini = cfg.train.prompts_per_step // t.mini_batch_size
+        on_policy = n_mini == 1 and t.epochs == 1
+        pad = self.tokenizer.pad_token_id
+        if not on_policy:
+            # The ratio is taken against the policy that produced the batch: this one, now.
+            old = compute_logprobs(
+                self.model, samples, pad_id=pad, temperature=cfg.rollout.temperature,
+                token_budget=t.micro_batch_tokens,
+            )
+            for s, lp in zip(samples, old, strict=True):
+                if s.old_logprobs is None:
+                    s.old_logprobs = lp
+        if self.ref_model is not None:
+            ref = compute_logprobs(
+                self.ref_model, samples, pad_id=pad, temperature=cfg.rollout.temperature,
+                token_budget=t.micro_batch_tokens,
+            )
+            for s, lp in zip(samples, ref, strict=True):
+                s.ref_logprobs = lp
+
+        gen = torch.Generator().manual_seed(_mix(cfg.seed, step, 99991))
+        agg: dict[str, float] = {}
+        weight = 0.0
+        grad_norms, losses, pg_losses = [], [], []
+        skipped = 0
+        for epoch in range(t.epochs):
+            order = torch.randperm(len(groups), generator=gen).tolist()
+            for m in range(n_mini):
+                gids = order[m * t.mini_batch_size : (m + 1) * t.mini_batch_size]
+                mini = [samples[g * g_size + j] for g in gids for j in range(g_size)]
+                denom = loss_denominator(mini, self.loss_settings)
+                stats = accumulate_gradients(
+                    self.model, mini, self.loss_settings, pad_id=pad,
+                    token_budget=t.micro_batch_tokens, denominator=denom,
+                    entropy_chunk_size=t.entropy_chunk_size, with_entropy=epoch == 0,
+                )
+                if t.max_grad_norm > 0:
+                    norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+                else:
+                    norm = _grad_norm(self.model)
+                if not torch.isfinite(norm):
+                    skipped += 1
+                    self.optimizer.zero_grad(set_to_none=True)
+                    continue
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                grad_norms.append(float(norm))
+                losses.append(stats.loss)
+                pg_losses.append(stats.pg_loss)
+                for k, v in stats.means().items():
+                    agg[k] = agg.get(k, 0.0) + v * stats.tokens
+                weight += stats.tokens
+        out = {k: v / max(weight, 1.0) for k, v in agg.items()}
+        out.update(
+            {
+                "actor/pg_loss": _mean(pg_losses),
+                "actor/loss": _mean(losses),
+                "actor/grad_norm": _mean(grad_norms),
+                "actor/lr": lr,
+                "actor/updates": float(len(grad_norms)),
+                "actor/skipped_updates": float(skipped),
+                "train/loss_tokens": float(sum(sum(s.loss_mask) for s in samples)),
+                "train/stale_groups": float(sum(g.step < step for g in groups)),
+            }
+        )
+        return out
+
+    # --- the whole run --------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        r = self.cfg.rollout
+        params = SamplingParams(
+            n=r.eval_num_generations,
+            temperature=r.eval_temperature,
+            top_p=r.eval_top_p,
+            top_k=0,
+            max_tokens=r.max_completion_length,
+            seed=_mix(self.cfg.seed, 7, 7),
+        )
+        return evaluate(self.engine, self.tokenizer, self.eval_records, self.eval_ids, self.scorer, params)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "stream": self.stream.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "summary": self.summary,
+            "reward_failures": self.reward_failures,
+            "rng": {
+                "python": random.getstate(),
+                "torch": torch.get_rng_state(),
+            },
+            "config": self.cfg.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.stream.load_state_dict(state["stream"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.summary = dict(state["summary"])
+        self.reward_failures = state["reward_failures"]
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+
+    def save(self) -> Path:
+        return save_checkpoint(
+            self.out / "checkpoints", self.step, self.model, self.optimizer, self.state_dict(),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        start = time.time()
+        self.out.mkdir(parents=True, exist_ok=True)
+        resumed_from = None
+        if cfg.resume:
+            ckpt = latest_checkpoint(self.out / "checkpoints")
+            if ckpt is None:
+                self.log(f"resume=true but no checkpoint in {self.out / 'checkpoints'}; starting fresh")
+            else:
+                self.load_state_dict(load_checkpoint(ckpt, self.model, self.optimizer))
+                resumed_from = self.step
+                self.log(f"resumed from {ckpt} (step {self.step})")
+        elif latest_checkpoint(self.out / "checkpoints") is not None:
+            raise TrainingError(
+                f"{self.out} already holds checkpoints of an earlier run; continue it with "
+                "resume=true, or choose another output_dir (nothing was overwritten)"
+            )
+        (self.out / "config.yaml").write_text(cfg.to_yaml())
+
+        logger = MetricsLogger(
+            self.out,
+            total_steps=cfg.train.steps,
+            console=cfg.logging.console,
+            tensorboard=cfg.logging.tensorboard,
+            wandb=cfg.logging.wandb,
+            wandb_project=cfg.logging.wandb_project,
+            wandb_run_name=cfg.logging.run_name,
+            config=cfg.to_dict(),
+            resume_step=resumed_from if resumed_from is not None else (0 if not cfg.resume else None),
+        )
+        try:
+            if self.eval_records and "accuracy_before" not in self.summary:
+                ev = self.evaluate()
+                self.summary["accuracy_before"] = ev["acc"]
+                logger.message(f"held-out accuracy before training: {ev['acc']:.1%} ({ev['n']} samples)")
+            while self.step < cfg.train.steps:
+                t0 = time.perf_counter()
+                batch, metrics = self.rollout(self.step)
+                t1 = time.perf_counter()
+                metrics.update(self.update(batch, self.step))
+                t2 = time.perf_counter()
+                tokens = sum(len(g.prompt_ids) * g.size + sum(map(len, g.response_ids)) for g in batch)
+                metrics["perf/train_s"] = t2 - t1
+                metrics["perf/train_tokens_per_s"] = tokens / max(t2 - t1, 1e-9)
+                metrics["perf/step_s"] = t2 - t0
+                self.step += 1
+                every = cfg.logging.eval_every
+                if self.eval_records and every and self.step % every == 0 and self.step < cfg.train.steps:
+                    metrics["val/acc"] = self.evaluate()["acc"]
+                logger.log(self.step, metrics)
+                if cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0:
+                    self.save()
+            if self.eval_records:
+                ev = self.evaluate()
+                self.summary["accuracy_after"] = ev["acc"]
+                logger.log(self.step, {"val/acc": ev["acc"]})
+            if not latest_checkpoint(self.out / "checkpoints") or self.step % max(cfg.checkpoint.save_every, 1):
+                self.save()
+            if cfg.checkpoint.save_final_model:
+                final = self.out / "final_model"
+                self.model.save_pretrained(final)
+                self.tokenizer.save_pretrained(final)
+        finally:
+            logger.close()
+            self.scorer.close()
+        self.summary.update(
+            {
+                "steps": self.step,
+                "wall_seconds": round(time.time() - start, 1),
+                "preset": cfg.preset,
+                "resumed_from_step": resumed_from,
+            }
+        )
+        _write_json_atomic(self.out / "summary.json", self.summary)
+        try:
+            plot_dashboard(self.out)
+        except (ValueError, FileNotFoundError) as exc:
+            self.log(f"dashboard not written: {exc}")
+        return self.summary
+
+
+def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> RolloutEngine:
+    if cfg.rollout.engine == "hf":
+        return HFEngine(
+            model, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout.generation_batch_size
+        )
+    raise TrainingError(
+        f"`rollout.engine` = {cfg.rollout.engine!r} is not available yet in this version; use `hf`"
+    )
+
+
+def _check_output_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise TrainingError(
+            f"`output_dir` = {str(out)!r} is not writable ({exc.strerror}); choose another directory"
+        ) from exc
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def _mix(*parts: int) -> int:
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (p & 0xFFFFFFFF)) * 1099511628211) % 2**61
+    return h
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _grad_norm(model: torch.nn.Module) -> torch.Tensor:
+    norms = [p.grad.detach().norm() for p in model.parameters() if p.grad is not None]
+    return torch.stack(norms).norm() if norms else torch.tensor(0.0)

@@ -1,0 +1,237 @@
+"""One optimizer step's gradient, exact under any micro-batch split.
+
+The loss of a mini-batch is normalised by denominators of the *whole* mini-batch (for
+``token-mean``, its number of loss tokens after overlong filtering), computed once before
+any micro-batch runs. Each micro-batch then contributes ``sum(loss tokens) / global`` and
+the accumulated gradient equals the one of a single pass over the whole mini-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dapo import algorithms as alg
+
+
+@dataclass
+class Sample:
+    """One response ready for training."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    advantage: float
+    loss_mask: list[float]  # per response token; all 0 for a filtered (truncated) response
+    old_logprobs: torch.Tensor | None = None  # [len(response_ids)], trainer's, no grad
+    ref_logprobs: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class LossSettings:
+    """The algorithm knobs the loss needs."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: float | None = None
+    loss_agg: str = "token-mean"
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    temperature: float = 1.0
+    max_len: int = 1  # L_max, for seq-mean-token-sum-norm
+
+
+@dataclass
+class Collated:
+    """A padded micro-batch: prompts left-padded to P, responses right-padded to R."""
+
+    input_ids: torch.Tensor  # [b, P + R]
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    response_ids: torch.Tensor  # [b, R]
+    loss_mask: torch.Tensor  # [b, R]
+    response_len: int  # R
+
+
+def collate(samples: Sequence[Sample], pad_id: int) -> Collated:
+    p = max(len(s.prompt_ids) for s in samples)
+    r = max(len(s.response_ids) for s in samples)
+    b = len(samples)
+    ids = torch.full((b, p + r), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, p + r), dtype=torch.long)
+    resp = torch.full((b, r), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, r))
+    for i, s in enumerate(samples):
+        lp, lr = len(s.prompt_ids), len(s.response_ids)
+        ids[i, p - lp : p] = torch.tensor(s.prompt_ids)
+        ids[i, p : p + lr] = torch.tensor(s.response_ids)
+        attn[i, p - lp : p + lr] = 1
+        resp[i, :lr] = torch.tensor(s.response_ids)
+        mask[i, :lr] = torch.tensor(s.loss_mask)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    return Collated(ids, attn, pos, resp, mask, r)
+
+
+def response_logits(model: torch.nn.Module, batch: Collated, temperature: float) -> torch.Tensor:
+    """Logits ``[b, R, V]`` that predict each response token (scaled by 1/temperature)."""
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=batch.response_len + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1].float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), width))
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row
+    return out
+
+
+def micro_batches(samples: Sequence[Sample], token_budget: int) -> list[list[int]]:
+    """Indices of samples split into micro-batches of at most ``token_budget`` padded tokens.
+
+    Samples are sorted by length first so that padding stays small; the split does not
+    change the result, only the memory and time it takes.
+    """
+    order = sorted(range(len(samples)), key=lambda i: samples[i].length)
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    widest = 0
+    for i in order:
+        w = max(widest, samples[i].length)
+        if current and w * (len(current) + 1) > token_budget:
+            chunks.append(current)
+            current, w = [], samples[i].length
+        current.append(i)
+        widest = w
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+@torch.no_grad()
+def compute_logprobs(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    *,
+    pad_id: int,
+    temperature: float,
+    token_budget: int,
+) -> list[torch.Tensor]:
+    """Per-response log-probs of the sampled tokens under ``model`` (no grad)."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+    for idx in micro_batches(samples, token_budget):
+        batch = collate([samples[i] for i in idx], pad_id)
+        logp = alg.token_logprobs(response_logits(model, batch, temperature), batch.response_ids)
+        for j, i in enumerate(idx):
+            out[i] = logp[j, : len(samples[i].response_ids)].clone()
+    return out
+
+
+def loss_denominator(samples: Sequence[Sample], settings: LossSettings) -> float:
+    """The global normaliser of a mini-batch for the configured aggregation.
+
+    ``token-mean``: loss tokens (masked, e.g. truncated, responses do not count);
+    ``seq-mean-token-mean``: responses; ``seq-mean-token-sum-norm``: responses x L_max.
+    In data-parallel training the caller sums this over ranks.
+    """
+    if settings.loss_agg == "token-mean":
+        return float(sum(sum(s.loss_mask) for s in samples))
+    if settings.loss_agg == "seq-mean-token-mean":
+        return float(len(samples))
+    return float(len(samples) * settings.max_len)
+
+
+@dataclass
+class GradStats:
+    """Token-weighted sums of per-token statistics over the micro-batches of a step."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    tokens: float = 0.0
+    loss: float = 0.0  # the mini-batch loss (sum of the micro-batch losses)
+    pg_loss: float = 0.0  # its policy-gradient part
+
+    def add(self, name: str, value: float, weight: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + value * weight
+
+    def means(self) -> dict[str, float]:
+        return {k: v / max(self.tokens, 1.0) for k, v in self.sums.items()}
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    settings: LossSettings,
+    *,
+    pad_id: int,
+    token_budget: int,
+    denominator: float,
+    entropy_chunk_size: int = 1024,
+    with_entropy: bool = True,
+    scale: float = 1.0,
+    on_micro_batch: Callable[[], None] | None = None,
+) -> GradStats:
+    """Backpropagate the mini-batch loss through ``model`` in micro-batches.
+
+    ``denominator`` is :func:`loss_denominator` of the whole mini-batch (over all ranks),
+    so the gradient does not depend on how ``samples`` are split. ``scale`` multiplies the
+    loss (the world size, when the gradient all-reduce averages over ranks). Samples
+    without ``old_logprobs`` use the current policy's (detached), i.e. ratio 1.
+    """
+    stats = GradStats()
+    for idx in micro_batches(samples, token_budget):
+        chunk = [samples[i] for i in idx]
+        batch = collate(chunk, pad_id)
+        logits = response_logits(model, batch, settings.temperature)
+        logp = alg.token_logprobs(logits, batch.response_ids)
+        r = batch.response_len
+        old = logp.detach().clone()
+        for j, s in enumerate(chunk):
+            if s.old_logprobs is not None:
+                old[j, : s.old_logprobs.numel()] = s.old_logprobs
+        adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype)
+        loss, pstats = alg.policy_loss(
+            logp,
+            old,
+            adv,
+            batch.loss_mask,
+            clip_low=settings.clip_low,
+            clip_high=settings.clip_high,
+            clip_c=settings.clip_c,
+            agg=settings.loss_agg,
+            num_tokens=denominator,
+            max_len=settings.max_len,
+        )
+        pg_loss = loss.detach()
+        if settings.beta > 0:
+            ref = pad_rows([s.ref_logprobs for s in chunk], r)
+            kl = alg.kl_penalty(logp, ref, settings.kl_estimator)
+            kl_loss = alg.aggregate_loss(
+                kl, batch.loss_mask, settings.loss_agg, num_tokens=denominator, max_len=settings.max_len
+            )
+            loss = loss + settings.beta * kl_loss
+            stats.add("actor/kl_ref", alg.masked_mean(kl.detach(), batch.loss_mask).item(), batch.loss_mask.sum().item())
+        (loss * scale).backward()
+        if on_micro_batch is not None:
+            on_micro_batch()
+        n_tok = batch.loss_mask.sum().item()
+        stats.tokens += n_tok
+        stats.loss += loss.item()
+        stats.pg_loss += pg_loss.item()
+        for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "ppo_kl"):
+            stats.add(f"actor/{key}", float(pstats[key]), n_tok)
+        stats.add("actor/gen_prob", alg.gen_prob(logp.detach(), batch.loss_mask).item(), n_tok)
+        if with_entropy:
+            ent = alg.entropy_from_logits(logits.detach(), entropy_chunk_size)
+            stats.add("actor/entropy", alg.masked_mean(ent, batch.loss_mask).item(), n_tok)
+    return stats

@@ -1,0 +1,421 @@
+"""Tests for dapo.metrics: JSONL log, resume, TensorBoard, W&B, console and dashboard."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dapo import metrics
+from dapo.metrics import PG_LOSS_NOTE, MetricsLogger, plot_dashboard, read_metrics
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _strict_loads(line: str) -> dict:
+    """json.loads that rejects the non-standard NaN/Infinity tokens."""
+
+    def reject(token: str) -> None:
+        raise ValueError(f"non-standard JSON token {token}")
+
+    return json.loads(line, parse_constant=reject)
+
+
+def _logger(tmp_path: Path, **kwargs) -> MetricsLogger:
+    kwargs.setdefault("total_steps", 10)
+    kwargs.setdefault("console", False)
+    kwargs.setdefault("tensorboard", False)
+    return MetricsLogger(tmp_path, **kwargs)
+
+
+def _write_lines(path: Path, records: list[dict], torn: str | None = None) -> None:
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if torn is not None:
+        text += torn
+    path.write_text(text)
+
+
+def _synthetic_record(step: int) -> dict[str, float]:
+    return {
+        "reward/mean": -0.5 + step / 30,
+        "reward/std": 0.8,
+        "reward/acc": step / 40,
+        "reward/overlong_penalty_mean": -0.01,
+        "response_length/mean": 400 + 10 * step,
+        "response_length/max": 1024,
+        "response_length/clip_ratio": 0.05,
+        "actor/entropy": 0.5 + 0.01 * math.sin(step),
+        "actor/gen_prob": 0.8,
+        "actor/clip_frac_low": 0.001,
+        "actor/clip_frac_high": 0.004,
+        "actor/ppo_kl": 1e-4,
+        "actor/pg_loss": 0.01,
+        "actor/grad_norm": 0.3,
+        "sampling/all_correct_frac": 0.1,
+        "sampling/all_wrong_frac": 0.4,
+        "sampling/wasted_frac": 0.2,
+        "sampling/gen_rounds": 1 + step % 3,
+        "perf/rollout_tokens_per_s": 5000.0,
+        "perf/train_tokens_per_s": 9000.0,
+        "perf/step_s": 40.0,
+    }
+
+
+# --------------------------------------------------------------------------- JSONL
+
+
+def test_jsonl_round_trip_with_tensor_numpy_and_nonfinite(tmp_path: Path) -> None:
+    before = time.time()
+    with _logger(tmp_path) as lg:
+        lg.log(1, {"reward/mean": 0.25, "perf/step_s": 3, "actor/entropy": torch.tensor(0.5)})
+        lg.log(
+            2,
+            {
+                "reward/mean": np.float32(0.75),
+                "sampling/gen_rounds": np.int64(3),
+                "actor/grad_norm": torch.tensor([1.5], dtype=torch.float64),
+                "actor/pg_loss": float("nan"),
+                "actor/ppo_kl": float("inf"),
+                "reward/min": torch.tensor(-math.inf),
+            },
+        )
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    raw = [_strict_loads(line) for line in lines]  # every line is strict JSON
+    assert raw[1]["actor/pg_loss"] == "nan" and raw[1]["actor/ppo_kl"] == "inf"
+    assert raw[1]["reward/min"] == "-inf"
+
+    for path in (tmp_path, tmp_path / "metrics.jsonl"):
+        recs = read_metrics(path)
+        assert [r["step"] for r in recs] == [1, 2]
+        assert all(before <= r["time"] <= time.time() for r in recs)
+        assert recs[0]["reward/mean"] == 0.25
+        assert recs[0]["perf/step_s"] == 3.0
+        assert recs[0]["actor/entropy"] == 0.5 and type(recs[0]["actor/entropy"]) is float
+        assert recs[1]["reward/mean"] == pytest.approx(0.75)
+        assert recs[1]["sampling/gen_rounds"] == 3.0
+        assert recs[1]["actor/grad_norm"] == 1.5
+        assert math.isnan(recs[1]["actor/pg_loss"])
+        assert recs[1]["actor/ppo_kl"] == math.inf
+        assert recs[1]["reward/min"] == -math.inf
+        assert "actor/entropy" not in recs[1]
+
+
+def test_each_line_is_flushed_before_close(tmp_path: Path) -> None:
+    lg = _logger(tmp_path)
+    lg.log(1, {"reward/mean": 1.0})
+    # A second reader (or a crash right now) sees the complete line.
+    assert read_metrics(tmp_path) == [
+        {"step": 1, "time": read_metrics(tmp_path)[0]["time"], "reward/mean": 1.0}
+    ]
+    lg.log(2, {"reward/mean": 2.0})
+    assert len(read_metrics(tmp_path)) == 2
+    lg.close()
+    lg.close()  # idempotent
+    with pytest.raises(RuntimeError, match="after close"):
+        lg.log(3, {})
+
+
+def test_non_scalar_values_are_rejected(tmp_path: Path) -> None:
+    with _logger(tmp_path) as lg:
+        with pytest.raises(TypeError, match="actor/entropy"):
+            lg.log(1, {"actor/entropy": torch.ones(3)})
+        with pytest.raises(TypeError, match="reward/mean"):
+            lg.log(1, {"reward/mean": "high"})
+
+
+def test_read_metrics_drops_torn_last_line_and_warns_on_corrupt_middle(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    _write_lines(path, [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}], torn='{"step": 3, "a"')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+
+    path.write_text('{"step": 1}\n{"step": 2, oops\n{"step": 3}\n')
+    with pytest.warns(RuntimeWarning, match="line 2"):
+        assert [r["step"] for r in read_metrics(path)] == [1, 3]
+
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        read_metrics(tmp_path / "nowhere")
+
+
+def test_appending_after_torn_line_keeps_new_records_intact(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    _write_lines(path, [{"step": 1, "a": 1.0}], torn='{"step": 2, "a": 2')
+    with _logger(tmp_path) as lg:
+        lg.log(2, {"a": 5.0})
+    lines = path.read_text().splitlines()
+    assert [_strict_loads(line)["a"] for line in lines] == [1.0, 5.0]  # torn fragment cut off
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def test_resume_truncates_later_steps_and_torn_line(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    _write_lines(
+        path, [{"step": s, "time": 0.0, "x": float(s)} for s in range(1, 6)], torn='{"step": 6, "x'
+    )
+    with _logger(tmp_path, resume_step=3) as lg:
+        # Rewritten before any new record arrives.
+        assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+        lg.log(4, {"x": 40.0})
+
+    text = path.read_text()
+    assert text.endswith("\n")
+    recs = [_strict_loads(line) for line in text.splitlines()]
+    assert [(r["step"], r["x"]) for r in recs] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temp left
+
+
+def test_resume_rewrite_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "metrics.jsonl"
+    _write_lines(path, [{"step": s} for s in range(1, 6)])
+    original = path.read_bytes()
+
+    def failing_replace(src: str, dst: str) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(metrics.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        _logger(tmp_path, resume_step=2)
+    assert path.read_bytes() == original  # the old file is untouched on failure
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_resume_without_existing_file(tmp_path: Path) -> None:
+    with _logger(tmp_path / "run", resume_step=7) as lg:
+        lg.log(8, {"x": 1.0})
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [8]
+
+
+# --------------------------------------------------------------------------- disabled
+
+
+def test_disabled_logger_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rank1"
+    with MetricsLogger(out, total_steps=5, console=True, tensorboard=True, wandb=True,
+                       enabled=False) as lg:  # fmt: skip
+        lg.log(1, {"reward/mean": 1.0, "actor/pg_loss": 0.0})
+        lg.message("hello")
+    assert not out.exists()
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
+# --------------------------------------------------------------------------- TensorBoard
+
+
+def _tb_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_tensorboard_scalars(tmp_path: Path) -> None:
+    with _logger(tmp_path, tensorboard=True, config={"lr": 1e-6}) as lg:
+        lg.log(1, {"reward/mean": 0.5, "actor/entropy": torch.tensor(0.25)})
+        lg.log(2, {"reward/mean": 0.75})
+    tb_dir = tmp_path / "tensorboard"
+    assert any(p.name.startswith("events.out.tfevents") for p in tb_dir.iterdir())
+    assert _tb_scalars(tb_dir, "reward/mean") == [(1, 0.5), (2, 0.75)]
+    assert _tb_scalars(tb_dir, "actor/entropy") == [(1, 0.25)]
+
+
+def test_tensorboard_resume_purges_orphaned_steps(tmp_path: Path) -> None:
+    with _logger(tmp_path, tensorboard=True) as lg:
+        for step in range(1, 6):
+            lg.log(step, {"reward/mean": float(step)})
+    time.sleep(1.05)  # event file names carry whole seconds; keep the two files ordered
+    with _logger(tmp_path, tensorboard=True, resume_step=3) as lg:
+        lg.log(4, {"reward/mean": 40.0})
+    assert _tb_scalars(tmp_path / "tensorboard", "reward/mean") == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)
+    ]  # fmt: skip
+
+
+def test_missing_tensorboard_warns_and_continues(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import -> ImportError
+    with pytest.warns(RuntimeWarning, match="TensorBoard logging disabled"):
+        lg = _logger(tmp_path, tensorboard=True)
+    with lg:
+        lg.log(1, {"reward/mean": 1.0})
+        lg.log(2, {"reward/mean": 2.0})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert not (tmp_path / "tensorboard").exists()
+
+
+# --------------------------------------------------------------------------- W&B
+
+
+def test_wandb_missing_raises_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import -> ImportError
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError) as info:
+        _logger(out, wandb=True)
+    message = str(info.value)
+    assert "pip install wandb" in message
+    assert "logging.wandb=false" in message
+    assert not out.exists()  # failed before creating anything
+
+
+def test_wandb_receives_config_and_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: dict[str, list] = {"init": [], "log": [], "finish": []}
+
+    class FakeRun:
+        def log(self, data: dict, step: int | None = None) -> None:
+            calls["log"].append((data, step))
+
+        def finish(self) -> None:
+            calls["finish"].append(True)
+
+    def init(**kwargs):
+        calls["init"].append(kwargs)
+        return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    config = {"algorithm": {"clip_high": 0.28}, "lr": 1e-6}
+    with _logger(tmp_path, wandb=True, wandb_project="proj", wandb_run_name="run-7",
+                 config=config) as lg:  # fmt: skip
+        lg.log(1, {"reward/mean": np.float64(0.5), "actor/entropy": torch.tensor(0.3)})
+        lg.log(2, {"reward/mean": 0.6})
+
+    assert len(calls["init"]) == 1
+    init_kwargs = calls["init"][0]
+    assert init_kwargs["project"] == "proj"
+    assert init_kwargs["name"] == "run-7"
+    assert init_kwargs["config"] == config
+    assert calls["log"] == [
+        ({"reward/mean": 0.5, "actor/entropy": pytest.approx(0.3)}, 1),
+        ({"reward/mean": 0.6}, 2),
+    ]
+    assert calls["finish"] == [True]
+
+
+# --------------------------------------------------------------------------- console
+
+
+def test_pg_loss_note_printed_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _logger(tmp_path, console=True, total_steps=5) as lg:
+        lg.log(1, {"actor/pg_loss": 0.3})
+        assert PG_LOSS_NOTE not in capsys.readouterr().err  # not near 0: no note
+        lg.log(2, {"actor/pg_loss": 0.0})
+        lg.log(3, {"actor/pg_loss": torch.tensor(1e-6)})
+        lg.log(4, {"actor/pg_loss": -2e-5})
+    err = capsys.readouterr().err
+    assert err.count(PG_LOSS_NOTE) == 1
+
+
+def test_console_progress_and_periodic_summaries(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with _logger(tmp_path, console=True, total_steps=20) as lg:
+        for step in range(1, 21):
+            lg.log(step, {"reward/mean": 0.5, "reward/acc": 0.25, "response_length/mean": 812,
+                          "actor/entropy": 0.4, "perf/step_s": 12.5})  # fmt: skip
+        lg.message("checkpoint saved")
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err
+    # stderr is not a TTY here: plain lines only, no carriage returns or escape codes.
+    assert "\r" not in err and "\x1b" not in err
+    lines = err.splitlines()
+    summaries = [line for line in lines if line.startswith("[step ")]
+    # first step, every 10% (2 steps) and the last one
+    assert [s.split()[1] for s in summaries] == ["1/20"] + [f"{i}/20" for i in range(2, 21, 2)]
+    assert "reward: mean=0.5 acc=0.25" in summaries[-1]
+    assert "perf: step_s=12.5" in summaries[-1]
+    bar_lines = [line for line in lines if line.startswith("dapo:")]
+    assert bar_lines and "20/20" in bar_lines[-1]
+    assert "acc=0.25 reward=0.5 len=812 ent=0.4 step=12.5s" in bar_lines[-1]
+    assert "checkpoint saved" in lines
+
+
+def test_message_prints_without_console(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _logger(tmp_path) as lg:
+        lg.log(1, {"reward/mean": 1.0})
+        lg.message("hello")
+    assert capsys.readouterr().err == "hello\n"
+
+
+# --------------------------------------------------------------------------- dashboard
+
+
+def _write_run(run_dir: Path, steps: int, drop: tuple[str, ...] = ()) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / "metrics.jsonl").open("w") as f:
+        for step in range(1, steps + 1):
+            rec = {k: v for k, v in _synthetic_record(step).items() if not k.startswith(drop)}
+            rec = {"step": step, "time": 1.0e9 + step, **rec}
+            if step % 5 == 0 and "val" not in drop:
+                rec["val/acc"] = step / 50
+            f.write(json.dumps(rec) + "\n")
+
+
+def _check_png(path: Path) -> None:
+    import matplotlib.image as mpimg
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    img = mpimg.imread(path)
+    height, width = img.shape[:2]
+    assert 800 <= width <= 4000 and 800 <= height <= 4000
+    assert img.shape[2] in (3, 4)
+    assert float(img[..., :3].std()) > 0.01  # not a blank canvas
+
+
+def test_plot_dashboard_full(tmp_path: Path) -> None:
+    run = tmp_path / "my-run"
+    _write_run(run, 12)
+    (run / "dashboard.png").write_bytes(b"stale")  # replaced atomically
+    out = plot_dashboard(run)
+    assert out == run / "dashboard.png"
+    _check_png(out)
+    assert sorted(p.name for p in run.iterdir()) == ["dashboard.png", "metrics.jsonl"]
+
+    fig = metrics._build_figure(read_metrics(run), "t")
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert "no data" not in texts
+
+
+def test_plot_dashboard_with_missing_keys(tmp_path: Path) -> None:
+    run = tmp_path / "partial"
+    _write_run(run, 6, drop=("sampling/", "perf/", "actor/gen_prob", "val"))
+    recs = read_metrics(run)
+    recs[2]["actor/entropy"] = "nan"  # as MetricsLogger writes non-finite values
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "rew')  # torn last line
+    out = plot_dashboard(run / "metrics.jsonl", tmp_path / "sub" / "dash.png")
+    assert out == tmp_path / "sub" / "dash.png"
+    _check_png(out)
+
+    fig = metrics._build_figure(read_metrics(run), "t")
+    # The non-finite values of the synthetic run are left out of the plotted lines.
+    entropy_ax = fig.axes[2]
+    xs, ys = entropy_ax.lines[0].get_data()
+    assert list(xs) == [1, 2, 4, 5, 6] and all(math.isfinite(y) for y in ys)
+    no_data = [
+        ax.get_title() for ax in fig.axes if any(t.get_text() == "no data" for t in ax.texts)
+    ]
+    assert sorted(no_data) == [
+        "Dynamic sampling", "Mean generation probability", "Throughput and step time"
+    ]  # fmt: skip
+
+
+def test_plot_dashboard_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "metrics.jsonl")):
+        plot_dashboard(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rew')  # only a torn line
+    with pytest.raises(ValueError, match="no metric records"):
+        plot_dashboard(tmp_path)
+    assert not (tmp_path / "dashboard.png").exists()

@@ -1,0 +1,153 @@
+"""Exactness of one optimizer step's gradient under any micro-batch split."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dapo.builtin import build_model, build_tokenizer
+from dapo.update import LossSettings, Sample, accumulate_gradients, loss_denominator, micro_batches
+
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    tok = build_tokenizer()
+    m = build_model(len(tok), seed=3).double()
+    m.train()
+    return m
+
+
+def make_samples(seed: int = 0) -> list[Sample]:
+    """Prompts and responses of very different lengths; two responses masked as truncated."""
+    rng = random.Random(seed)
+    lengths = [(5, 40), (12, 1), (3, 17), (9, 60), (7, 2), (4, 33)]
+    truncated = {3, 4}
+    samples = []
+    for i, (lp, lr) in enumerate(lengths):
+        prompt = [rng.randrange(3, 99) for _ in range(lp)]
+        resp = [rng.randrange(3, 99) for _ in range(lr)]
+        mask = [0.0 if i in truncated else 1.0] * lr
+        adv = rng.choice([-1.3, -0.4, 0.7, 1.1])
+        samples.append(Sample(prompt, resp, adv, mask))
+    return samples
+
+
+def with_old_logprobs(samples: list[Sample], seed: int) -> list[Sample]:
+    """Old log-probs that differ from the policy's, so that ratios leave [0.8, 1.28]."""
+    gen = torch.Generator().manual_seed(seed)
+    for s in samples:
+        s.old_logprobs = -4.6 + 0.5 * torch.randn(len(s.response_ids), generator=gen, dtype=torch.float64)
+    return samples
+
+
+def grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+
+
+def reference_gradient(model: torch.nn.Module, samples: list[Sample], settings: LossSettings) -> torch.Tensor:
+    """The paper's token-level loss transcribed directly, one unpadded sequence at a time.
+
+    J = 1/sum_i |o_i| * sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i),
+    counting only the tokens that are not filtered out.
+    """
+    model.zero_grad(set_to_none=True)
+    total = sum(sum(s.loss_mask) for s in samples)
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1]
+        logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        objective = 0.0
+        for t in range(len(s.response_ids)):
+            if s.loss_mask[t] == 0:
+                continue
+            ratio = torch.exp(logp[t] - s.old_logprobs[t])
+            clipped = torch.clamp(ratio, 1 - settings.clip_low, 1 + settings.clip_high)
+            objective = objective + torch.minimum(ratio * s.advantage, clipped * s.advantage)
+        if torch.is_tensor(objective):
+            (-objective / total).backward()
+    return grads(model)
+
+
+def step_gradient(model, samples, settings, budget) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(
+        model, samples, settings, pad_id=PAD, token_budget=budget,
+        denominator=loss_denominator(samples, settings),
+    )
+    return grads(model)
+
+
+def test_micro_batches_cover_every_sample_once_within_budget() -> None:
+    samples = make_samples()
+    chunks = micro_batches(samples, token_budget=120)
+    assert sorted(i for c in chunks for i in c) == list(range(len(samples)))
+    assert len(chunks) > 2
+    for c in chunks:
+        width = max(samples[i].length for i in c)
+        assert len(c) == 1 or width * len(c) <= 120
+
+
+def test_token_mean_gradient_is_exact_under_any_micro_batch_split(model) -> None:
+    settings = LossSettings(clip_low=0.2, clip_high=0.28, loss_agg="token-mean")
+    samples = with_old_logprobs(make_samples(), seed=1)
+    whole = step_gradient(model, samples, settings, budget=10**6)
+    ref = reference_gradient(model, samples, settings)
+    assert whole.abs().max() > 1e-4
+    torch.testing.assert_close(whole, ref, atol=1e-5, rtol=1e-5)
+    for budget in (70, 130, 250):
+        split = step_gradient(model, samples, settings, budget=budget)
+        assert len(micro_batches(samples, budget)) > 1
+        torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_per_micro_batch_normaliser_would_be_wrong(model) -> None:
+    """Dividing each micro-batch by its own token count (a known peer bug) changes the step."""
+    settings = LossSettings(loss_agg="token-mean")
+    samples = with_old_logprobs(make_samples(), seed=2)
+    exact = step_gradient(model, samples, settings, budget=10**6)
+    model.zero_grad(set_to_none=True)
+    for idx in micro_batches(samples, 130):
+        chunk = [samples[i] for i in idx]
+        accumulate_gradients(
+            model, chunk, settings, pad_id=PAD, token_budget=10**6,
+            denominator=max(loss_denominator(chunk, settings), 1.0),
+        )
+    assert not torch.allclose(grads(model), exact, atol=1e-5)
+
+
+def test_truncated_responses_do_not_count(model) -> None:
+    """Overlong filtering: a masked response changes neither the loss nor its denominator."""
+    settings = LossSettings(loss_agg="token-mean")
+    samples = with_old_logprobs(make_samples(), seed=3)
+    with_masked = step_gradient(model, samples, settings, budget=10**6)
+    kept = [s for s in samples if sum(s.loss_mask) > 0]
+    without = step_gradient(model, kept, settings, budget=10**6)
+    torch.testing.assert_close(with_masked, without, atol=1e-9, rtol=1e-7)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_sequence_modes_are_exact_under_micro_batching(model, agg) -> None:
+    settings = LossSettings(loss_agg=agg, max_len=64)
+    samples = with_old_logprobs(make_samples(), seed=4)
+    whole = step_gradient(model, samples, settings, budget=10**6)
+    split = step_gradient(model, samples, settings, budget=90)
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_ratio_one_when_no_old_logprobs(model) -> None:
+    """Without old log-probs the step is on-policy: the ratio is exactly 1, nothing clips."""
+    settings = LossSettings(loss_agg="token-mean")
+    samples = make_samples()
+    model.zero_grad(set_to_none=True)
+    stats = accumulate_gradients(
+        model, samples, settings, pad_id=PAD, token_budget=10**6,
+        denominator=loss_denominator(samples, settings),
+    )
+    means = stats.means()
+    assert means["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-9)
+    assert means["actor/clip_frac_high"] == 0.0 and means["actor/clip_frac_low"] == 0.0
+    assert 0 < means["actor/entropy"] <= torch.log(torch.tensor(99.0)).item() + 1e-6
