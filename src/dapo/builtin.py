@@ -1,7 +1,7 @@
-"""The built-in default: a verifiable addition task and a tiny Qwen2 the project warms up itself.
+"""The built-in default: a verifiable addition task and a tiny Llama the project warms up itself.
 
 Nothing is downloaded. ``builtin:tiny`` builds a character tokenizer and a ~1M-parameter
-Qwen2, trains it briefly (supervised, loss on the response only) on *noisy* worked
+Llama, trains it briefly (supervised, loss on the response only) on *noisy* worked
 solutions, and caches the result. The noise (a dropped carry, a slip in the final line)
 means the warmed-up model starts well above zero but well below perfect accuracy, and
 reinforcement learning against the exact scorer has a clear, measurable job to do.
@@ -152,24 +152,29 @@ def build_tokenizer():
 
 
 def build_model(vocab_size: int, seed: int = 0):
-    """A ~1M-parameter Qwen2 (a standard transformers architecture)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A ~1M-parameter Llama (a standard transformers architecture).
+
+    Llama rather than Qwen2: transformers 5 loads a Qwen2 checkpoint's tokenizer as
+    ``Qwen2Tokenizer`` whatever its ``tokenizer_config.json`` says, which would silently
+    replace the character tokenizer for anyone who loads the saved model.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=384,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=512,
         tie_word_embeddings=True,
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=1,
     )
-    return Qwen2ForCausalLM(config).float()
+    return LlamaForCausalLM(config).float()
 
 
 # --- the warm-up ---------------------------------------------------------------------------

@@ -45,7 +45,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "reward_model.ground_truth"
     data_source_key: str = "data_source"
-    max_prompt_length: int = 256
+    max_prompt_length: int = 128
     max_eval_prompts: int = 200
     shuffle: bool = True
 

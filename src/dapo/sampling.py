@@ -149,7 +149,7 @@ class DynamicSampler:
             f"(algorithm.max_gen_rounds={self.max_rounds}) with {have} of {self.target} groups "
             f"that have a learning signal. Of {stats.generated_groups} groups generated this "
             f"step, {stats.all_correct / gen:.0%} were all correct and "
-            f"{stats.all_wrong / gen:.0%} all wrong. Raise algorithm.max_gen_rounds, raise "
+            f"{stats.all_wrong / gen:.0%} were all wrong. Raise algorithm.max_gen_rounds, raise "
             "rollout.num_generations (more responses per prompt make mixed groups likelier), "
             "use harder prompts if most groups are all correct or easier ones (or a stronger "
             "model) if most are all wrong, or set algorithm.dynamic_sampling=false."

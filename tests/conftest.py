@@ -1,0 +1,19 @@
+"""Shared fixtures: small models built in the test session (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def random_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised builtin-architecture model saved as a transformers directory."""
+    from dapo.builtin import build_model, build_tokenizer
+
+    path = tmp_path_factory.mktemp("random_tiny")
+    tok = build_tokenizer()
+    build_model(len(tok), seed=0).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

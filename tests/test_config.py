@@ -1,0 +1,334 @@
+"""Tests for ``dapo.config`` (presets, loading order, validation, error messages) and the CLI.
+
+Expected preset values are written out from the DAPO paper (Yu et al. 2025, Table 1 and
+section 3) and the Dr. GRPO paper, not read back from ``dapo.config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dapo.cli import main
+from dapo.config import (
+    ABLATION_LADDER,
+    PRESETS,
+    Config,
+    ConfigError,
+    TrainConfig,
+    config_from_dict,
+    load_config,
+    validate,
+)
+
+
+def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "source_scorers":
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def write_yaml(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def raises_config_error(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------------------
+# Unknown keys and suggestions
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "named", "suggested"),
+    [
+        ("algorithm.clip_hgh=0.3", "algorithm.clip_hgh", "algorithm.clip_high"),  # typo
+        ("algorithm.epsilon_high=0.3", "algorithm.epsilon_high", "algorithm.clip_high"),  # TRL
+        ("epsilon_high=0.3", "epsilon_high", "algorithm.clip_high"),  # TRL, no section
+        ("learning_rate=1e-5", "learning_rate", "train.lr"),  # TRL
+        ("algoritm.clip_high=0.3", "algoritm", "algorithm"),  # misspelt section
+        ("rollout.num_generation=4", "rollout.num_generation", "rollout.num_generations"),
+        ("outptu_dir=runs/x", "outptu_dir", "output_dir"),  # unknown top-level key
+    ],
+)
+def test_unknown_key_names_key_and_suggests(override, named, suggested):
+    msg = raises_config_error([override])
+    assert f"`{named}`" in msg
+    assert f"`{suggested}`" in msg
+
+
+def test_unknown_top_level_key_without_close_match():
+    msg = raises_config_error(["frobnicate=1"])
+    assert "`frobnicate`" in msg
+    assert "unknown" in msg
+
+
+def test_unknown_key_in_yaml_file_and_nested_dict(tmp_path):
+    path = write_yaml(tmp_path / "c.yaml", "algorithm:\n  clip_hgh: 0.3\n")
+    with pytest.raises(ConfigError, match=r"algorithm\.clip_hgh.*algorithm\.clip_high"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"algorithm\.clip_hgh.*algorithm\.clip_high"):
+        config_from_dict({"algorithm": {"clip_hgh": 0.3}})
+
+
+# --------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_loads_validates_and_round_trips(name, tmp_path):
+    cfg = load_config(overrides=[f"preset={name}"])
+    validate(cfg)
+    assert cfg.preset == name
+    for key, value in PRESETS[name][1].items():  # the preset's settings are applied
+        section, leaf = key.split(".")
+        assert getattr(getattr(cfg, section), leaf) == value, key
+
+    text = cfg.to_yaml()
+    assert config_from_dict(yaml.safe_load(text)) == cfg
+    path = write_yaml(tmp_path / "saved.yaml", text)
+    assert load_config(path) == cfg
+
+
+def _algo(name: str) -> dict[str, Any]:
+    return dataclasses.asdict(load_config(overrides=[f"preset={name}"]).algorithm)
+
+
+def test_grpo_preset_semantics():
+    a = _algo("grpo")
+    assert a["clip_low"] == 0.2 and a["clip_high"] == 0.2
+    assert a["loss_agg"] == "seq-mean-token-mean"
+    assert a["advantage_scale"] == "group"
+    assert a["dynamic_sampling"] is False
+    assert a["overlong_filter"] is False
+    assert a["overlong_penalty"] is False
+    assert a["beta"] == 0
+
+
+def test_dapo_preset_semantics():
+    a = _algo("dapo")
+    assert a["clip_low"] == 0.2 and a["clip_high"] == 0.28
+    assert a["loss_agg"] == "token-mean"
+    assert a["advantage_scale"] == "group"
+    assert a["dynamic_sampling"] is True
+    assert a["overlong_filter"] is True
+    assert a["overlong_penalty"] is True
+    assert a["beta"] == 0
+    # It is the default.
+    assert load_config().to_dict() == load_config(overrides=["preset=dapo"]).to_dict()
+
+
+def test_dr_grpo_preset_semantics():
+    a = _algo("dr_grpo")
+    assert a["advantage_scale"] == "none"
+    assert a["loss_agg"] == "seq-mean-token-sum-norm"
+    assert a["beta"] == 0
+
+
+def test_ablation_ladder_adds_one_technique_per_step_in_paper_order():
+    # DAPO paper, Table 1: naive GRPO, + overlong filtering, + clip-higher,
+    # + soft overlong punishment, + token-level loss, + dynamic sampling (= DAPO).
+    expected = [
+        ("grpo", None, None),
+        ("grpo+overlong_filter", "algorithm.overlong_filter", True),
+        ("grpo+clip_higher", "algorithm.clip_high", 0.28),
+        ("grpo+soft_punish", "algorithm.overlong_penalty", True),
+        ("grpo+token_loss", "algorithm.loss_agg", "token-mean"),
+        ("dapo", "algorithm.dynamic_sampling", True),
+    ]
+    assert [name for name, _, _ in expected] == ABLATION_LADDER
+    configs = {n: flat(load_config(overrides=[f"preset={n}"]).to_dict()) for n in ABLATION_LADDER}
+    for (prev, _, _), (name, key, value) in itertools.pairwise(expected):
+        a, b = configs[prev], configs[name]
+        differing = {k for k in a if k != "preset" and a[k] != b[k]}
+        assert differing == {key}, (prev, name, differing)
+        assert b[key] == value
+
+
+# --------------------------------------------------------------------------------------
+# Precedence: defaults < preset < YAML file < CLI overrides
+# --------------------------------------------------------------------------------------
+
+
+def test_precedence(tmp_path):
+    path = write_yaml(
+        tmp_path / "run.yaml",
+        "preset: grpo\ntrain:\n  lr: 3.0e-5\n  steps: 11\nalgorithm:\n  loss_agg: token-mean\n",
+    )
+    cfg = load_config(path, ["train.steps=7", "algorithm.clip_low=0.1"])
+    defaults = TrainConfig()
+    assert cfg.preset == "grpo"
+    assert cfg.algorithm.clip_high == 0.2  # preset beats the default (0.28)
+    assert cfg.algorithm.dynamic_sampling is False  # preset beats the default (True)
+    assert cfg.train.lr == 3e-5  # file beats the default
+    assert cfg.algorithm.loss_agg == "token-mean"  # file beats the preset
+    assert cfg.train.steps == 7  # CLI beats the file
+    assert cfg.algorithm.clip_low == 0.1  # CLI beats the preset
+    assert cfg.train.prompts_per_step == defaults.prompts_per_step  # untouched keys: defaults
+
+    # A preset given on the command line beats the one in the file.
+    cfg = load_config(path, ["preset=dr_grpo"])
+    assert cfg.preset == "dr_grpo"
+    assert cfg.algorithm.advantage_scale == "none"
+    assert cfg.train.lr == 3e-5
+
+
+def test_float_in_exponent_notation_is_coerced(tmp_path):
+    assert yaml.safe_load("1e-6") == "1e-6"  # why the loader has to coerce (YAML 1.1)
+    lr = load_config(overrides=["train.lr=1e-6"]).train.lr
+    assert isinstance(lr, float) and lr == 1e-6
+    path = write_yaml(tmp_path / "c.yaml", "train:\n  lr: 1e-6\n")
+    lr = load_config(path).train.lr
+    assert isinstance(lr, float) and lr == 1e-6
+
+
+# --------------------------------------------------------------------------------------
+# Invalid values
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "value"),
+    [
+        (["algorithm.clip_high=-0.1"], "algorithm.clip_high", "-0.1"),
+        (["rollout.num_generations=1"], "rollout.num_generations", "1"),
+        (
+            ["rollout.max_completion_length=32", "algorithm.overlong_buffer=32"],
+            "algorithm.overlong_buffer",
+            "32",
+        ),
+        (
+            ["rollout.max_completion_length=32", "algorithm.overlong_buffer=40"],
+            "algorithm.overlong_buffer",
+            "40",
+        ),
+        (
+            ["train.prompts_per_step=16", "train.mini_batch_size=5"],
+            "train.mini_batch_size",
+            "5",
+        ),
+        (["train.steps=abc"], "train.steps", "abc"),
+        (["train.steps=2.5"], "train.steps", "2.5"),
+        (["algorithm.dynamic_sampling=maybe"], "algorithm.dynamic_sampling", "maybe"),
+        (["train.lr=fast"], "train.lr", "fast"),
+        (["algorithm.loss_agg=token_mean"], "algorithm.loss_agg", "token_mean"),
+    ],
+)
+def test_invalid_values_name_key_and_value(overrides, key, value):
+    msg = raises_config_error(overrides)
+    assert key in msg
+    assert value in msg
+
+
+def test_valid_neighbours_of_invalid_values_load():
+    # Guards the tests above against rejecting everything.
+    cfg = load_config(
+        overrides=[
+            "algorithm.clip_high=0",
+            "rollout.num_generations=2",
+            "rollout.max_completion_length=32",
+            "algorithm.overlong_buffer=31",
+            "train.prompts_per_step=16",
+            "train.mini_batch_size=8",
+            "train.steps=3.0",
+            "algorithm.dynamic_sampling=false",
+        ]
+    )
+    assert cfg.algorithm.overlong_buffer == 31
+    assert cfg.train.mini_batch_size == 8
+    assert cfg.train.steps == 3 and isinstance(cfg.train.steps, int)
+    assert cfg.algorithm.dynamic_sampling is False
+
+
+def test_literal_typo_suggests_the_choice():
+    msg = raises_config_error(["algorithm.loss_agg=token_mean"])
+    assert "'token-mean'" in msg
+    assert "did you mean" in msg
+
+
+def test_unknown_preset_suggests_a_known_one():
+    msg = raises_config_error(["preset=dapoo"])
+    assert "'dapoo'" in msg
+    assert "`dapo`" in msg
+
+
+def test_malformed_override():
+    msg = raises_config_error(["train.steps"])
+    assert "'train.steps'" in msg
+    assert "key.path=value" in msg
+
+
+def test_missing_config_file(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="not found") as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
+def test_yaml_that_is_not_a_mapping(tmp_path, text):
+    path = write_yaml(tmp_path / "bad.yaml", text)
+    with pytest.raises(ConfigError, match="mapping") as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_invalid_yaml_syntax(tmp_path):
+    path = write_yaml(tmp_path / "broken.yaml", "train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_config_default_is_valid_and_matches_load_config():
+    validate(Config())
+    assert load_config() == Config()
+
+
+# --------------------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------------------
+
+
+def test_cli_presets_lists_one_line_per_preset(capsys):
+    assert main(["presets"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == len(PRESETS)
+    assert [line.split()[0] for line in lines] == list(PRESETS)
+    assert all(len(line.split()) > 1 for line in lines)  # each has a description
+
+
+def test_cli_train_config_error_returns_2_with_suggestion(capsys):
+    assert main(["train", "algorithm.clip_hgh=1"]) == 2
+    captured = capsys.readouterr()
+    assert "algorithm.clip_hgh" in captured.err
+    assert "algorithm.clip_high" in captured.err
+
+
+def test_cli_print_config(capsys, tmp_path):
+    assert main(["train", "--print-config", "train.steps=7"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"]["steps"] == 7
+    assert config_from_dict(printed) == load_config(overrides=["train.steps=7"])
+
+    path = write_yaml(tmp_path / "c.yaml", "preset: grpo\ntrain:\n  lr: 1e-5\n")
+    assert main(["train", "--print-config", str(path), "train.steps=9"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["preset"] == "grpo"
+    assert printed["train"]["lr"] == 1e-5
+    assert printed["train"]["steps"] == 9
+    assert printed["algorithm"]["clip_high"] == 0.2
