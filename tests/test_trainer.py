@@ -137,3 +137,48 @@ def test_beta_loads_reference_model_only_when_needed(random_tiny_model, tmp_path
 
     rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert "actor/kl_ref" in rows[0]
+
+
+def test_trains_a_transformers_model_on_reference_parquet(tmp_path):
+    """Any causal LM directory + a parquet file in the DAPO reference format."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dapo.builtin import build_model, build_tokenizer
+
+    model_dir = tmp_path / "model"
+    tok = build_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    build_model(len(tok), seed=1).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    rows = [
+        {
+            "data_source": "math_dapo",
+            "prompt": [{"role": "user", "content": f"What is {i}+{i}? End with Answer: N"}],
+            "ability": "MATH",
+            "reward_model": {"ground_truth": str(2 * i), "style": "rule-lighteval/MATH_v2"},
+            "extra_info": {"index": i, "split": "train"},
+        }
+        for i in range(12)
+    ]
+    rows.append(dict(rows[0]))  # a duplicate prompt, dropped by the loader
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    out = tmp_path / "run"
+    cfg = small_config(
+        model_dir, out, f"data.train={data}", f"data.eval={data}", "evaluate=true",
+        "algorithm.dynamic_sampling=false", "train.steps=2", "checkpoint.save_final_model=true",
+    )
+    trainer = Trainer(cfg, log=lambda _: None)
+    assert len(trainer.train_records) == 12
+    assert trainer.tokenizer.decode(trainer.train_ids[0]).startswith("user: What is")
+    summary = trainer.run()
+    assert summary["steps"] == 2 and "accuracy_after" in summary
+    rows_out = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows_out[0]["actor/grad_norm"] > 0
+    assert (out / "final_model" / "model.safetensors").is_file()

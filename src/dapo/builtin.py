@@ -2,7 +2,7 @@
 
 Nothing is downloaded. ``builtin:tiny`` builds a character tokenizer and a ~1M-parameter
 Llama, trains it briefly (supervised, loss on the response only) on *noisy* worked
-solutions, and caches the result. The noise (a dropped carry, a slip in the final line)
+solutions, and caches the result. The noise (a dropped carry, a final line that ignores the answer format)
 means the warmed-up model starts well above zero but well below perfect accuracy, and
 reinforcement learning against the exact scorer has a clear, measurable job to do.
 """
@@ -26,17 +26,17 @@ from dapo.data import PromptRecord
 BUILTIN_MODEL = "builtin:tiny"
 BUILTIN_DATA = "builtin:addition"
 DATA_SOURCE = "builtin_addition"
-_VERSION = "v1"  # bump when the task, tokenizer, model or warm-up change
+_VERSION = "v2"  # bump when the task, tokenizer, model or warm-up change
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 _CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 
 # Warm-up settings: chosen so that set-up takes about 2 minutes on 2 CPU cores.
-WARMUP_STEPS = 700
+WARMUP_STEPS = 300
 WARMUP_BATCH = 64
 WARMUP_LR = 3e-3
-NOISE_CARRY = 0.4  # share of worked solutions (with a carry) that drop one carry
-NOISE_FINAL = 0.2  # share of worked solutions whose final line has a slip
+NOISE_CARRY = 0.5  # share of worked solutions (with a carry) that drop one carry
+NOISE_FORMAT = 0.3  # share of worked solutions that end "Sum: X", not "Answer: X"
 
 
 # --- the task -----------------------------------------------------------------------------
@@ -50,8 +50,8 @@ def worked_solution(a: int, b: int, rng: random.Random | None = None) -> tuple[s
     """Column-by-column addition, least significant digit first, in the DAPO answer format.
 
     With ``rng`` the solution may carry the warm-up noise: a dropped carry (the rest of the
-    working is consistent with it) or a slip in the final answer line. Returns the text and
-    the answer it ends with.
+    working is consistent with it), or a last line ``Sum: X`` that ignores the requested
+    ``Answer: X`` format (scored wrong). Returns the text and the answer it ends with.
     """
     da, db = str(a)[::-1], str(b)[::-1]
     n = max(len(da), len(db))
@@ -72,9 +72,8 @@ def worked_solution(a: int, b: int, rng: random.Random | None = None) -> tuple[s
         result = "1" + result
         lines.append(f"carry 1, {result}")
     answer = int(result)
-    if rng is not None and rng.random() < NOISE_FINAL:
-        answer = _slip(answer, rng)
-    lines.append(f"Answer: {answer}")
+    label = "Sum" if rng is not None and rng.random() < NOISE_FORMAT else "Answer"
+    lines.append(f"{label}: {answer}")
     return "\n".join(lines), answer
 
 
@@ -84,14 +83,6 @@ def _column_sum(da: str, db: str, i: int, carry: int) -> int:
     return x + y + carry
 
 
-def _slip(answer: int, rng: random.Random) -> int:
-    digits = list(str(answer))
-    i = rng.randrange(len(digits))
-    digits[i] = str((int(digits[i]) + rng.choice([1, 9])) % 10)
-    out = int("".join(digits))
-    return out if out != answer else answer + 1
-
-
 def _split_of(a: int, b: int) -> str:
     h = int(hashlib.sha1(f"{a}+{b}".encode()).hexdigest()[:8], 16)
     return "test" if h % 10 == 0 else "train"
@@ -99,26 +90,26 @@ def _split_of(a: int, b: int) -> str:
 
 def _sample_operands(rng: random.Random) -> tuple[int, int]:
     def number() -> int:
-        digits = rng.choice([1, 2, 3, 3])
+        digits = rng.choice([1, 2, 2])
         return rng.randrange(10 ** (digits - 1) if digits > 1 else 0, 10**digits)
 
     return number(), number()
 
 
 def addition_records(split: str = "train", n: int = 20000, seed: int = 1234) -> list[PromptRecord]:
-    """``n`` distinct problems of the given split ("train" or "test"; disjoint by hashing)."""
+    """``n`` problems of the given split ("train" or "test"; disjoint by hashing).
+
+    Problems are drawn from the task distribution (repeats allowed), so training and
+    held-out accuracy measure the same thing.
+    """
     if split not in ("train", "test"):
         raise ValueError(f"builtin:addition has splits 'train' and 'test', not {split!r}")
     rng = random.Random(f"{seed}-{split}")
-    seen: set[tuple[int, int]] = set()
     out: list[PromptRecord] = []
-    budget = n * 50
-    while len(out) < n and budget > 0:
-        budget -= 1
+    while len(out) < n:
         a, b = _sample_operands(rng)
-        if (a, b) in seen or _split_of(a, b) != split:
+        if _split_of(a, b) != split:
             continue
-        seen.add((a, b))
         out.append(
             PromptRecord(
                 prompt=_prompt(a, b),

@@ -1,4 +1,4 @@
-"""Command line: ``dapo train``, ``dapo presets``, ``dapo plot``."""
+"""Command line: ``dapo train``, ``dapo eval``, ``dapo presets``, ``dapo plot``."""
 
 from __future__ import annotations
 
@@ -55,6 +55,101 @@ def _print_summary(summary: dict, out: Path) -> None:
     print(f"final model (transformers format): {out / 'final_model'}")
 
 
+_EVAL_DESCRIPTION = """\
+Sample k responses per problem and report avg@k (mean accuracy over the k samples),
+pass@k (unbiased estimator 1 - C(n-c,k)/C(n,k)) and maj@k (majority vote over the
+extracted, normalised `Answer:` values; responses without one do not vote; ties go to
+the answer seen first), per data_source and overall. A data set that repeats each
+problem r times (e.g. AIME 2024: 30 problems x 32 rows) is scored as 30 problems with
+k samples each; k defaults to r. Writes a JSON report.
+"""
+
+
+def _eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dapo eval",
+        description=_EVAL_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", help="local model directory, hub id, or builtin:tiny")
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="evaluation set: .parquet / .jsonl / .json / dir, or builtin:addition",
+    )
+    parser.add_argument(
+        "--k",
+        type=int,
+        default=None,
+        help="samples per problem (default: the data's repeat count, else 1)",
+    )
+    parser.add_argument("--temperature", type=float, default=1.0, help="default 1.0")
+    parser.add_argument("--top-p", type=float, default=0.7, help="default 0.7 (the DAPO paper's)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="response token limit (default 1024, at most half the model's context)",
+    )
+    parser.add_argument(
+        "--max-prompt-length",
+        type=int,
+        default=None,
+        help="longer prompts are dropped, never truncated (default: context - max tokens)",
+    )
+    parser.add_argument(
+        "--max-problems",
+        type=int,
+        default=None,
+        help="evaluate the first N problems (default: all; 500 for builtin:addition)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=256, help="sequences generated together")
+    parser.add_argument("--engine", default="hf", help="rollout engine (default hf)")
+    parser.add_argument("--split", default="train", help="split of a datasets directory or name")
+    parser.add_argument("--prompt-key", default="prompt")
+    parser.add_argument("--answer-key", default="reward_model.ground_truth")
+    parser.add_argument(
+        "--output", default=None, help="JSON report path (default ./<model-name>-eval.json)"
+    )
+    args = parser.parse_args(argv)
+
+    from dapo.data import DataError
+    from dapo.evaluation import EvalError, format_table, run_evaluation
+    from dapo.models import ModelError
+
+    try:
+        report = run_evaluation(
+            args.model,
+            args.data,
+            k=args.k,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            max_prompt_length=args.max_prompt_length,
+            max_problems=args.max_problems,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            engine=args.engine,
+            split=args.split,
+            prompt_key=args.prompt_key,
+            answer_key=args.answer_key,
+            output=args.output,
+        )
+    except (DataError, EvalError, ModelError) as exc:
+        print(f"dapo eval: error: {exc}", file=sys.stderr)
+        return 2
+    print()
+    print(format_table(report))
+    dropped = report["dropped_too_long"]
+    extra = f", {dropped} dropped as too long" if dropped else ""
+    print(
+        f"\n{report['problems']} problems x {report['k']} samples{extra}; "
+        f"{report['seconds']} s\nreport: {report['output']}"
+    )
+    return 0
+
+
 def _plot(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dapo plot", description="Draw the dashboard of a run.")
     parser.add_argument("run_dir")
@@ -68,10 +163,11 @@ def _plot(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": _train, "plot": _plot}
+    commands = {"train": _train, "eval": _eval, "plot": _plot}
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: dapo {train,presets,plot} ...\n")
+        print("usage: dapo {train,eval,presets,plot} ...\n")
         print("  train    train a policy (no arguments: the built-in default run)")
+        print("  eval     avg@k / pass@k / maj@k of a model on an evaluation set")
         print("  presets  list the named algorithm presets")
         print("  plot     draw the dashboard PNG of a run directory")
         return 0
@@ -80,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(describe_presets()))
         return 0
     if cmd not in commands:
-        print(f"dapo: unknown command {cmd!r}; use train, presets or plot", file=sys.stderr)
+        print(f"dapo: unknown command {cmd!r}; use train, eval, presets or plot", file=sys.stderr)
         return 2
     try:
         return commands[cmd](rest)

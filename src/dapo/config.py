@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ class DataConfig:
     answer_key: str = "reward_model.ground_truth"
     data_source_key: str = "data_source"
     max_prompt_length: int = 128
-    max_eval_prompts: int = 200
+    max_eval_prompts: int = 500
     shuffle: bool = True
 
 
@@ -59,10 +60,10 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 disables
-    max_completion_length: int = 96  # L_max in tokens
+    max_completion_length: int = 64  # L_max in tokens
     generation_batch_size: int = 256  # sequences generated together
     eval_temperature: float = 1.0
-    eval_top_p: float = 0.7
+    eval_top_p: float = 1.0
     eval_num_generations: int = 1
 
 
@@ -103,7 +104,7 @@ class AlgorithmConfig:
     max_gen_rounds: int = 8  # generation rounds per rollout step before giving up
     overlong_filter: bool = True  # mask the loss of truncated responses
     overlong_penalty: bool = True  # soft overlong punishment
-    overlong_buffer: int = 24  # L_cache in tokens
+    overlong_buffer: int = 16  # L_cache in tokens
     overlong_penalty_factor: float = 1.0
 
 
@@ -111,12 +112,12 @@ class AlgorithmConfig:
 class TrainConfig:
     """Optimisation. Batch sizes count prompts (each with G responses) unless noted."""
 
-    steps: int = 60  # rollout steps
+    steps: int = 150  # rollout steps
     prompts_per_step: int = 16  # prompts with a learning signal per rollout step
     mini_batch_size: int = 16  # prompts per optimizer update
     epochs: int = 1  # passes over the rollout batch
     micro_batch_tokens: int = 16384  # token budget of one forward/backward (memory bound)
-    lr: float = 2e-4
+    lr: float = 1.5e-4
     lr_schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = 5  # in rollout steps
     min_lr_ratio: float = 0.1  # cosine floor
@@ -125,6 +126,7 @@ class TrainConfig:
     adam_beta2: float = 0.999
     max_grad_norm: float = 1.0
     entropy_chunk_size: int = 1024
+    max_nonfinite_updates: int = 3  # skipped (NaN/inf) updates in a row before stopping
 
 
 @dataclass
@@ -264,6 +266,10 @@ def _unknown_key(path: str) -> ConfigError:
     suggestion = _ALIASES.get(leaf) or _ALIASES.get(path)
     if suggestion is None:
         keys = _all_keys()
+        section = path.rsplit(".", 1)[0] + "." if "." in path else ""
+        prefixed = [k for k in keys if k.startswith(section + leaf) and k.count(".") == path.count(".")]
+        if len(prefixed) == 1:  # an abbreviation: rollout.temp -> rollout.temperature
+            return ConfigError(f"unknown config key `{path}`: did you mean `{prefixed[0]}`?")
         close = difflib.get_close_matches(path, keys, n=1, cutoff=0.6)
         if not close:
             by_leaf = {k.rsplit(".", 1)[-1]: k for k in keys}
@@ -331,14 +337,19 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             return int(value)
         raise ConfigError(f"`{path}` must be an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)  # YAML 1.1 reads "1e-6" as a string
+                number = float(value)  # YAML 1.1 reads "1e-6" as a string
             except ValueError:
                 pass
-        raise ConfigError(f"`{path}` must be a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"`{path}` must be a number, got {value!r}")
+        if not math.isfinite(number):
+            raise ConfigError(f"`{path}` must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -439,6 +450,8 @@ def load_config(
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Build and validate a config from a nested dict (e.g. a saved ``config.yaml``)."""
     cfg = _build(Config, data)
+    if cfg.preset not in PRESETS:
+        raise ConfigError(f"`preset` = {cfg.preset!r} is not a known preset; run `dapo presets`")
     validate(cfg)
     return cfg
 
@@ -498,6 +511,7 @@ def validate(cfg: Config) -> None:
     _check(t.max_grad_norm >= 0, "train.max_grad_norm", t.max_grad_norm, "use 0 (no clipping) or a positive norm")
     _check(0 <= t.adam_beta1 < 1, "train.adam_beta1", t.adam_beta1, "use a value in [0, 1)")
     _check(0 <= t.adam_beta2 < 1, "train.adam_beta2", t.adam_beta2, "use a value in [0, 1)")
+    _check(t.max_nonfinite_updates >= 1, "train.max_nonfinite_updates", t.max_nonfinite_updates, "use at least 1")
     _check(t.entropy_chunk_size >= 1, "train.entropy_chunk_size", t.entropy_chunk_size, "use at least 1")
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "use a positive number of seconds")
     _check(cfg.reward.num_workers >= 0, "reward.num_workers", cfg.reward.num_workers, "use 0 (in-process) or more workers")

@@ -82,7 +82,7 @@ class HFEngine:
         self.batch_size = batch_size
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights too
         with torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in params:

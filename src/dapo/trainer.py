@@ -196,6 +196,7 @@ class Trainer:
         self.step = 0
         self.summary: dict[str, Any] = {}
         self.reward_failures = 0
+        self.nonfinite_in_a_row = 0
 
     # --- one rollout step -------------------------------------------------------------------
 
@@ -372,10 +373,22 @@ class Trainer:
                     norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
                 else:
                     norm = _grad_norm(self.model)
-                if not torch.isfinite(norm):
+                if not (torch.isfinite(norm) and math.isfinite(stats.loss)):
+                    # Skip the update: the weights stay at the last good state.
                     skipped += 1
+                    self.nonfinite_in_a_row += 1
                     self.optimizer.zero_grad(set_to_none=True)
+                    if self.nonfinite_in_a_row >= t.max_nonfinite_updates:
+                        path = self.save()
+                        raise TrainingError(
+                            f"{self.nonfinite_in_a_row} updates in a row had a non-finite loss "
+                            f"or gradient (loss {stats.loss}, gradient norm {float(norm)}); "
+                            f"stopped at rollout step {step}. The last good state is saved in "
+                            f"{path}. Lower train.lr, check the reward values, or raise "
+                            "train.max_nonfinite_updates."
+                        )
                     continue
+                self.nonfinite_in_a_row = 0
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 grad_norms.append(float(norm))
@@ -436,6 +449,10 @@ class Trainer:
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
 
+    def close(self) -> None:
+        """Stop the reward workers (``run`` does this itself)."""
+        self.scorer.close()
+
     def save(self) -> Path:
         return save_checkpoint(
             self.out / "checkpoints", self.step, self.model, self.optimizer, self.state_dict(),
@@ -471,7 +488,7 @@ class Trainer:
             wandb_project=cfg.logging.wandb_project,
             wandb_run_name=cfg.logging.run_name,
             config=cfg.to_dict(),
-            resume_step=resumed_from if resumed_from is not None else (0 if not cfg.resume else None),
+            resume_step=resumed_from or 0,  # drop lines a crashed run wrote after it
         )
         try:
             if self.eval_records and "accuracy_before" not in self.summary:
@@ -499,7 +516,8 @@ class Trainer:
                 ev = self.evaluate()
                 self.summary["accuracy_after"] = ev["acc"]
                 logger.log(self.step, {"val/acc": ev["acc"]})
-            if not latest_checkpoint(self.out / "checkpoints") or self.step % max(cfg.checkpoint.save_every, 1):
+            last = latest_checkpoint(self.out / "checkpoints")
+            if last is None or last.name != f"step_{self.step:06d}":
                 self.save()
             if cfg.checkpoint.save_final_model:
                 final = self.out / "final_model"
