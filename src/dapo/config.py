@@ -8,6 +8,7 @@ and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -341,10 +342,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         if isinstance(value, int | float) and not isinstance(value, bool):
             number = float(value)
         elif isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):
                 number = float(value)  # YAML 1.1 reads "1e-6" as a string
-            except ValueError:
-                pass
         if number is None:
             raise ConfigError(f"`{path}` must be a number, got {value!r}")
         if not math.isfinite(number):
