@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dapo import algorithms as alg
+from dapo import distributed as D
 from dapo.builtin import BUILTIN_DATA, addition_records
 from dapo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dapo.config import Config
@@ -30,13 +31,7 @@ from dapo.models import context_length, load_policy, load_tokenizer, resolve_mod
 from dapo.rewards import RewardScorer, ScoreRequest, soft_overlong_punishment
 from dapo.rollout import HFEngine, RolloutEngine, SamplingParams
 from dapo.sampling import DynamicSampler, ScoredGroup
-from dapo.update import (
-    LossSettings,
-    Sample,
-    accumulate_gradients,
-    compute_logprobs,
-    loss_denominator,
-)
+from dapo.update import LossSettings, Sample, compute_logprobs, optimizer_step
 
 
 class TrainingError(RuntimeError):
@@ -118,7 +113,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, log: Callable[[str], None] = print) -> None:
         self.cfg = cfg
-        self.log = log
+        self.dist = D.init_distributed()
+        self.log = log if self.dist.is_main else (lambda _: None)
         self.out = Path(cfg.output_dir)
         _check_output_dir(self.out)
         seed_everything(cfg.seed)
@@ -134,6 +130,11 @@ class Trainer:
             gradient_checkpointing=cfg.model.gradient_checkpointing,
         )
         self.model.train()
+        self.ddp = None
+        if self.dist.enabled:  # gradients are averaged across ranks by DDP
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.ddp = DistributedDataParallel(self.model)
         self.ref_model = None
         if cfg.algorithm.beta > 0:  # beta = 0 (DAPO) needs no reference model at all
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -264,16 +265,20 @@ class Trainer:
                 top_p=r.top_p,
                 top_k=r.top_k,
                 max_tokens=r.max_completion_length,
-                seed=_mix(self.cfg.seed, step, round_no[0]),
+                seed=_mix(self.cfg.seed, step, round_no[0], self.dist.rank),
             )
             round_no[0] += 1
+            mine = D.shard(idx, self.dist)  # each rank generates its share of the prompts
             t0 = time.perf_counter()
-            groups = self.engine.generate([self.train_ids[i] for i in idx], params)
+            groups = self.engine.generate([self.train_ids[i] for i in mine], params)
             t1 = time.perf_counter()
-            scored = self.score_groups(groups, [self.train_records[i] for i in idx], step)
+            scored = self.score_groups(groups, [self.train_records[i] for i in mine], step)
             timing["gen"] += t1 - t0
             timing["score"] += time.perf_counter() - t1
-            timing["tokens"] += sum(len(x) for g in groups for x in g.response_ids)
+            # Every rank sees every group, in prompt order, so that dynamic-sampling
+            # decisions are the same on all ranks.
+            scored = _unshard(D.all_gather_objects(scored))
+            timing["tokens"] += sum(len(x) for g in scored for x in g.response_ids)
             generated.extend(scored)
             return scored
 
@@ -334,69 +339,66 @@ class Trainer:
         samples = self.build_samples(groups)
         g_size = groups[0].size
         n_mini = cfg.train.prompts_per_step // t.mini_batch_size
-        on_policy = n_mini == 1 and t.epochs == 1
         pad = self.tokenizer.pad_token_id
-        if not on_policy:
-            # The ratio is taken against the policy that produced the batch: this one, now.
-            old = compute_logprobs(
-                self.model, samples, pad_id=pad, temperature=cfg.rollout.temperature,
-                token_budget=t.micro_batch_tokens,
-            )
-            for s, lp in zip(samples, old, strict=True):
-                if s.old_logprobs is None:
-                    s.old_logprobs = lp
-        if self.ref_model is not None:
-            ref = compute_logprobs(
-                self.ref_model, samples, pad_id=pad, temperature=cfg.rollout.temperature,
-                token_budget=t.micro_batch_tokens,
-            )
-            for s, lp in zip(samples, ref, strict=True):
-                s.ref_logprobs = lp
-
         gen = torch.Generator().manual_seed(_mix(cfg.seed, step, 99991))
-        agg: dict[str, float] = {}
-        weight = 0.0
-        grad_norms, losses, pg_losses = [], [], []
-        skipped = 0
+        plan = []  # (epoch, sample indices of the mini-batch) for every optimizer step
         for epoch in range(t.epochs):
             order = torch.randperm(len(groups), generator=gen).tolist()
             for m in range(n_mini):
                 gids = order[m * t.mini_batch_size : (m + 1) * t.mini_batch_size]
-                mini = [samples[g * g_size + j] for g in gids for j in range(g_size)]
-                denom = loss_denominator(mini, self.loss_settings)
-                stats = accumulate_gradients(
-                    self.model, mini, self.loss_settings, pad_id=pad,
-                    token_budget=t.micro_batch_tokens, denominator=denom,
-                    entropy_chunk_size=t.entropy_chunk_size, with_entropy=epoch == 0,
-                )
-                if t.max_grad_norm > 0:
-                    norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
-                else:
-                    norm = _grad_norm(self.model)
-                if not (torch.isfinite(norm) and math.isfinite(stats.loss)):
-                    # Skip the update: the weights stay at the last good state.
-                    skipped += 1
-                    self.nonfinite_in_a_row += 1
-                    self.optimizer.zero_grad(set_to_none=True)
-                    if self.nonfinite_in_a_row >= t.max_nonfinite_updates:
-                        path = self.save()
-                        raise TrainingError(
-                            f"{self.nonfinite_in_a_row} updates in a row had a non-finite loss "
-                            f"or gradient (loss {stats.loss}, gradient norm {float(norm)}); "
-                            f"stopped at rollout step {step}. The last good state is saved in "
-                            f"{path}. Lower train.lr, check the reward values, or raise "
-                            "train.max_nonfinite_updates."
-                        )
-                    continue
-                self.nonfinite_in_a_row = 0
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                grad_norms.append(float(norm))
-                losses.append(stats.loss)
-                pg_losses.append(stats.pg_loss)
-                for k, v in stats.means().items():
-                    agg[k] = agg.get(k, 0.0) + v * stats.tokens
-                weight += stats.tokens
+                plan.append((epoch, [g * g_size + j for g in gids for j in range(g_size)]))
+        # Log-probs are needed only for the samples this rank will train.
+        mine = sorted({i for _, idx in plan for i in self._my_share(samples, idx)})
+        if not (n_mini == 1 and t.epochs == 1):
+            # The ratio is taken against the policy that produced the batch: this one, now.
+            # (With one update per rollout step it is the policy being trained: ratio 1.)
+            todo = [i for i in mine if samples[i].old_logprobs is None]
+            old = compute_logprobs(
+                self.model, [samples[i] for i in todo], pad_id=pad,
+                temperature=cfg.rollout.temperature, token_budget=t.micro_batch_tokens,
+            )
+            for i, lp in zip(todo, old, strict=True):
+                samples[i].old_logprobs = lp
+        if self.ref_model is not None:
+            ref = compute_logprobs(
+                self.ref_model, [samples[i] for i in mine], pad_id=pad,
+                temperature=cfg.rollout.temperature, token_budget=t.micro_batch_tokens,
+            )
+            for i, lp in zip(mine, ref, strict=True):
+                samples[i].ref_logprobs = lp
+
+        agg: dict[str, float] = {}
+        weight = 0.0
+        grad_norms, losses, pg_losses = [], [], []
+        skipped = 0
+        for epoch, idx in plan:
+            result = optimizer_step(
+                self.model, self.optimizer, [samples[i] for i in idx], self.loss_settings,
+                pad_id=pad, token_budget=t.micro_batch_tokens, max_grad_norm=t.max_grad_norm,
+                entropy_chunk_size=t.entropy_chunk_size, with_entropy=epoch == 0, ddp=self.ddp,
+            )
+            stats = result.stats
+            if not result.applied:
+                # Skipped: the weights stay at the last good state.
+                skipped += 1
+                self.nonfinite_in_a_row += 1
+                if self.nonfinite_in_a_row >= t.max_nonfinite_updates:
+                    path = self.save()
+                    raise TrainingError(
+                        f"{self.nonfinite_in_a_row} updates in a row had a non-finite loss "
+                        f"or gradient (loss {stats.loss}, gradient norm {result.grad_norm}); "
+                        f"stopped at rollout step {step}. The last good state is saved in "
+                        f"{path}. Lower train.lr, check the reward values, or raise "
+                        "train.max_nonfinite_updates."
+                    )
+                continue
+            self.nonfinite_in_a_row = 0
+            grad_norms.append(result.grad_norm)
+            losses.append(stats.loss)
+            pg_losses.append(stats.pg_loss)
+            for k, v in stats.sums.items():
+                agg[k] = agg.get(k, 0.0) + v
+            weight += stats.tokens
         out = {k: v / max(weight, 1.0) for k, v in agg.items()}
         out.update(
             {
@@ -412,6 +414,13 @@ class Trainer:
         )
         return out
 
+    def _my_share(self, samples: list[Sample], idx: list[int]) -> list[int]:
+        """The indices of a mini-batch that this rank trains (all of them on one process)."""
+        if not self.dist.enabled:
+            return idx
+        parts = D.balance_by_tokens([samples[i].length for i in idx], self.dist.world_size)
+        return [idx[j] for j in parts[self.dist.rank]]
+
     # --- the whole run --------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
@@ -424,7 +433,11 @@ class Trainer:
             max_tokens=r.max_completion_length,
             seed=_mix(self.cfg.seed, 7, 7),
         )
-        return evaluate(self.engine, self.tokenizer, self.eval_records, self.eval_ids, self.scorer, params)
+        records = D.shard(self.eval_records, self.dist)
+        ids = D.shard(self.eval_ids, self.dist)
+        ev = evaluate(self.engine, self.tokenizer, records, ids, self.scorer, params)
+        correct, n = D.all_reduce_sum([ev["acc"] * ev["n"] if ev["n"] else 0.0, float(ev["n"])])
+        return {**ev, "acc": correct / max(n, 1.0), "n": int(n)}
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -454,10 +467,16 @@ class Trainer:
         self.scorer.close()
 
     def save(self) -> Path:
-        return save_checkpoint(
-            self.out / "checkpoints", self.step, self.model, self.optimizer, self.state_dict(),
-            keep_last=self.cfg.checkpoint.keep_last,
-        )
+        """Rank 0 writes the checkpoint; the others wait for it."""
+        root = self.out / "checkpoints"
+        path = root / f"step_{self.step:06d}"
+        if self.dist.is_main:
+            path = save_checkpoint(
+                root, self.step, self.model, self.optimizer, self.state_dict(),
+                keep_last=self.cfg.checkpoint.keep_last,
+            )
+        D.barrier()
+        return path
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -477,7 +496,9 @@ class Trainer:
                 f"{self.out} already holds checkpoints of an earlier run; continue it with "
                 "resume=true, or choose another output_dir (nothing was overwritten)"
             )
-        (self.out / "config.yaml").write_text(cfg.to_yaml())
+        main = self.dist.is_main
+        if main:
+            _write_text_atomic(self.out / "config.yaml", cfg.to_yaml())
 
         logger = MetricsLogger(
             self.out,
@@ -489,6 +510,7 @@ class Trainer:
             wandb_run_name=cfg.logging.run_name,
             config=cfg.to_dict(),
             resume_step=resumed_from or 0,  # drop lines a crashed run wrote after it
+            enabled=main,  # only rank 0 writes logs
         )
         try:
             if self.eval_records and "accuracy_before" not in self.summary:
@@ -519,7 +541,7 @@ class Trainer:
             last = latest_checkpoint(self.out / "checkpoints")
             if last is None or last.name != f"step_{self.step:06d}":
                 self.save()
-            if cfg.checkpoint.save_final_model:
+            if cfg.checkpoint.save_final_model and main:
                 final = self.out / "final_model"
                 self.model.save_pretrained(final)
                 self.tokenizer.save_pretrained(final)
@@ -534,11 +556,13 @@ class Trainer:
                 "resumed_from_step": resumed_from,
             }
         )
-        _write_json_atomic(self.out / "summary.json", self.summary)
-        try:
-            plot_dashboard(self.out)
-        except (ValueError, FileNotFoundError) as exc:
-            self.log(f"dashboard not written: {exc}")
+        if main:
+            _write_text_atomic(self.out / "summary.json", json.dumps(self.summary, indent=2, default=str))
+            try:
+                plot_dashboard(self.out)
+            except (ValueError, FileNotFoundError) as exc:
+                self.log(f"dashboard not written: {exc}")
+        D.barrier()
         return self.summary
 
 
@@ -564,9 +588,9 @@ def _check_output_dir(out: Path) -> None:
         ) from exc
 
 
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -581,6 +605,9 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def _grad_norm(model: torch.nn.Module) -> torch.Tensor:
-    norms = [p.grad.detach().norm() for p in model.parameters() if p.grad is not None]
-    return torch.stack(norms).norm() if norms else torch.tensor(0.0)
+def _unshard(parts: list[list[Any]]) -> list[Any]:
+    """Undo :func:`dapo.distributed.shard`: rank r held items r, r + W, r + 2W, ..."""
+    out: list[Any] = []
+    for i in range(max((len(p) for p in parts), default=0)):
+        out.extend(p[i] for p in parts if i < len(p))
+    return out

@@ -8,12 +8,15 @@ the accumulated gradient equals the one of a single pass over the whole mini-bat
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from dapo import algorithms as alg
+from dapo.distributed import all_reduce_sum, balance_by_tokens, current
 
 
 @dataclass
@@ -152,6 +155,17 @@ def loss_denominator(samples: Sequence[Sample], settings: LossSettings) -> float
     return float(len(samples) * settings.max_len)
 
 
+STAT_KEYS = (
+    "actor/clip_frac_low",
+    "actor/clip_frac_high",
+    "actor/ratio_mean",
+    "actor/ppo_kl",
+    "actor/gen_prob",
+    "actor/entropy",
+    "actor/kl_ref",
+)
+
+
 @dataclass
 class GradStats:
     """Token-weighted sums of per-token statistics over the micro-batches of a step."""
@@ -163,6 +177,22 @@ class GradStats:
 
     def add(self, name: str, value: float, weight: float) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + value * weight
+
+    def merge(self, other: GradStats) -> None:
+        for k, v in other.sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.tokens += other.tokens
+        self.loss += other.loss
+        self.pg_loss += other.pg_loss
+
+    def all_reduce(self) -> None:
+        """Sum over data-parallel ranks; a rank that trained nothing may lack keys."""
+        keys = STAT_KEYS
+        values = [self.sums.get(k, 0.0) for k in keys] + [float(k in self.sums) for k in keys]
+        totals = all_reduce_sum(values + [self.tokens, self.loss, self.pg_loss])
+        n = len(keys)
+        self.sums = {k: totals[i] for i, k in enumerate(keys) if totals[n + i] > 0}
+        self.tokens, self.loss, self.pg_loss = totals[2 * n :]
 
     def means(self) -> dict[str, float]:
         return {k: v / max(self.tokens, 1.0) for k, v in self.sums.items()}
@@ -180,6 +210,7 @@ def accumulate_gradients(
     with_entropy: bool = True,
     scale: float = 1.0,
     on_micro_batch: Callable[[], None] | None = None,
+    ddp: torch.nn.Module | None = None,
 ) -> GradStats:
     """Backpropagate the mini-batch loss through ``model`` in micro-batches.
 
@@ -187,51 +218,144 @@ def accumulate_gradients(
     so the gradient does not depend on how ``samples`` are split. ``scale`` multiplies the
     loss (the world size, when the gradient all-reduce averages over ranks). Samples
     without ``old_logprobs`` use the current policy's (detached), i.e. ratio 1.
+
+    With ``ddp`` (the DistributedDataParallel wrapper of ``model``) the forward passes go
+    through it and only the last micro-batch's backward synchronises gradients, so each
+    rank all-reduces exactly once whatever its number of micro-batches; a rank with no
+    samples contributes a zero gradient.
     """
     stats = GradStats()
-    for idx in micro_batches(samples, token_budget):
-        chunk = [samples[i] for i in idx]
-        batch = collate(chunk, pad_id)
-        logits = response_logits(model, batch, settings.temperature)
-        logp = alg.token_logprobs(logits, batch.response_ids)
-        r = batch.response_len
-        old = logp.detach().clone()
-        for j, s in enumerate(chunk):
-            if s.old_logprobs is not None:
-                old[j, : s.old_logprobs.numel()] = s.old_logprobs
-        adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype)
-        loss, pstats = alg.policy_loss(
-            logp,
-            old,
-            adv,
-            batch.loss_mask,
-            clip_low=settings.clip_low,
-            clip_high=settings.clip_high,
-            clip_c=settings.clip_c,
-            agg=settings.loss_agg,
-            num_tokens=denominator,
-            max_len=settings.max_len,
-        )
-        pg_loss = loss.detach()
-        if settings.beta > 0:
-            ref = pad_rows([s.ref_logprobs for s in chunk], r)
-            kl = alg.kl_penalty(logp, ref, settings.kl_estimator)
-            kl_loss = alg.aggregate_loss(
-                kl, batch.loss_mask, settings.loss_agg, num_tokens=denominator, max_len=settings.max_len
-            )
-            loss = loss + settings.beta * kl_loss
-            stats.add("actor/kl_ref", alg.masked_mean(kl.detach(), batch.loss_mask).item(), batch.loss_mask.sum().item())
-        (loss * scale).backward()
+    chunks = micro_batches(samples, token_budget)
+    if ddp is not None and not chunks:
+        _zero_backward(ddp, pad_id)
+        return stats
+    forward = ddp if ddp is not None else model
+    for n, idx in enumerate(chunks):
+        sync = ddp is None or n == len(chunks) - 1
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            stats_chunk = _micro_step(forward, [samples[i] for i in idx], settings, pad_id=pad_id,
+                                      denominator=denominator, scale=scale,
+                                      entropy_chunk_size=entropy_chunk_size,
+                                      with_entropy=with_entropy)
+        stats.merge(stats_chunk)
         if on_micro_batch is not None:
             on_micro_batch()
-        n_tok = batch.loss_mask.sum().item()
-        stats.tokens += n_tok
-        stats.loss += loss.item()
-        stats.pg_loss += pg_loss.item()
-        for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "ppo_kl"):
-            stats.add(f"actor/{key}", float(pstats[key]), n_tok)
-        stats.add("actor/gen_prob", alg.gen_prob(logp.detach(), batch.loss_mask).item(), n_tok)
-        if with_entropy:
-            ent = alg.entropy_from_logits(logits.detach(), entropy_chunk_size)
-            stats.add("actor/entropy", alg.masked_mean(ent, batch.loss_mask).item(), n_tok)
     return stats
+
+
+def _zero_backward(ddp: torch.nn.Module, pad_id: int) -> None:
+    """Join the gradient all-reduce with a zero gradient (a rank with nothing to train)."""
+    out = ddp(input_ids=torch.tensor([[pad_id]]), use_cache=False)
+    (out.logits.sum() * 0.0).backward()
+
+
+def _micro_step(
+    model: torch.nn.Module,
+    chunk: Sequence[Sample],
+    settings: LossSettings,
+    *,
+    pad_id: int,
+    denominator: float,
+    scale: float,
+    entropy_chunk_size: int,
+    with_entropy: bool,
+) -> GradStats:
+    """Forward and backward of one micro-batch; its share of the mini-batch loss."""
+    stats = GradStats()
+    batch = collate(chunk, pad_id)
+    logits = response_logits(model, batch, settings.temperature)
+    logp = alg.token_logprobs(logits, batch.response_ids)
+    r = batch.response_len
+    old = logp.detach().clone()
+    for j, s in enumerate(chunk):
+        if s.old_logprobs is not None:
+            old[j, : s.old_logprobs.numel()] = s.old_logprobs
+    adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype)
+    loss, pstats = alg.policy_loss(
+        logp,
+        old,
+        adv,
+        batch.loss_mask,
+        clip_low=settings.clip_low,
+        clip_high=settings.clip_high,
+        clip_c=settings.clip_c,
+        agg=settings.loss_agg,
+        num_tokens=denominator,
+        max_len=settings.max_len,
+    )
+    pg_loss = loss.detach()
+    if settings.beta > 0:
+        ref = pad_rows([s.ref_logprobs for s in chunk], r)
+        kl = alg.kl_penalty(logp, ref, settings.kl_estimator)
+        kl_loss = alg.aggregate_loss(
+            kl, batch.loss_mask, settings.loss_agg, num_tokens=denominator, max_len=settings.max_len
+        )
+        loss = loss + settings.beta * kl_loss
+        stats.add("actor/kl_ref", alg.masked_mean(kl.detach(), batch.loss_mask).item(), batch.loss_mask.sum().item())
+    (loss * scale).backward()
+    n_tok = batch.loss_mask.sum().item()
+    stats.tokens += n_tok
+    stats.loss += loss.item()
+    stats.pg_loss += pg_loss.item()
+    for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "ppo_kl"):
+        stats.add(f"actor/{key}", float(pstats[key]), n_tok)
+    stats.add("actor/gen_prob", alg.gen_prob(logp.detach(), batch.loss_mask).item(), n_tok)
+    if with_entropy:
+        ent = alg.entropy_from_logits(logits.detach(), entropy_chunk_size)
+        stats.add("actor/entropy", alg.masked_mean(ent, batch.loss_mask).item(), n_tok)
+    return stats
+
+
+@dataclass
+class StepResult:
+    """One optimizer step: its statistics (summed over ranks) and whether it was applied."""
+
+    stats: GradStats
+    grad_norm: float
+    applied: bool
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[Sample],
+    settings: LossSettings,
+    *,
+    pad_id: int,
+    token_budget: int,
+    max_grad_norm: float = 1.0,
+    entropy_chunk_size: int = 1024,
+    with_entropy: bool = True,
+    ddp: torch.nn.Module | None = None,
+) -> StepResult:
+    """One exact optimizer step on a mini-batch, on one process or across data-parallel ranks.
+
+    Every rank passes the whole mini-batch; each trains the share that balances token
+    counts across ranks. The loss denominator is the all-reduced global count, and the
+    loss is scaled by the world size because DDP averages gradients: the summed gradient
+    is the one a single process computes on the whole mini-batch. Non-finite gradients
+    are not applied (``applied=False``); the caller decides what to do.
+    """
+    info = current()
+    mine: Sequence[Sample] = samples
+    if info.enabled:
+        parts = balance_by_tokens([s.length for s in samples], info.world_size)
+        mine = [samples[i] for i in parts[info.rank]]
+    (denominator,) = all_reduce_sum([loss_denominator(mine, settings)])
+    stats = accumulate_gradients(
+        model, mine, settings, pad_id=pad_id, token_budget=token_budget,
+        denominator=denominator, entropy_chunk_size=entropy_chunk_size,
+        with_entropy=with_entropy, scale=float(info.world_size), ddp=ddp if info.enabled else None,
+    )
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_grad_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) if params else torch.tensor(0.0)
+    if info.enabled:
+        stats.all_reduce()
+    applied = bool(torch.isfinite(norm)) and math.isfinite(stats.loss)
+    if applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(stats, float(norm), applied)

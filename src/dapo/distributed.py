@@ -1,0 +1,109 @@
+"""Data-parallel helpers on torch.distributed (gloo on CPU, NCCL on GPU).
+
+Launch with ``torchrun --nproc_per_node N -m dapo train ...``; without torchrun everything
+here degrades to a single process. Ranks exchange small Python objects (scored groups,
+metric sums) with the object collectives, and gradients through DDP.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed() -> DistInfo:
+    """Join the process group torchrun describes (``WORLD_SIZE`` > 1), else a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend)
+
+
+def current() -> DistInfo:
+    """The :class:`DistInfo` of an already initialised process group (or a single process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return DistInfo()
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), dist.get_backend())
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (a one-element list without a process group)."""
+    info = current()
+    if not info.enabled:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Element-wise sum over ranks of a list of floats (float64, so counts stay exact)."""
+    info = current()
+    if not info.enabled:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_reduce_max(value: int) -> int:
+    info = current()
+    if not info.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def barrier() -> None:
+    if current().enabled:
+        dist.barrier()
+
+
+def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:
+    """Split item indices into ``parts`` bins with near-equal token totals (longest first)."""
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        j = min(range(parts), key=lambda b: (load[b], b))
+        bins[j].append(i)
+        load[j] += lengths[i]
+    return [sorted(b) for b in bins]
+
+
+def shard(items: list[Any], info: DistInfo) -> list[Any]:
+    """This rank's strided share of ``items``."""
+    return items[info.rank :: info.world_size]
+
+
+def destroy() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
