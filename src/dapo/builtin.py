@@ -26,7 +26,7 @@ from dapo.data import PromptRecord
 BUILTIN_MODEL = "builtin:tiny"
 BUILTIN_DATA = "builtin:addition"
 DATA_SOURCE = "builtin_addition"
-_VERSION = "v2"  # bump when the task, tokenizer, model or warm-up change
+_VERSION = "v3"  # bump when the task, tokenizer, model or warm-up change
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 _CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
@@ -159,7 +159,7 @@ def build_model(vocab_size: int, seed: int = 0):
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=1024,
         tie_word_embeddings=True,
         pad_token_id=0,
         eos_token_id=1,

@@ -1,0 +1,362 @@
+"""Evaluation: the avg@k / pass@k / maj@k math, repeat detection, and ``dapo eval`` end to end."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dapo.cli import main
+from dapo.evaluation import (
+    evaluate,
+    load_eval_problems,
+    majority_answer,
+    majority_correct,
+    pass_at_k,
+    score_groups,
+    summarize,
+)
+from dapo.rewards import RewardScorer
+from dapo.rollout import Group, SamplingParams
+
+# --------------------------------------------------------------------------- pass@k
+
+
+def test_pass_at_k_hand_computed_values() -> None:
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(5, 2))
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(5, 0, 2) == 0.0
+    assert pass_at_k(5, 4, 2) == 1.0  # n - c = 1 < k: every pair holds a correct sample
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)  # pass@1 is the plain accuracy
+    # n == k: 1 if any sample is correct, else 0
+    assert pass_at_k(3, 1, 3) == 1.0
+    assert pass_at_k(3, 0, 3) == 0.0
+
+
+def test_pass_at_k_matches_brute_force_subsets() -> None:
+    for n in range(1, 8):
+        for c in range(n + 1):
+            samples = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(samples, k))
+                expected = sum(any(s) for s in subsets) / len(subsets)
+                assert pass_at_k(n, c, k) == pytest.approx(expected), (n, c, k)
+
+
+@pytest.mark.parametrize(("n", "c", "k"), [(3, 1, 0), (2, 1, 3), (3, 4, 1), (3, -1, 1)])
+def test_pass_at_k_rejects_impossible_inputs(n: int, c: int, k: int) -> None:
+    with pytest.raises(ValueError):
+        pass_at_k(n, c, k)
+
+
+# --------------------------------------------------------------------------- maj@k
+
+
+def test_majority_correct_and_wrong() -> None:
+    assert majority_correct(["5", "5", "3"], "5")
+    assert not majority_correct(["3", "3", "5"], "5")
+    assert majority_correct(["7"], "7")
+    assert not majority_correct(["8"], "7")
+
+
+def test_majority_ties_go_to_first_occurrence() -> None:
+    assert majority_correct(["5", "3"], "5")
+    assert not majority_correct(["3", "5"], "5")
+    assert majority_answer(["3", "5", "5", "3"]) == "3"
+    assert not majority_correct(["3", "5", "5", "3"], "5")
+    assert majority_correct(["5", "3", "3", "5", "9"], "5")
+
+
+def test_majority_none_answers_do_not_vote() -> None:
+    # None is the most common entry but is not an answer: the single "5" wins.
+    assert majority_correct([None, None, "5"], "5")
+    assert majority_answer([None, "4", None]) == "4"
+    assert majority_answer([None, None]) is None
+    assert not majority_correct([None, None], "5")
+    assert not majority_correct([], "5")
+    # an answer that normalises to nothing ("$") does not vote either
+    assert majority_answer(["$", "$", "2"]) == "2"
+
+
+def test_majority_votes_are_normalised() -> None:
+    # Without normalisation "3" (2 votes) would beat two different spellings of 1/2.
+    answers = ["\\frac12", "3", "\\frac{1}{2}", "3", "$\\frac{1}{2}$"]
+    assert majority_answer(answers) == "\\frac{1}{2}"
+    assert majority_correct(answers, "\\frac{1}{2}")
+    assert majority_correct(["\\boxed{42}", "42", "41"], "42")
+    assert majority_correct(["1,000", "1000", "7"], "1000")
+
+
+# --------------------------------------------------------------------------- summarize
+
+
+def test_summarize_per_source_and_overall() -> None:
+    correct = [[True, False], [False, False], [True, True]]
+    answers = [["1", "2"], [None, "7"], ["4", "4"]]
+    truths = ["1", "3", "4"]
+    sources = ["A", "A", "B"]
+    truncated = [[False, True], [False, False], [True, True]]
+    out = summarize(correct, answers, truths, sources, k=2, truncated=truncated)
+    overall, a, b = out["overall"], out["by_source"]["A"], out["by_source"]["B"]
+    assert set(out["by_source"]) == {"A", "B"}
+    assert overall == pytest.approx(
+        {"problems": 3, "avg@2": 0.5, "pass@2": 2 / 3, "maj@2": 2 / 3, "truncated": 0.5}
+    )
+    # problem 0: tie "1"/"2" -> "1" (first) is right; problem 1: "7" is wrong
+    assert a == pytest.approx(
+        {"problems": 2, "avg@2": 0.25, "pass@2": 0.5, "maj@2": 0.5, "truncated": 0.25}
+    )
+    assert b == pytest.approx(
+        {"problems": 1, "avg@2": 1.0, "pass@2": 1.0, "maj@2": 1.0, "truncated": 1.0}
+    )
+
+
+def test_summarize_more_samples_than_k_uses_the_unbiased_estimator() -> None:
+    out = summarize([[True, True, False, False, False]], [["9"] * 5], ["9"], ["s"], k=2)
+    assert out["overall"]["pass@2"] == pytest.approx(0.7)
+    assert out["overall"]["avg@2"] == pytest.approx(0.4)
+    assert "truncated" not in out["overall"]
+
+
+def test_summarize_rejects_ragged_input() -> None:
+    with pytest.raises(ValueError, match="fewer than k"):
+        summarize([[True]], [["1"]], ["1"], ["s"], k=2)
+    with pytest.raises(ValueError, match="answers"):
+        summarize([[True, False]], [["1"]], ["1"], ["s"], k=2)
+    with pytest.raises(ValueError, match="sources"):
+        summarize([[True]], [["1"]], ["1"], [], k=1)
+
+
+# --------------------------------------------------------------------------- scoring glue
+
+
+class _ScriptedEngine:
+    """Returns fixed response texts (encoded with the char tokenizer) instead of sampling."""
+
+    def __init__(self, tokenizer, texts: list[list[str]], truncated: list[list[bool]]) -> None:
+        self.tok, self.texts, self.truncated = tokenizer, texts, truncated
+        self.calls: list[SamplingParams] = []
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Group]:
+        self.calls.append(params)
+        assert len(prompts) == len(self.texts)
+        return [
+            Group(
+                prompt_ids=p,
+                response_ids=[self.tok(t, add_special_tokens=False)["input_ids"] for t in ts],
+                logprobs=[[0.0] * len(t) for t in ts],
+                truncated=list(tr),
+            )
+            for p, ts, tr in zip(prompts, self.texts, self.truncated, strict=True)
+        ]
+
+    def load_weights(self, named_tensors) -> None:  # pragma: no cover - protocol only
+        pass
+
+
+def _records():
+    from dapo.data import PromptRecord
+
+    return [PromptRecord("Add 2+3.", "5", "s1"), PromptRecord("Add 4+5.", "9", "s2")]
+
+
+def test_score_groups_and_trainer_evaluate_use_the_scorer_and_answers() -> None:
+    from dapo.builtin import build_tokenizer
+
+    tok = build_tokenizer()
+    texts = [["work\nAnswer: 5", "Answer: 4"], ["Answer: $9$", "no answer here"]]
+    engine = _ScriptedEngine(tok, texts, [[False, True], [False, False]])
+    records = _records()
+    ids = [tok(r.prompt, add_special_tokens=False)["input_ids"] for r in records]
+    with RewardScorer(num_workers=0) as scorer:
+        groups = engine.generate(ids, SamplingParams(n=2))
+        correct, answers = score_groups(groups, records, tok, scorer)
+        assert correct == [[True, False], [True, False]]
+        assert answers == [["5", "4"], ["$9$", None]]
+
+        params = SamplingParams(n=2, max_tokens=16)
+        ev = evaluate(engine, tok, records, ids, scorer, params)
+    assert ev["acc"] == pytest.approx(0.5)
+    assert ev["n"] == 4
+    assert ev["truncated"] == pytest.approx(0.25)
+    expected_len = sum(len(t) for ts in texts for t in ts) / 4
+    assert ev["response_length"] == pytest.approx(expected_len)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _write_reference_parquet(path: Path, problems: list[tuple[str, str, str]], repeats) -> Path:
+    """Rows in the DAPO reference format; problem i appears ``repeats[i]`` times, interleaved."""
+    rows = []
+    for r in range(max(repeats)):
+        for i, (source, question, answer) in enumerate(problems):
+            if r < repeats[i]:
+                rows.append(
+                    {
+                        "data_source": source,
+                        "prompt": [
+                            {
+                                "role": "user",
+                                "content": f"{question}\n\nEnd with a line Answer: <answer>.",
+                            }
+                        ],
+                        "ability": "MATH",
+                        "reward_model": {"ground_truth": answer, "style": "rule"},
+                        "extra_info": {"index": i, "raw_problem": question, "split": "test"},
+                    }
+                )
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+PROBLEMS = [
+    ("src_a", "What is 2+3?", "5"),
+    ("src_a", "What is 7-4?", "3"),
+    ("src_b", "What is 6*7? Multiply the two numbers.", "42"),
+]
+
+
+def test_repeated_rows_are_samples_of_one_problem(tmp_path: Path) -> None:
+    path = _write_reference_parquet(tmp_path / "rep.parquet", PROBLEMS, [4, 4, 4])
+    problems = load_eval_problems(str(path))
+    assert problems.rows == 12
+    assert problems.repeats == 4  # dapo eval's default k
+    assert [r.ground_truth for r in problems.records] == ["5", "3", "42"]
+    assert [r.data_source for r in problems.records] == ["src_a", "src_a", "src_b"]
+
+    uneven = _write_reference_parquet(tmp_path / "uneven.parquet", PROBLEMS, [4, 2, 1])
+    problems = load_eval_problems(str(uneven))
+    assert len(problems.records) == 3
+    assert problems.repeats is None  # -> k defaults to 1
+    assert (problems.min_repeats, problems.max_repeats) == (1, 4)
+    assert len(load_eval_problems(str(path), max_problems=2).records) == 2
+
+
+# --------------------------------------------------------------------------- dapo eval
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dapo.builtin import build_model, build_tokenizer
+
+    path = tmp_path_factory.mktemp("eval_model") / "rand-tiny"
+    tok = build_tokenizer()
+    build_model(len(tok), seed=0).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def eval_parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_reference_parquet(
+        tmp_path_factory.mktemp("eval_data") / "set.parquet", PROBLEMS, [4, 4, 4]
+    )
+
+
+def _check_metrics(entry: dict, k: int) -> None:
+    for key in (f"avg@{k}", f"pass@{k}", f"maj@{k}", "truncated"):
+        assert 0.0 <= entry[key] <= 1.0, (key, entry)
+    assert entry[f"avg@{k}"] <= entry[f"pass@{k}"]
+
+
+def test_cli_eval_end_to_end(
+    random_model: Path, eval_parquet: Path, tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "reports" / "r.json"
+    args = ["eval", str(random_model), "--data", str(eval_parquet), "--max-tokens", "8"]
+    assert main([*args, "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "3 problems, each repeated 4 times" in printed
+    assert "avg@4" in printed and "overall" in printed
+
+    report = json.loads(out.read_text())
+    for key in ("model", "data", "temperature", "top_p", "seconds", "dropped_too_long"):
+        assert key in report
+    assert report["k"] == 4  # defaults to the repeat count
+    assert report["problems"] == 3 and report["samples"] == 12
+    assert report["max_tokens"] == 8 and report["top_p"] == 0.7
+    assert report["dropped_too_long"] == 0
+    _check_metrics(report["overall"], 4)
+    assert set(report["by_source"]) == {"src_a", "src_b"}
+    assert [report["by_source"][s]["problems"] for s in ("src_a", "src_b")] == [2, 1]
+    for entry in report["by_source"].values():
+        _check_metrics(entry, 4)
+
+
+def test_cli_eval_options_and_default_output(
+    random_model: Path, eval_parquet: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from dapo.builtin import build_tokenizer
+    from dapo.data import load_records, render_prompt
+
+    monkeypatch.chdir(tmp_path)
+    records, _ = load_records(str(eval_parquet), dedupe=False)
+    tok = build_tokenizer()
+    lengths = [
+        len(tok(render_prompt(r, tok), add_special_tokens=False)["input_ids"]) for r in records[:3]
+    ]
+    # a prompt budget that fits the two shorter problems only: the longest is dropped
+    budget = sorted(lengths)[1]
+    assert budget < max(lengths)
+    args = ["eval", str(random_model), "--data", str(eval_parquet), "--max-tokens", "4"]
+    assert main([*args, "--k", "2", "--max-prompt-length", str(budget), "--seed", "3"]) == 0
+    report = json.loads((tmp_path / "rand-tiny-eval.json").read_text())
+    assert report["k"] == 2 and "avg@2" in report["overall"]
+    assert report["problems"] == 2 and report["samples"] == 4
+    assert report["dropped_too_long"] == 1
+    assert "dropped 1 of 3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--k", "0"], "--k must be >= 1"),
+        (["--engine", "nope"], "unknown engine 'nope'"),
+        (["--top-p", "0"], "--top-p"),
+    ],
+)
+def test_cli_eval_bad_options_exit_2(
+    random_model: Path, eval_parquet: Path, capsys, extra: list[str], message: str
+) -> None:
+    assert main(["eval", str(random_model), "--data", str(eval_parquet), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_cli_eval_missing_and_malformed_data_exit_2(
+    random_model: Path, tmp_path: Path, capsys
+) -> None:
+    missing = tmp_path / "no-such-set.parquet"
+    assert main(["eval", str(random_model), "--data", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "not found" in err
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "hi", "reward_model": {"ground_truth": None}}) + "\n")
+    assert main(["eval", str(random_model), "--data", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "row 0" in err and "ground truth is None" in err
+
+    # --answer-key passes through to the loader
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"q": "What is 1+1?", "a": "2"}) + "\n")
+    out = tmp_path / "good.json"
+    cmd = ["eval", str(random_model), "--data", str(good), "--max-tokens", "2"]
+    assert main([*cmd, "--prompt-key", "q", "--answer-key", "a", "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["problems"] == 1
+
+
+def test_cli_eval_unavailable_engine_exit_2(
+    random_model: Path, eval_parquet: Path, tmp_path: Path, capsys
+) -> None:
+    args = ["eval", str(random_model), "--data", str(eval_parquet), "--engine", "vllm"]
+    assert main([*args, "--output", str(tmp_path / "x.json")]) == 2
+    assert "--engine vllm" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
