@@ -92,7 +92,7 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Group]:
-        gen = torch.Generator().manual_seed(params.seed)
+        gen = torch.Generator(device=next(self.model.parameters()).device).manual_seed(params.seed)
         per_call = max(1, self.batch_size // max(1, params.n))
         groups: list[Group] = []
         was_training = self.model.training
@@ -117,6 +117,8 @@ class HFEngine:
         for i, p in enumerate(prompts):  # left padding: every prompt ends at column width-1
             ids[i, width - len(p) :] = torch.tensor(p)
             attn[i, width - len(p) :] = 1
+        device = next(self.model.parameters()).device
+        ids, attn = ids.to(device), attn.to(device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = self.model(
@@ -133,7 +135,7 @@ class HFEngine:
         tokens: list[list[int]] = [[] for _ in range(total)]
         logps: list[list[float]] = [[] for _ in range(total)]
         finished = [False] * total
-        active = torch.arange(total)  # rows of the full batch still generating
+        active = torch.arange(total, device=device)  # rows of the full batch still generating
         for step in range(params.max_tokens):
             if params.temperature == 0:
                 tok = logits.argmax(-1)
@@ -156,7 +158,7 @@ class HFEngine:
             if keep.numel() < active.numel():  # finished rows stop costing compute
                 cache.batch_select_indices(keep)
                 active, tok, attn, next_pos = active[keep], tok[keep], attn[keep], next_pos[keep]
-            attn = torch.cat([attn, torch.ones((attn.shape[0], 1), dtype=attn.dtype)], dim=-1)
+            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=-1)
             out = self.model(
                 input_ids=tok[:, None],
                 attention_mask=attn,

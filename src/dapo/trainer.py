@@ -130,6 +130,8 @@ class Trainer:
             gradient_checkpointing=cfg.model.gradient_checkpointing,
         )
         self.model.train()
+        if torch.cuda.is_available():  # one GPU per rank; the CPU path is the tested one
+            self.model.to(f"cuda:{self.dist.local_rank}")
         self.ddp = None
         if self.dist.enabled:  # gradients are averaged across ranks by DDP
             from torch.nn.parallel import DistributedDataParallel

@@ -60,6 +60,18 @@ class Collated:
     loss_mask: torch.Tensor  # [b, R]
     response_len: int  # R
 
+    def to(self, device: torch.device) -> Collated:
+        if device.type == "cpu":
+            return self
+        return Collated(
+            self.input_ids.to(device), self.attention_mask.to(device), self.position_ids.to(device),
+            self.response_ids.to(device), self.loss_mask.to(device), self.response_len,
+        )
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
 
 def collate(samples: Sequence[Sample], pad_id: int) -> Collated:
     p = max(len(s.prompt_ids) for s in samples)
@@ -133,8 +145,9 @@ def compute_logprobs(
 ) -> list[torch.Tensor]:
     """Per-response log-probs of the sampled tokens under ``model`` (no grad)."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
+    device = device_of(model)
     for idx in micro_batches(samples, token_budget):
-        batch = collate([samples[i] for i in idx], pad_id)
+        batch = collate([samples[i] for i in idx], pad_id).to(device)
         logp = alg.token_logprobs(response_logits(model, batch, temperature), batch.response_ids)
         for j, i in enumerate(idx):
             out[i] = logp[j, : len(samples[i].response_ids)].clone()
@@ -245,7 +258,7 @@ def accumulate_gradients(
 
 def _zero_backward(ddp: torch.nn.Module, pad_id: int) -> None:
     """Join the gradient all-reduce with a zero gradient (a rank with nothing to train)."""
-    out = ddp(input_ids=torch.tensor([[pad_id]]), use_cache=False)
+    out = ddp(input_ids=torch.tensor([[pad_id]], device=device_of(ddp)), use_cache=False)
     (out.logits.sum() * 0.0).backward()
 
 
@@ -262,7 +275,7 @@ def _micro_step(
 ) -> GradStats:
     """Forward and backward of one micro-batch; its share of the mini-batch loss."""
     stats = GradStats()
-    batch = collate(chunk, pad_id)
+    batch = collate(chunk, pad_id).to(device_of(model))
     logits = response_logits(model, batch, settings.temperature)
     logp = alg.token_logprobs(logits, batch.response_ids)
     r = batch.response_len
@@ -270,7 +283,7 @@ def _micro_step(
     for j, s in enumerate(chunk):
         if s.old_logprobs is not None:
             old[j, : s.old_logprobs.numel()] = s.old_logprobs
-    adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype)
+    adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype, device=logp.device)
     loss, pstats = alg.policy_loss(
         logp,
         old,
@@ -285,7 +298,7 @@ def _micro_step(
     )
     pg_loss = loss.detach()
     if settings.beta > 0:
-        ref = pad_rows([s.ref_logprobs for s in chunk], r)
+        ref = pad_rows([s.ref_logprobs for s in chunk], r).to(logp.device)
         kl = alg.kl_penalty(logp, ref, settings.kl_estimator)
         kl_loss = alg.aggregate_loss(
             kl, batch.loss_mask, settings.loss_agg, num_tokens=denominator, max_len=settings.max_len
