@@ -3,11 +3,15 @@
 Each checkpoint is written into a temporary directory beside its final place, fsync-ed,
 then renamed into ``checkpoints/step_NNNNNN`` in one ``os.replace``. A crash at any moment
 leaves the previous checkpoints untouched and at most a stray ``.tmp-*`` directory, which
-the next save removes.
+the next save removes. Old checkpoints are pruned by renaming them out of the
+``step_*`` namespace first, so a crash while deleting never leaves a partial ``step_*``.
+If writing fails (a full disk, lost permissions), the temporary directory is removed and
+:class:`CheckpointError` says where and what to do; earlier checkpoints stay intact.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -18,6 +22,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+# A finished checkpoint moved aside while the same step is re-saved: it is restored if the
+# process died before the new one took its place.
+_OLD_DIR = re.compile(r"^\.tmp-old-(step_\d{6,})-\d+$")
+_FILES = ("model.safetensors", "optimizer.pt", "trainer_state.pt")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the directory and fix."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -36,6 +48,76 @@ def _fsync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
+def _recover(root: Path) -> None:
+    """Put back checkpoints moved aside by a re-save that a crash interrupted."""
+    for entry in root.iterdir():
+        m = _OLD_DIR.match(entry.name)
+        if m and entry.is_dir() and not (root / m.group(1)).exists():
+            os.replace(entry, root / m.group(1))
+
+
+def _remove(path: Path) -> None:
+    """Delete a directory so that no partial copy is ever visible under its name."""
+    doomed = path.with_name(f".tmp-del-{path.name}-{os.getpid()}")
+    try:
+        os.replace(path, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NO_PERMISSION = (errno.EACCES, errno.EPERM, errno.EROFS)
+# How torch.save and safetensors report a failed write (they do not raise OSError).
+_WRITE_FAILURE = ("os error", "inline_container", "PytorchStreamWriter", "file write failed")
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _write_error(root: Path, step: int, exc: BaseException, need: int) -> CheckpointError | None:
+    """A clear error for a failed checkpoint write, or None when it was not an I/O failure."""
+    code = getattr(exc, "errno", None)
+    if code is None and (m := re.search(r"os error (\d+)", str(exc))):
+        code = int(m.group(1))
+    try:
+        free: int | None = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    low = free is not None and free < need
+    io_failure = isinstance(exc, OSError) or any(s in str(exc) for s in _WRITE_FAILURE)
+    if not (io_failure or low):
+        return None
+    mb = 2**20
+    if code in _NO_SPACE or (code is None and low):
+        room = ""
+        if free is not None:
+            room = f" (a checkpoint needs about {need / mb:.0f} MiB, {free / mb:.0f} MiB are free)"
+        fix = (
+            f"No space left on the file system of {root}{room}. Free disk space, or choose "
+            "another output_dir with enough room, or lower checkpoint.keep_last"
+        )
+    elif code in _NO_PERMISSION:
+        fix = f"No permission to write in {root}. Make it writable, or choose another output_dir"
+    else:
+        fix = (
+            f"Check that {root} is a writable directory with free space, or choose another "
+            "output_dir"
+        )
+    return CheckpointError(
+        f"could not write the checkpoint of step {step} in {root} "
+        f"({type(exc).__name__}: {exc}). {fix}. Nothing partial was left behind and earlier "
+        "checkpoints are intact: continue with resume=true from the last complete one."
+    )
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -44,29 +126,44 @@ def save_checkpoint(
     state: dict[str, Any],
     keep_last: int = 2,
 ) -> Path:
-    """Write ``root/step_{step}`` atomically and prune all but the newest ``keep_last``."""
+    """Write ``root/step_{step}`` atomically and prune all but the newest ``keep_last``.
+
+    Raises :class:`CheckpointError` (caused by the underlying error) when the checkpoint
+    cannot be written, e.g. on a full disk: the temporary directory is removed first, so
+    earlier checkpoints are untouched and no partial checkpoint is left.
+    """
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    for stray in root.glob(".tmp-*"):
-        shutil.rmtree(stray, ignore_errors=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
-    tmp.mkdir()
-    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(_untie(weights), str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(state, tmp / "trainer_state.pt")
-    _fsync_tree(tmp)
-    if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-        old = root / f".tmp-old-{final.name}-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(root)
+    weights = _untie({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()})
+    opt_state = optimizer.state_dict()
+    need = _tensor_bytes(weights) + _tensor_bytes(opt_state["state"]) + 2**20
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _recover(root)
+        for stray in root.glob(".tmp-*"):
+            shutil.rmtree(stray, ignore_errors=True)
+        tmp.mkdir()
+        save_file(weights, str(tmp / "model.safetensors"))
+        torch.save(opt_state, tmp / "optimizer.pt")
+        torch.save(state, tmp / "trainer_state.pt")
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
+            old = root / f".tmp-old-{final.name}-{os.getpid()}"
+            os.replace(final, old)  # a crash from here to the next line: _recover restores it
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        error = _write_error(root, step, exc, need) if isinstance(exc, Exception) else None
+        if error is None:
+            raise
+        raise error from exc
     for old_ckpt in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old_ckpt, ignore_errors=True)
+        _remove(old_ckpt)
     return final
 
 
@@ -82,12 +179,26 @@ def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
+    """Complete checkpoints under ``root``, oldest first.
+
+    A checkpoint moved aside by an interrupted re-save (``.tmp-old-step_N-*`` with no
+    ``step_N``) counts as step N; the next save renames it back.
+    """
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    found: dict[int, Path] = {}
+    aside: dict[int, Path] = {}
+    for p in root.iterdir():
+        if not p.is_dir():
+            continue
+        if m := _STEP_DIR.match(p.name):
+            found[int(m.group(1))] = p
+        elif m := _OLD_DIR.match(p.name):
+            aside[int(m.group(1)[len("step_") :])] = p
+    for step, p in aside.items():
+        found.setdefault(step, p)
+    return [found[s] for s in sorted(found)]
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -98,20 +209,49 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 def load_checkpoint(
     path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> dict[str, Any]:
-    """Restore model (and optimizer) in place; return the trainer state."""
+    """Restore model (and optimizer) in place; return the trainer state.
+
+    Raises :class:`CheckpointError` naming the file when the checkpoint is incomplete or
+    unreadable, or does not match the model.
+    """
     path = Path(path)
-    weights = load_file(str(path / "model.safetensors"))
+    missing_files = [f for f in _FILES if not (path / f).is_file()]
+    if missing_files:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: {', '.join(missing_files)} missing. dapo never "
+            "writes partial checkpoints, so it was changed by hand or the disk lost data; "
+            "delete the directory to resume from the previous checkpoint."
+        )
+    weights = _read(path / "model.safetensors", lambda p: load_file(str(p)))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [m for m in missing if not _is_tied(model, m)]
     if missing or unexpected:
-        raise RuntimeError(
+        raise CheckpointError(
             f"checkpoint {path} does not match the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}; was it written for another model.name_or_path?"
         )
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    return torch.load(path / "trainer_state.pt", weights_only=False)
+        opt_state = _read(path / "optimizer.pt", lambda p: torch.load(p, weights_only=False))
+        try:
+            optimizer.load_state_dict(opt_state)
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(
+                f"checkpoint {path}: the optimizer state does not match the model's parameters "
+                f"({exc}); was it written for another model or optimizer setting?"
+            ) from exc
+    return _read(path / "trainer_state.pt", lambda p: torch.load(p, weights_only=False))
+
+
+def _read(file: Path, reader: Any) -> Any:
+    try:
+        return reader(file)
+    except Exception as exc:  # safetensors / pickle raise many kinds for a damaged file
+        raise CheckpointError(
+            f"could not read {file} ({type(exc).__name__}: {exc}); the file is damaged. "
+            f"Delete {file.parent} to resume from the previous checkpoint."
+        ) from exc
 
 
 def _is_tied(model: torch.nn.Module, name: str) -> bool:
-    return bool(getattr(model.config, "tie_word_embeddings", False)) and name.endswith("lm_head.weight")
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "tie_word_embeddings", False)) and name.endswith("lm_head.weight")

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"dapo: config error: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:
         print(f"dapo: error: {exc}", file=sys.stderr)
         return 1
 

@@ -340,7 +340,13 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     if tp is float:
         number = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            number = float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int beyond the float range
+                digits = int(value.bit_length() * math.log10(2)) + 1
+                raise ConfigError(
+                    f"`{path}` must be a finite number, got an integer of about {digits} digits"
+                ) from None
         elif isinstance(value, str):
             with contextlib.suppress(ValueError):
                 number = float(value)  # YAML 1.1 reads "1e-6" as a string
@@ -410,6 +416,17 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: what the parser expected, and where (1-based line and column)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(exc).split())
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}"
+    return f"{problem} at {where}" + (f" ({context})" if context else "")
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | dict[str, Any] | None = None,
@@ -421,9 +438,16 @@ def load_config(
         if not p.is_file():
             raise ConfigError(f"config file not found: {p} (give a YAML file path)")
         try:
-            file_data = yaml.safe_load(p.read_text()) or {}
+            file_data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {p} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                "give a YAML file"
+            ) from exc
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
+            raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(exc)}") from exc
+        except RecursionError as exc:
+            raise ConfigError(f"config file {p} is nested too deeply to be a config") from exc
         if not isinstance(file_data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of keys, got {file_data!r}")
     if isinstance(overrides, dict):
@@ -432,6 +456,10 @@ def load_config(
         dotted = dict(parse_override(o) for o in overrides or [])
     cli_data = _nest(dotted)
     preset = cli_data.get("preset", file_data.get("preset", "dapo"))
+    if not isinstance(preset, str):
+        raise ConfigError(
+            f"`preset` must be a preset name (a string), got {preset!r}; run `dapo presets`"
+        )
     if preset not in PRESETS:
         close = difflib.get_close_matches(str(preset), list(PRESETS), n=1)
         hint = f"did you mean `{close[0]}`? " if close else ""

@@ -68,7 +68,10 @@ class DataError(ValueError):
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # e.g. an int of more than 4300 digits
+        text = f"<{type(value).__name__} too large to show>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -130,7 +133,7 @@ def _missing_field_error(
         where,
         index,
         key,
-        f"missing; the row's top-level keys are {top}.{hint}",
+        f"missing; the row's top-level keys are {top}{'.' + hint if hint else ''}",
         f"pass {param}=<the right key> (dotted paths reach nested fields, "
         f"e.g. 'reward_model.ground_truth')",
     )
@@ -238,7 +241,12 @@ def _normalize_answer(value: Any, where: str, index: int, key: str) -> str:
             "store the answer as a string or number; check answer_key points at the answer",
         )
     if isinstance(value, int):
-        return str(value)
+        try:
+            return str(value)
+        except ValueError:  # more digits than Python converts to text
+            raise _row_error(
+                where, index, key, f"ground truth is an integer of {value.bit_length()} bits", fix
+            ) from None
     if isinstance(value, float):
         if not math.isfinite(value):
             raise _row_error(where, index, key, f"ground truth is {value}", fix)
@@ -271,8 +279,19 @@ def _canonical(prompt: str | list[dict[str, str]]) -> str:
     return "chat:" + json.dumps(prompt, ensure_ascii=False, separators=(",", ":"))
 
 
-def _uid(canonical: str) -> str:
-    return hashlib.sha1(canonical.encode("utf-8")).hexdigest()[:16]
+def _uid(canonical: str, where: str, index: int, key: str) -> str:
+    try:
+        data = canonical.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate, e.g. "\ud800" in a JSON file
+        raise _row_error(
+            where,
+            index,
+            key,
+            f"the prompt is not valid Unicode (it holds the lone surrogate "
+            f"{exc.object[exc.start]!r})",
+            "remove the broken character (often half of an emoji split by truncation)",
+        ) from None
+    return hashlib.sha1(data).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------- readers
@@ -311,17 +330,51 @@ def _iter_parquet(paths: list[Path]) -> _Located:
             ) from exc
 
 
+def _not_utf8(path: Path, exc: UnicodeDecodeError) -> DataError:
+    where = ""
+    with open(path, "rb") as fh:  # find the line (the text reader decodes ahead in chunks)
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as line_exc:
+                where = f" line {lineno}, byte {line_exc.start}:"
+                exc = line_exc
+                break
+    return DataError(
+        f"{path}:{where} not UTF-8 text ({exc.reason}).{_lfs_hint(path)} Fix: save the file "
+        "as UTF-8 (JSON text is UTF-8), or convert it to parquet."
+    )
+
+
+def _parse_json(text: str) -> Any:
+    """``json.loads``; every failure is a ``ValueError`` (too deep nesting too, and an
+    integer of more than 4300 digits)."""
+    try:
+        return json.loads(text)
+    except RecursionError as exc:
+        raise ValueError("nested too deeply") from exc
+
+
 def _iter_jsonl(path: Path) -> _Located:
-    index = 0
+    index = lineno = 0
     with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+        lines = iter(fh)
+        while True:
+            try:
+                line = next(lines)
+            except StopIteration:
+                break
+            except UnicodeDecodeError as exc:
+                raise _not_utf8(path, exc) from exc
+            lineno += 1
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
+                row = _parse_json(line)
+            except ValueError as exc:
+                msg = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
                 raise DataError(
-                    f"{path}: row {index} (line {lineno}): invalid JSON ({exc.msg}). "
+                    f"{path}: row {index} (line {lineno}): invalid JSON ({msg}). "
                     "Fix: each line must be one JSON object."
                 ) from exc
             if not isinstance(row, dict):
@@ -334,12 +387,15 @@ def _iter_jsonl(path: Path) -> _Located:
 
 
 def _iter_json(path: Path, split: str) -> _Located:
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        if exc.msg == "Extra data":  # several top-level values: JSON lines in a .json file
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(path, exc) from exc
+    try:
+        data = _parse_json(text)
+    except ValueError as exc:
+        if getattr(exc, "msg", None) == "Extra data":  # several values: JSON lines in a .json
             yield from _iter_jsonl(path)
             return
         raise DataError(
@@ -521,7 +577,7 @@ def _build(
         key = _dedupe_key(prompt)
         uid = uids.get(key)
         if uid is None:
-            uid = uids[key] = _uid(_canonical(prompt))
+            uid = uids[key] = _uid(_canonical(prompt), where, index, prompt_key)
         elif dedupe:
             stats.duplicates += 1
             continue
@@ -529,8 +585,16 @@ def _build(
         raw_source = _to_plain(_get_field(row, data_source_key))
         if raw_source is _MISSING or raw_source is None or raw_source == "":
             data_source = default_data_source
+        elif isinstance(raw_source, str):
+            data_source = raw_source
         else:
-            data_source = str(raw_source)
+            try:
+                data_source = str(raw_source)
+            except ValueError:  # an integer of more than 4300 digits
+                raise _row_error(
+                    where, index, data_source_key, "data source is too large to be a name",
+                    "store the data source as a short string",
+                ) from None
         extra = {
             k: v
             for k, v in row.items()

@@ -385,7 +385,11 @@ class Trainer:
                 skipped += 1
                 self.nonfinite_in_a_row += 1
                 if self.nonfinite_in_a_row >= t.max_nonfinite_updates:
-                    path = self.save()
+                    # With no update of this step applied, the weights are those of this
+                    # step's checkpoint, if there is one: keep it (it also holds the data
+                    # position and carry-over of the step boundary) rather than overwrite it.
+                    existing = self.out / "checkpoints" / f"step_{self.step:06d}"
+                    path = existing if not grad_norms and existing.is_dir() else self.save()
                     raise TrainingError(
                         f"{self.nonfinite_in_a_row} updates in a row had a non-finite loss "
                         f"or gradient (loss {stats.loss}, gradient norm {result.grad_norm}); "
@@ -448,6 +452,7 @@ class Trainer:
             "sampler": self.sampler.state_dict(),
             "summary": self.summary,
             "reward_failures": self.reward_failures,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "rng": {
                 "python": random.getstate(),
                 "torch": torch.get_rng_state(),
@@ -461,6 +466,7 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.summary = dict(state["summary"])
         self.reward_failures = state["reward_failures"]
+        self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
 
@@ -494,6 +500,7 @@ class Trainer:
                 resumed_from = self.step
                 self.log(f"resumed from {ckpt} (step {self.step})")
         elif latest_checkpoint(self.out / "checkpoints") is not None:
+            self.scorer.close()  # run() owns the reward workers: stop them on every exit
             raise TrainingError(
                 f"{self.out} already holds checkpoints of an earlier run; continue it with "
                 "resume=true, or choose another output_dir (nothing was overwritten)"
