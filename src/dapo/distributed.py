@@ -74,15 +74,6 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def all_reduce_max(value: int) -> int:
-    info = current()
-    if not info.enabled:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def barrier() -> None:
     if current().enabled:
         dist.barrier()
