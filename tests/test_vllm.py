@@ -374,3 +374,16 @@ def test_sync_every_two_updates_tis_and_resume(tmp_path, tiny_path):
     # Resumed from step 3: the engine starts from the resumed weights, not the initial ones.
     lines = train(tiny_path, out, "train.steps=4", "resume=true", *common)
     assert [x["rollout/logprob_mismatch"] for x in lines if x["step"] == 4][0] < 1e-5
+
+
+def test_vllm_with_several_ranks_is_refused(monkeypatch, tmp_path):
+    """vLLM runs colocated in one process; a torchrun job must be told to use `hf`."""
+    from dapo import distributed as D
+    from dapo.config import load_config
+    from dapo.trainer import Trainer, TrainingError
+
+    monkeypatch.setattr(D, "init_distributed", lambda: D.DistInfo(rank=0, world_size=2))
+    cfg = load_config(overrides=["rollout.engine=vllm", f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(TrainingError, match="rollout.engine=hf with torchrun"):
+        Trainer(cfg)
+    assert not (tmp_path / "run").exists()  # refused before anything was written

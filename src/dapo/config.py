@@ -66,6 +66,9 @@ class RolloutConfig:
     eval_temperature: float = 1.0
     eval_top_p: float = 1.0
     eval_num_generations: int = 1
+    vllm_sync_every: int = 1  # engine=vllm: push the policy's weights every k optimizer updates
+    vllm_gpu_memory_utilization: float = 0.3  # engine=vllm on a GPU: its share of the memory
+    vllm_sleep: bool = True  # engine=vllm on a GPU: free its memory while the trainer trains
 
 
 @dataclass
@@ -107,6 +110,7 @@ class AlgorithmConfig:
     overlong_penalty: bool = True  # soft overlong punishment
     overlong_buffer: int = 16  # L_cache in tokens
     overlong_penalty_factor: float = 1.0
+    tis_cap: float | None = None  # truncated importance sampling cap C (engine log-probs); None: off
 
 
 @dataclass
@@ -517,6 +521,15 @@ def validate(cfg: Config) -> None:
     _check(0 < r.eval_top_p <= 1, "rollout.eval_top_p", r.eval_top_p, "use a value in (0, 1]")
     _check(r.eval_temperature >= 0, "rollout.eval_temperature", r.eval_temperature, "use a value >= 0 (0 = greedy)")
     _check(r.eval_num_generations >= 1, "rollout.eval_num_generations", r.eval_num_generations, "use at least 1")
+    _check(r.vllm_sync_every >= 1, "rollout.vllm_sync_every", r.vllm_sync_every, "use at least 1 (every optimizer update)")
+    _check(
+        0 < r.vllm_gpu_memory_utilization <= 1,
+        "rollout.vllm_gpu_memory_utilization",
+        r.vllm_gpu_memory_utilization,
+        "use a share in (0, 1], e.g. 0.3",
+    )
+    if a.tis_cap is not None:
+        _check(a.tis_cap >= 1, "algorithm.tis_cap", a.tis_cap, "use a cap >= 1 (e.g. 2.0) or null")
     _check(r.max_completion_length >= 1, "rollout.max_completion_length", r.max_completion_length, "use at least 1")
     _check(r.generation_batch_size >= 1, "rollout.generation_batch_size", r.generation_batch_size, "use at least 1")
     _check(d.max_prompt_length >= 1, "data.max_prompt_length", d.max_prompt_length, "use at least 1")

@@ -114,6 +114,11 @@ class Trainer:
     def __init__(self, cfg: Config, log: Callable[[str], None] = print) -> None:
         self.cfg = cfg
         self.dist = D.init_distributed()
+        if cfg.rollout.engine != "hf" and self.dist.world_size > 1:
+            raise TrainingError(
+                f"`rollout.engine` = {cfg.rollout.engine!r} runs in one process only; "
+                f"this run has {self.dist.world_size} ranks: use rollout.engine=hf with torchrun"
+            )
         self.log = log if self.dist.is_main else (lambda _: None)
         self.out = Path(cfg.output_dir)
         _check_output_dir(self.out)
@@ -195,11 +200,18 @@ class Trainer:
             kl_estimator=cfg.algorithm.kl_estimator,
             temperature=cfg.rollout.temperature,
             max_len=cfg.rollout.max_completion_length,
+            tis_cap=cfg.algorithm.tis_cap,
         )
         self.step = 0
         self.summary: dict[str, Any] = {}
         self.reward_failures = 0
         self.nonfinite_in_a_row = 0
+        # A separate engine (vLLM) holds its own copy of the weights: they are pushed to it
+        # every `rollout.vllm_sync_every` optimizer updates, and its sampling log-probs are
+        # compared with (and can correct, `algorithm.tis_cap`) the trainer's.
+        self.separate_engine = cfg.rollout.engine != "hf"
+        self.engine_logprobs = self.separate_engine or cfg.algorithm.tis_cap is not None
+        self.updates_since_sync = 0
 
     # --- one rollout step -------------------------------------------------------------------
 
@@ -324,6 +336,8 @@ class Trainer:
             for resp, trunc, lp in zip(g.response_ids, g.truncated, g.sample_logprobs, strict=True):
                 keep = 0.0 if (a.overlong_filter and trunc) else 1.0
                 s = Sample(g.prompt_ids, resp, adv[k], [keep] * len(resp))
+                if self.engine_logprobs:
+                    s.sampling_logprobs = torch.tensor(lp)
                 if g.step < self.step and exact_sampling_logprobs:
                     # Carried over from an earlier step: the ratio is taken against the
                     # policy that generated it, whose log-probs the engine recorded.
@@ -349,11 +363,22 @@ class Trainer:
             for m in range(n_mini):
                 gids = order[m * t.mini_batch_size : (m + 1) * t.mini_batch_size]
                 plan.append((epoch, [g * g_size + j for g in gids for j in range(g_size)]))
+        # A separate engine sleeps while the trainer trains (level 2, its weights dropped,
+        # when they are replaced right after; no-op where sleeping is not supported).
+        sync = False
+        if self.separate_engine:
+            self.updates_since_sync += len(plan)
+            sync = self.updates_since_sync >= cfg.rollout.vllm_sync_every
+            engine_sleep = getattr(self.engine, "sleep", None)
+            if engine_sleep is not None and cfg.rollout.vllm_sleep:
+                engine_sleep(level=2 if sync else 1)
         # Log-probs are needed only for the samples this rank will train.
         mine = sorted({i for _, idx in plan for i in self._my_share(samples, idx)})
-        if not (n_mini == 1 and t.epochs == 1):
+        mismatch: dict[str, float] = {}
+        if not (n_mini == 1 and t.epochs == 1) or self.engine_logprobs:
             # The ratio is taken against the policy that produced the batch: this one, now.
             # (With one update per rollout step it is the policy being trained: ratio 1.)
+            # With a separate engine they are also compared with the engine's log-probs.
             todo = [i for i in mine if samples[i].old_logprobs is None]
             old = compute_logprobs(
                 self.model, [samples[i] for i in todo], pad_id=pad,
@@ -361,6 +386,8 @@ class Trainer:
             )
             for i, lp in zip(todo, old, strict=True):
                 samples[i].old_logprobs = lp
+            if self.engine_logprobs:
+                mismatch = _logprob_mismatch([samples[i] for i in todo])
         if self.ref_model is not None:
             ref = compute_logprobs(
                 self.ref_model, [samples[i] for i in mine], pad_id=pad,
@@ -416,8 +443,14 @@ class Trainer:
                 "actor/skipped_updates": float(skipped),
                 "train/loss_tokens": float(sum(sum(s.loss_mask) for s in samples)),
                 "train/stale_groups": float(sum(g.step < step for g in groups)),
+                **mismatch,
             }
         )
+        if sync:  # the engine samples the next batch with the weights just trained
+            t0 = time.perf_counter()
+            self.engine.load_weights(self.model.named_parameters())
+            self.updates_since_sync = 0
+            out["perf/weight_sync_s"] = time.perf_counter() - t0
         return out
 
     def _my_share(self, samples: list[Sample], idx: list[int]) -> list[int]:
@@ -471,8 +504,9 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"])
 
     def close(self) -> None:
-        """Stop the reward workers (``run`` does this itself)."""
+        """Stop the reward workers and release the engine (``run`` does this itself)."""
         self.scorer.close()
+        _close_engine(self.engine)
 
     def save(self) -> Path:
         """Rank 0 writes the checkpoint; the others wait for it."""
@@ -497,10 +531,12 @@ class Trainer:
                 self.log(f"resume=true but no checkpoint in {self.out / 'checkpoints'}; starting fresh")
             else:
                 self.load_state_dict(load_checkpoint(ckpt, self.model, self.optimizer))
+                self.engine.load_weights(self.model.named_parameters())  # the resumed policy
                 resumed_from = self.step
                 self.log(f"resumed from {ckpt} (step {self.step})")
         elif latest_checkpoint(self.out / "checkpoints") is not None:
             self.scorer.close()  # run() owns the reward workers: stop them on every exit
+            _close_engine(self.engine)
             raise TrainingError(
                 f"{self.out} already holds checkpoints of an earlier run; continue it with "
                 "resume=true, or choose another output_dir (nothing was overwritten)"
@@ -557,6 +593,7 @@ class Trainer:
         finally:
             logger.close()
             self.scorer.close()
+            _close_engine(self.engine)
         self.summary.update(
             {
                 "steps": self.step,
@@ -576,13 +613,46 @@ class Trainer:
 
 
 def make_engine(cfg: Config, model: torch.nn.Module, tokenizer: Any) -> RolloutEngine:
-    if cfg.rollout.engine == "hf":
-        return HFEngine(
-            model, tokenizer.eos_token_id, tokenizer.pad_token_id, cfg.rollout.generation_batch_size
-        )
+    r = cfg.rollout
+    if r.engine == "hf":
+        return HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.generation_batch_size)
+    if r.engine == "vllm":
+        from dapo.vllm_engine import VLLMEngine, VLLMEngineError, VLLMUnavailableError
+
+        try:
+            return VLLMEngine(
+                model,
+                tokenizer.eos_token_id,
+                tokenizer.pad_token_id,
+                max_model_len=cfg.data.max_prompt_length + r.max_completion_length,
+                max_num_seqs=r.generation_batch_size,
+                gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                enable_sleep_mode=None if r.vllm_sleep else False,  # None: on a GPU only
+                seed=cfg.seed,
+            )
+        except (VLLMUnavailableError, VLLMEngineError) as exc:
+            raise TrainingError(str(exc)) from exc
     raise TrainingError(
-        f"`rollout.engine` = {cfg.rollout.engine!r} is not available yet in this version; use `hf`"
+        f"`rollout.engine` = {r.engine!r} is not available in this version; use `hf` or `vllm`"
     )
+
+
+def _close_engine(engine: Any) -> None:
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
+def _logprob_mismatch(samples: list[Sample]) -> dict[str, float]:
+    """Mean |engine log-prob - trainer log-prob| over the response tokens (all ranks)."""
+    total, count = 0.0, 0
+    for s in samples:
+        if s.sampling_logprobs is None or s.old_logprobs is None:
+            continue
+        total += float((s.sampling_logprobs.to(s.old_logprobs) - s.old_logprobs).abs().sum())
+        count += len(s.response_ids)
+    total, n = D.all_reduce_sum([total, float(count)])
+    return {"rollout/logprob_mismatch": total / n} if n else {}
 
 
 def _check_output_dir(out: Path) -> None:

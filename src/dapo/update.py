@@ -29,6 +29,7 @@ class Sample:
     loss_mask: list[float]  # per response token; all 0 for a filtered (truncated) response
     old_logprobs: torch.Tensor | None = None  # [len(response_ids)], trainer's, no grad
     ref_logprobs: torch.Tensor | None = None
+    sampling_logprobs: torch.Tensor | None = None  # the rollout engine's, for tis_cap
 
     @property
     def length(self) -> int:
@@ -47,6 +48,7 @@ class LossSettings:
     kl_estimator: str = "k3"
     temperature: float = 1.0
     max_len: int = 1  # L_max, for seq-mean-token-sum-norm
+    tis_cap: float | None = None  # truncated importance sampling cap C; None disables
 
 
 @dataclass
@@ -176,6 +178,7 @@ STAT_KEYS = (
     "actor/gen_prob",
     "actor/entropy",
     "actor/kl_ref",
+    "actor/tis_weight",
 )
 
 
@@ -284,6 +287,15 @@ def _micro_step(
         if s.old_logprobs is not None:
             old[j, : s.old_logprobs.numel()] = s.old_logprobs
     adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype, device=logp.device)
+    tis = None
+    if settings.tis_cap is not None:
+        # Truncated importance sampling: the responses come from the rollout engine, whose
+        # distribution differs from the trainer's old policy (numerics, weights synced every
+        # k updates). Each token's loss is weighted by w = min(pi_old / pi_engine, C). w is
+        # positive and carries no gradient, so weighting the per-token advantage weights
+        # the clipped (and dual-clipped) surrogate itself: min(r A w, clip(r) A w) = w s.
+        tis = tis_weights(old, chunk, settings.tis_cap)
+        adv = adv[:, None] * tis
     loss, pstats = alg.policy_loss(
         logp,
         old,
@@ -313,10 +325,23 @@ def _micro_step(
     for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "ppo_kl"):
         stats.add(f"actor/{key}", float(pstats[key]), n_tok)
     stats.add("actor/gen_prob", alg.gen_prob(logp.detach(), batch.loss_mask).item(), n_tok)
+    if tis is not None:
+        stats.add("actor/tis_weight", alg.masked_mean(tis, batch.loss_mask).item(), n_tok)
     if with_entropy:
         ent = alg.entropy_from_logits(logits.detach(), entropy_chunk_size)
         stats.add("actor/entropy", alg.masked_mean(ent, batch.loss_mask).item(), n_tok)
     return stats
+
+
+def tis_weights(old: torch.Tensor, chunk: Sequence[Sample], cap: float) -> torch.Tensor:
+    """``min(exp(old - sampling), cap)`` per response token ``[b, R]``; 1 where a sample has
+    no engine log-probs (or on padding)."""
+    w = torch.ones_like(old)
+    for j, s in enumerate(chunk):
+        if s.sampling_logprobs is not None:
+            k = s.sampling_logprobs.numel()
+            w[j, :k] = torch.exp(old[j, :k] - s.sampling_logprobs.to(old)).clamp(max=cap)
+    return w
 
 
 @dataclass
