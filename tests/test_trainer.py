@@ -182,3 +182,34 @@ def test_trains_a_transformers_model_on_reference_parquet(tmp_path):
     rows_out = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows_out[0]["actor/grad_norm"] > 0
     assert (out / "final_model" / "model.safetensors").is_file()
+
+
+def test_sample_budget_stops_after_that_many_generated_responses(random_tiny_model, tmp_path):
+    """train.sample_budget counts every response generated, dropped groups included, and
+    the count survives a resume."""
+    import json
+
+    reward = f"reward.functions=[{{name: '{REWARDS}:by_answer_class', weight: 1.0}}]"
+    out = tmp_path / "run"
+    # 4 prompts x 4 responses per round; uniform groups force extra rounds.
+    budget = 40
+    cfg = small_config(random_tiny_model, out, reward, "train.steps=50", f"train.sample_budget={budget}",
+                       "checkpoint.save_every=1")
+    summary = Trainer(cfg, log=lambda _: None).run()
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "sampling/generated_groups" in r]
+    totals = [r["sampling/generated_samples_total"] for r in steps]
+    per_step = [4 * r["sampling/generated_groups"] for r in steps]
+    # The running total is the sum of what each step generated ...
+    assert totals == [sum(per_step[: i + 1]) for i in range(len(per_step))]
+    # ... and the run stopped at the first step that reached the budget.
+    assert totals[-1] >= budget and all(t < budget for t in totals[:-1])
+    assert summary["samples_generated"] == totals[-1] and summary["steps"] == len(steps) < 50
+    assert any(n > 16 for n in per_step)  # some step needed more than one round
+
+    # A resumed run with a larger budget continues the count instead of restarting it.
+    more = small_config(random_tiny_model, out, reward, "train.steps=50", "resume=true",
+                        f"train.sample_budget={totals[-1] + 1}")
+    resumed = Trainer(more, log=lambda _: None).run()
+    assert resumed["steps"] == len(steps) + 1
+    assert resumed["samples_generated"] > totals[-1]

@@ -132,6 +132,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     entropy_chunk_size: int = 1024
     max_nonfinite_updates: int = 3  # skipped (NaN/inf) updates in a row before stopping
+    sample_budget: int = 0  # stop once this many responses were generated (all rounds); 0: off
 
 
 @dataclass
@@ -551,6 +552,7 @@ def validate(cfg: Config) -> None:
     _check(t.max_grad_norm >= 0, "train.max_grad_norm", t.max_grad_norm, "use 0 (no clipping) or a positive norm")
     _check(0 <= t.adam_beta1 < 1, "train.adam_beta1", t.adam_beta1, "use a value in [0, 1)")
     _check(0 <= t.adam_beta2 < 1, "train.adam_beta2", t.adam_beta2, "use a value in [0, 1)")
+    _check(t.sample_budget >= 0, "train.sample_budget", t.sample_budget, "use 0 (no budget) or a count of responses")
     _check(t.max_nonfinite_updates >= 1, "train.max_nonfinite_updates", t.max_nonfinite_updates, "use at least 1")
     _check(t.entropy_chunk_size >= 1, "train.entropy_chunk_size", t.entropy_chunk_size, "use at least 1")
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "use a positive number of seconds")

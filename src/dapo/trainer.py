@@ -206,6 +206,7 @@ class Trainer:
         self.summary: dict[str, Any] = {}
         self.reward_failures = 0
         self.nonfinite_in_a_row = 0
+        self.samples_generated = 0  # every response generated, trained on or not
         # A separate engine (vLLM) holds its own copy of the weights: they are pushed to it
         # every `rollout.vllm_sync_every` optimizer updates, and its sampling log-probs are
         # compared with (and can correct, `algorithm.tis_cap`) the trainer's.
@@ -297,6 +298,7 @@ class Trainer:
             return scored
 
         batch, fill = self.sampler.fill(produce)
+        self.samples_generated += sum(g.size for g in generated)
         rewards = [x for g in generated for x in g.rewards]
         correct = [x for g in generated for x in g.correct]
         lengths = [len(x) for g in generated for x in g.response_ids]
@@ -317,6 +319,7 @@ class Trainer:
             "perf/gen_s": timing["gen"],
             "perf/score_s": timing["score"],
             "perf/rollout_tokens_per_s": timing["tokens"] / max(timing["gen"], 1e-9),
+            "sampling/generated_samples_total": float(self.samples_generated),
             **fill.as_metrics(),
         }
         return batch, m
@@ -486,6 +489,7 @@ class Trainer:
             "summary": self.summary,
             "reward_failures": self.reward_failures,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "samples_generated": self.samples_generated,
             "rng": {
                 "python": random.getstate(),
                 "torch": torch.get_rng_state(),
@@ -500,8 +504,14 @@ class Trainer:
         self.summary = dict(state["summary"])
         self.reward_failures = state["reward_failures"]
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
+        self.samples_generated = state.get("samples_generated", 0)
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
+
+    def budget_spent(self) -> bool:
+        """``train.sample_budget`` responses have been generated (0: no budget)."""
+        budget = self.cfg.train.sample_budget
+        return bool(budget) and self.samples_generated >= budget
 
     def close(self) -> None:
         """Stop the reward workers and release the engine (``run`` does this itself)."""
@@ -562,7 +572,7 @@ class Trainer:
                 ev = self.evaluate()
                 self.summary["accuracy_before"] = ev["acc"]
                 logger.message(f"held-out accuracy before training: {ev['acc']:.1%} ({ev['n']} samples)")
-            while self.step < cfg.train.steps:
+            while self.step < cfg.train.steps and not self.budget_spent():
                 t0 = time.perf_counter()
                 batch, metrics = self.rollout(self.step)
                 t1 = time.perf_counter()
@@ -574,7 +584,8 @@ class Trainer:
                 metrics["perf/step_s"] = t2 - t0
                 self.step += 1
                 every = cfg.logging.eval_every
-                if self.eval_records and every and self.step % every == 0 and self.step < cfg.train.steps:
+                last = self.step >= cfg.train.steps or self.budget_spent()  # evaluated below
+                if self.eval_records and every and self.step % every == 0 and not last:
                     metrics["val/acc"] = self.evaluate()["acc"]
                 logger.log(self.step, metrics)
                 if cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0:
@@ -597,6 +608,7 @@ class Trainer:
         self.summary.update(
             {
                 "steps": self.step,
+                "samples_generated": self.samples_generated,
                 "wall_seconds": round(time.time() - start, 1),
                 "preset": cfg.preset,
                 "resumed_from_step": resumed_from,
