@@ -111,7 +111,7 @@ def majority_correct(answers: Sequence[str | None], ground_truth: str) -> bool:
     return winner is not None and winner == normalize_final_answer(str(ground_truth))
 
 
-def _mean(values: Sequence[float]) -> float:
+def _mean_or_nan(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
@@ -176,12 +176,12 @@ def summarize(
     def entry(rows: list[tuple[str, float, float, float, float | None]]) -> dict[str, Any]:
         out: dict[str, Any] = {
             "problems": len(rows),
-            f"avg@{k}": _mean([r[1] for r in rows]),
-            f"pass@{k}": _mean([r[2] for r in rows]),
-            f"maj@{k}": _mean([r[3] for r in rows]),
+            f"avg@{k}": _mean_or_nan([r[1] for r in rows]),
+            f"pass@{k}": _mean_or_nan([r[2] for r in rows]),
+            f"maj@{k}": _mean_or_nan([r[3] for r in rows]),
         }
         if truncated is not None:
-            out["truncated"] = _mean([r[4] for r in rows if r[4] is not None])
+            out["truncated"] = _mean_or_nan([r[4] for r in rows if r[4] is not None])
         return out
 
     by_source = {
@@ -513,7 +513,7 @@ def run_evaluation(
             answers += a
             truncated += [list(g.truncated) for g in groups]
             lengths += [len(r) for g in groups for r in g.response_ids]
-            acc = _mean([sum(r) / len(r) for r in correct])
+            acc = _mean_or_nan([sum(r) / len(r) for r in correct])
             took = time.time() - start
             log(
                 f"  {len(correct)}/{len(records)} problems, avg@{k} so far {acc:.1%} ({took:.0f} s)"
@@ -545,7 +545,7 @@ def run_evaluation(
         "rows_in_data": problems.rows,
         "repeats_in_data": problems.repeats,
         "dropped_too_long": dropped,
-        "mean_response_length": _mean(lengths),
+        "mean_response_length": _mean_or_nan(lengths),
         "overall": {key: v for key, v in summary["overall"].items() if key != "problems"},
         "by_source": summary["by_source"],
         "seconds": round(time.time() - start, 1),
