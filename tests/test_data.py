@@ -26,7 +26,7 @@ from dapo.data import (
     render_prompt,
 )
 
-AIME = Path("/work/shared/data/aime-2024.parquet")
+AIME = Path(__file__).resolve().parents[2] / "shared" / "data" / "aime-2024.parquet"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

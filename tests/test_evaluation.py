@@ -354,9 +354,13 @@ def test_cli_eval_missing_and_malformed_data_exit_2(
 
 
 def test_cli_eval_unavailable_engine_exit_2(
-    random_model: Path, eval_parquet: Path, tmp_path: Path, capsys
+    random_model: Path, eval_parquet: Path, tmp_path: Path, capsys, monkeypatch
 ) -> None:
+    from dapo import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
     args = ["eval", str(random_model), "--data", str(eval_parquet), "--engine", "vllm"]
     assert main([*args, "--output", str(tmp_path / "x.json")]) == 2
-    assert "--engine vllm" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--engine vllm" in err and "pip install 'dapo[vllm]'" in err
     assert not (tmp_path / "x.json").exists()

@@ -387,3 +387,40 @@ def test_vllm_with_several_ranks_is_refused(monkeypatch, tmp_path):
     with pytest.raises(TrainingError, match="rollout.engine=hf with torchrun"):
         Trainer(cfg)
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_dapo_eval_with_vllm_matches_hf_greedy(tiny_path, tmp_path):
+    """`dapo eval --engine vllm` sizes the engine for the prompts and scores like `hf`."""
+    from dapo.cli import main
+
+    reports = {}
+    for engine in ("hf", "vllm"):
+        out = tmp_path / f"{engine}.json"
+        args = ["eval", str(tiny_path), "--data", "builtin:addition", "--max-problems", "40",
+                "--temperature", "0", "--k", "1", "--max-tokens", "64", "--engine", engine]
+        assert main([*args, "--output", str(out)]) == 0
+        reports[engine] = json.loads(out.read_text())
+    hf, vl = reports["hf"]["overall"], reports["vllm"]["overall"]
+    assert reports["hf"]["problems"] == reports["vllm"]["problems"] == 40
+    assert 0.2 < hf["avg@1"] < 1.0  # the warmed-up model: some right, some wrong
+    assert vl["avg@1"] == hf["avg@1"]
+    assert reports["vllm"]["mean_response_length"] == reports["hf"]["mean_response_length"]
+
+
+AIME = Path(__file__).resolve().parents[2] / "shared" / "data" / "aime-2024.parquet"
+
+
+@needs_vllm
+@pytest.mark.skipif(not AIME.exists(), reason="the shared AIME 2024 file is not beside the repo")
+def test_dapo_eval_with_vllm_fits_long_prompts(tiny_path, tmp_path):
+    """AIME prompts are up to ~800 character tokens: the engine's context must hold them."""
+    from dapo.cli import main
+
+    out = tmp_path / "aime.json"
+    args = ["eval", str(tiny_path), "--data", str(AIME), "--k", "1", "--max-tokens", "8",
+            "--engine", "vllm", "--output", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["problems"] == 30 and report["dropped_too_long"] == 0

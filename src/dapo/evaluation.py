@@ -338,7 +338,9 @@ def _engine_names() -> tuple[str, ...]:
     return tuple(a for a in typing.get_args(hint) if isinstance(a, str))
 
 
-def _make_engine(name: str, model: Any, tokenizer: Any, batch_size: int) -> RolloutEngine:
+def _make_engine(
+    name: str, model: Any, tokenizer: Any, batch_size: int, max_prompt: int, max_tokens: int
+) -> RolloutEngine:
     """The rollout engine, through the trainer's factory (same engines, same errors)."""
     from dapo.config import Config
     from dapo.trainer import TrainingError, make_engine
@@ -346,6 +348,8 @@ def _make_engine(name: str, model: Any, tokenizer: Any, batch_size: int) -> Roll
     cfg = Config()
     cfg.rollout.engine = name  # type: ignore[assignment]
     cfg.rollout.generation_batch_size = batch_size
+    cfg.data.max_prompt_length = max_prompt  # vLLM sizes its context from these
+    cfg.rollout.max_completion_length = max_tokens
     try:
         return make_engine(cfg, model, tokenizer)
     except TrainingError as exc:
@@ -486,7 +490,8 @@ def run_evaluation(
     records = [records[i] for i in kept]
     prompt_ids = [all_ids[i] for i in kept]
 
-    rollout = _make_engine(engine, policy, tokenizer, batch_size)
+    longest = max(map(len, prompt_ids))
+    rollout = _make_engine(engine, policy, tokenizer, batch_size, longest, max_tokens)
     scorer = RewardScorer()
     correct: list[list[bool]] = []
     answers: list[list[str | None]] = []
