@@ -34,11 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _models import EOS, PAD, random_llama  # benchmarks/_models.py (run as a script)
 
 from dapo.builtin import addition_records, build_tokenizer
 from dapo.rollout import HFEngine, SamplingParams
-
-EOS, PAD = 1, 0
 
 
 def tiny_model() -> torch.nn.Module:
@@ -48,23 +47,7 @@ def tiny_model() -> torch.nn.Module:
 
 
 def model_100m(seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        bos_token_id=EOS,
-    )
-    return LlamaForCausalLM(config).float()
+    return random_llama(seed)  # the default shape of benchmarks/_models.py
 
 
 MODELS = {"tiny": tiny_model, "100m": model_100m}
