@@ -2,7 +2,8 @@
 
 Launch with ``torchrun --nproc_per_node N -m dapo train ...``; without torchrun everything
 here degrades to a single process. Ranks exchange small Python objects (scored groups,
-metric sums) with the object collectives, and gradients through DDP.
+metric sums) with the object collectives, and gradients through DDP or FSDP2
+(``dapo.sharding``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,15 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
+
+
+def all_reduce_max(value: int) -> int:
+    """The largest ``value`` over ranks."""
+    if not current().enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def barrier() -> None:
