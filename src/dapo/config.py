@@ -132,6 +132,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     entropy_chunk_size: int = 1024
     max_nonfinite_updates: int = 3  # skipped (NaN/inf) updates in a row before stopping
+    # Under torchrun: shard parameters with FSDP2 or replicate them with DDP; auto = fsdp
+    # where fully_shard works on this platform, else ddp.
+    data_parallel: Literal["auto", "fsdp", "ddp"] = "auto"
 
 
 @dataclass
