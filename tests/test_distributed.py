@@ -178,3 +178,10 @@ def test_two_rank_run_resumes_from_its_checkpoint(
     for name, value in plain.state_dict().items():
         assert torch.equal(final.state_dict()[name], value), name
     assert any(not torch.equal(start[n], v) for n, v in plain.state_dict().items())
+    if mode == "fsdp":  # resuming loses nothing: the same state as an uninterrupted run
+        whole = tmp_path / "whole"
+        torchrun(*[a.replace(str(out), str(whole)) for a in common], "train.steps=3",
+                 "train.data_parallel=fsdp", cwd=tmp_path)
+        for name in ("model.safetensors", "optimizer.pt"):
+            resumed = (out / "checkpoints" / "step_000003" / name).read_bytes()
+            assert (whole / "checkpoints" / "step_000003" / name).read_bytes() == resumed, name
