@@ -1,10 +1,12 @@
 """Rollout-step time with 1 and 2 data-parallel ranks on this machine.
 
 Runs the same short training (builtin:tiny, dynamic sampling off so every step does the
-same work) once as a single process and once under torchrun with 2 gloo ranks, and
-prints the median seconds per rollout step of each and their ratio.
+same work) once as a single process and once under torchrun with 2 gloo ranks (DDP, or
+FSDP2 with ``--data-parallel fsdp``), and prints the median seconds per rollout step of
+each and their ratio.
 
-    python benchmarks/bench_ddp.py [--steps 8] [--output benchmarks/results/ddp.json]
+    python benchmarks/bench_ddp.py [--steps 8] [--data-parallel ddp|fsdp]
+                                   [--output benchmarks/results/ddp.json]
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import time
 from pathlib import Path
 
 
-def run(ranks: int, steps: int, out: Path, threads: int) -> list[float]:
+def run(ranks: int, steps: int, out: Path, threads: int, data_parallel: str) -> list[float]:
     args = [
         "-m", "dapo", "train", f"output_dir={out}", f"train.steps={steps}",
+        f"train.data_parallel={data_parallel}",
         "algorithm.dynamic_sampling=false", "evaluate=false", "logging.tensorboard=false",
         "logging.console=false", "checkpoint.save_every=0", "checkpoint.save_final_model=false",
     ]
@@ -41,6 +44,7 @@ def run(ranks: int, steps: int, out: Path, threads: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--data-parallel", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument("--output", default="benchmarks/results/ddp.json")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
@@ -48,7 +52,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in (1, 2):
             t0 = time.time()
-            times = run(ranks, args.steps, Path(tmp) / f"r{ranks}", max(1, cores // ranks))
+            threads = max(1, cores // ranks)
+            times = run(ranks, args.steps, Path(tmp) / f"r{ranks}", threads, args.data_parallel)
             results[ranks] = {
                 "median_step_s": statistics.median(times),
                 "steps_s": times,
@@ -65,6 +70,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {cores} cores",
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "results": results,
+        "data_parallel": args.data_parallel,
         "speedup_2_ranks": ratio,
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """Run under ``python -m torch.distributed.run --nproc_per_node 2`` by tests/test_distributed.py.
 
 Modes:
-  step OUT          one optimizer step on a fixed mini-batch; rank 0 saves the parameters
+  step DP OUT       one optimizer step on a fixed mini-batch with DP (ddp or fsdp; single:
+                    no wrapper); rank 0 saves the parameters and each rank's share of them
   dynamic MODEL OUT a short training run with uniform groups; each rank records what it trained
 """
 
@@ -36,21 +37,86 @@ def fixed_batch():
     return samples
 
 
-def one_step(use_ddp: bool) -> dict[str, torch.Tensor]:
+TOKEN_BUDGET = 70  # ranks get different numbers of micro-batches (2 and 3)
+
+
+def _model_and_optimizer(data_parallel: str):
+    """The seed-3 builtin model in float64, wrapped for ``data_parallel``, and its AdamW."""
+    from dapo import sharding
     from dapo.builtin import build_model, build_tokenizer
+
+    model = build_model(len(build_tokenizer()), seed=3).double()
+    model.train()
+    ddp = None
+    if data_parallel == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+    elif data_parallel == "fsdp":
+        sharding.shard_model(model, D.current())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    return model, ddp, opt
+
+
+def one_step(data_parallel: str, checkpoints: Path | None = None) -> dict:
+    """One optimizer step; the full parameters and optimizer state after it (on rank 0
+    under FSDP) and the number of parameter elements this rank holds.
+
+    With ``checkpoints`` the state is also saved there as a checkpoint and loaded back into
+    a fresh model and optimizer: ``reload_error`` is the largest difference.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from dapo.checkpoint import full_state, load_checkpoint, save_checkpoint
     from dapo.update import LossSettings, optimizer_step
 
     torch.set_num_threads(1)
-    model = build_model(len(build_tokenizer()), seed=3).double()
-    model.train()
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if use_ddp else None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    model, ddp, opt = _model_and_optimizer(data_parallel)
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     result = optimizer_step(
         model, opt, fixed_batch(), LossSettings(loss_agg="token-mean"),
-        pad_id=0, token_budget=150, max_grad_norm=1.0, ddp=ddp,
+        pad_id=0, token_budget=TOKEN_BUDGET, max_grad_norm=1.0, ddp=ddp,
     )
     assert result.applied
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    full = full_state(model, opt)
+    out = {"params": full.weights, "optimizer": full.optimizer, "local_numel": local,
+           "grad_norm": result.grad_norm}
+    if checkpoints is not None:
+        if D.current().is_main:
+            save_checkpoint(checkpoints, 1, model, opt, {"step": 1}, full=full)
+        D.barrier()
+        fresh, _, fresh_opt = _model_and_optimizer(data_parallel)
+        assert load_checkpoint(checkpoints / "step_000001", fresh, fresh_opt) == {"step": 1}
+        again = full_state(fresh, fresh_opt)
+        if D.current().is_main:
+            diffs = [(again.weights[k] - v).abs().max() for k, v in full.weights.items()]
+            for i, state in full.optimizer["state"].items():
+                loaded = again.optimizer["state"][i]
+                diffs += [(loaded[k] - v).abs().max() for k, v in state.items()]
+            assert again.optimizer["param_groups"] == full.optimizer["param_groups"]
+            out["reload_error"] = float(max(diffs))
+    return out
+
+
+def no_grad_passes_match(data_parallel: str) -> bool:
+    """Generation and log-prob passes of the wrapped model equal those of a plain copy.
+
+    The ranks sample different numbers of decoding steps and score different numbers of
+    samples (rank 1 none), which FSDP's per-layer all-gathers could not survive.
+    """
+    from dapo.rollout import HFEngine, SamplingParams
+    from dapo.update import compute_logprobs
+
+    rank = D.current().rank
+    model, _, _ = _model_and_optimizer(data_parallel)
+    plain, _, _ = _model_and_optimizer("single")
+    params = SamplingParams(n=2, max_tokens=4 + 9 * rank, seed=rank)
+    prompts = [[5, 6, 7], [8, 9]][: 2 - rank]
+    groups = [HFEngine(m, 1, 0).generate(prompts, params) for m in (model, plain)]
+    same = all(a.response_ids == b.response_ids and a.logprobs == b.logprobs
+               for a, b in zip(*groups, strict=True))
+    samples = fixed_batch()[: 3 * (1 - rank)]
+    logps = [compute_logprobs(m, samples, pad_id=0, temperature=1.0, token_budget=40)
+             for m in (model, plain)]
+    return same and all(torch.equal(a, b) for a, b in zip(*logps, strict=True))
 
 
 def main() -> None:
@@ -58,9 +124,12 @@ def main() -> None:
     info = D.init_distributed()
     assert info.world_size == 2, info
     if mode == "step":
-        params = one_step(use_ddp=True)
+        dp = sys.argv[2]
+        match = D.all_gather_objects(no_grad_passes_match(dp))
+        out = one_step(dp, Path(sys.argv[3]).parent / f"checkpoints-{dp}")
+        local = D.all_gather_objects(out["local_numel"])
         if info.is_main:
-            torch.save(params, sys.argv[2])
+            torch.save({**out, "local_numel": local, "no_grad_passes_match": match}, sys.argv[3])
     elif mode == "dynamic":
         from dapo.config import load_config
         from dapo.trainer import Trainer

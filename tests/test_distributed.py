@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,13 +33,33 @@ def test_balance_by_tokens_spreads_the_load() -> None:
     assert abs(loads[0] - loads[1]) <= 4
 
 
-def test_two_ranks_make_the_same_step_as_one_process(tmp_path: Path) -> None:
+def _dist_worker():
     sys.path.insert(0, str(HERE))
     try:
         import dist_worker
     finally:
         sys.path.remove(str(HERE))
-    # The ranks really hold different responses, with truncated ones among them.
+    return dist_worker
+
+
+@pytest.fixture(scope="module")
+def two_rank_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """One optimizer step on 2 ranks with each wrapper (ddp, fsdp), run once per module."""
+    tmp = tmp_path_factory.mktemp("steps")
+    results = {}
+    for mode in ("ddp", "fsdp"):
+        torchrun(str(HERE / "dist_worker.py"), "step", mode, str(tmp / f"{mode}.pt"), cwd=tmp)
+        results[mode] = torch.load(tmp / f"{mode}.pt")
+    return results
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_make_the_same_step_as_one_process(mode: str, two_rank_steps: dict) -> None:
+    from dapo.update import micro_batches
+
+    dist_worker = _dist_worker()
+    # The ranks really hold different responses, with truncated ones among them, and
+    # different numbers of micro-batches (FSDP pads the shorter rank with zero-loss passes).
     batch = dist_worker.fixed_batch()
     parts = D.balance_by_tokens([s.length for s in batch], 2)
     for part in parts:
@@ -46,19 +67,63 @@ def test_two_ranks_make_the_same_step_as_one_process(tmp_path: Path) -> None:
     assert any(sum(batch[i].loss_mask) == 0 for i in parts[0]) or any(
         sum(batch[i].loss_mask) == 0 for i in parts[1]
     )
-    out = tmp_path / "ddp.pt"
-    torchrun(str(HERE / "dist_worker.py"), "step", str(out), cwd=tmp_path)
-    two_ranks = torch.load(out)
+    counts = [len(micro_batches([batch[i] for i in p], dist_worker.TOKEN_BUDGET)) for p in parts]
+    assert counts[0] != counts[1]
+    two_ranks = two_rank_steps[mode]
     torch.set_num_threads(1)
-    single = dist_worker.one_step(use_ddp=False)
+    single = dist_worker.one_step("single")
     from dapo.builtin import build_model, build_tokenizer
 
     initial = build_model(len(build_tokenizer()), seed=3).double().state_dict()
     moved = 0.0
-    for name, value in single.items():
-        torch.testing.assert_close(two_ranks[name], value, atol=1e-5, rtol=0)
+    assert set(two_ranks["params"]) == set(single["params"])
+    for name, value in single["params"].items():
+        torch.testing.assert_close(two_ranks["params"][name], value, atol=1e-5, rtol=0)
         moved = max(moved, float((value - initial[name]).abs().max()))
     assert moved > 1e-4  # the step did change the weights
+    # The gradient norm (clipped to 1.0 here) is the global one on every rank.
+    assert two_ranks["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-9)
+    assert single["grad_norm"] > 1.0
+    # The checkpointed optimizer state has the single-process format and values, and the
+    # checkpoint loads back into a fresh (wrapped or sharded) model and optimizer.
+    assert two_ranks["optimizer"]["param_groups"] == single["optimizer"]["param_groups"]
+    assert two_ranks["optimizer"]["state"].keys() == single["optimizer"]["state"].keys()
+    for i, state in single["optimizer"]["state"].items():
+        for key, value in state.items():
+            got = two_ranks["optimizer"]["state"][i][key]
+            torch.testing.assert_close(got, value, atol=1e-5, rtol=0)
+    assert two_ranks["reload_error"] == 0.0
+
+
+def test_fsdp_shards_the_parameters(two_rank_steps: dict) -> None:
+    params = two_rank_steps["fsdp"]["params"]
+    full = sum(v.numel() for k, v in params.items() if k != "lm_head.weight")
+    local = two_rank_steps["fsdp"]["local_numel"]
+    assert sum(local) == full  # each element on exactly one rank (tied head counted once)
+    for n in local:
+        assert abs(n - full / 2) < 0.01 * full
+    ddp = two_rank_steps["ddp"]["local_numel"]
+    assert ddp == [full, full]  # DDP replicates
+
+
+def test_fsdp_generation_and_logprob_passes_match_a_plain_model(two_rank_steps: dict) -> None:
+    # Each rank decodes a different number of steps and scores a different number of
+    # samples (one rank none): the parameters are gathered once around these passes.
+    assert two_rank_steps["fsdp"]["no_grad_passes_match"] == [True, True]
+
+
+def test_fsdp_where_it_does_not_work_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dapo import sharding
+    from dapo.trainer import Trainer, TrainingError
+
+    monkeypatch.setattr(sharding, "fsdp_support", lambda info: "no reduce_scatter in gloo")
+    trainer = SimpleNamespace(dist=D.DistInfo(0, 2, 0, "gloo"), log=print, model=None)
+    with pytest.raises(TrainingError) as err:
+        Trainer._wrap_data_parallel(trainer, "fsdp")
+    assert str(err.value) == (
+        "`train.data_parallel` = 'fsdp', but FSDP2 sharding does not work on this platform: "
+        "no reduce_scatter in gloo. Use train.data_parallel=ddp (or auto)"
+    )
 
 
 def test_dynamic_sampling_is_global_across_ranks(random_tiny_model: Path, tmp_path: Path) -> None:
@@ -76,19 +141,47 @@ def test_dynamic_sampling_is_global_across_ranks(random_tiny_model: Path, tmp_pa
         assert a["trained_rows"] and b["trained_rows"]
 
 
-def test_two_rank_run_resumes_from_its_checkpoint(random_tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_rank_run_resumes_from_its_checkpoint(
+    mode: str, random_tiny_model: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "run"
     common = [
         "-m", "dapo", "train", f"model.name_or_path={random_tiny_model}", f"output_dir={out}",
         "train.prompts_per_step=4", "train.mini_batch_size=2", "rollout.num_generations=4",
         "rollout.max_completion_length=12", "algorithm.overlong_buffer=4",
-        "algorithm.dynamic_sampling=false", "evaluate=false", "logging.tensorboard=false",
-        "checkpoint.save_every=1",
+        "algorithm.dynamic_sampling=false", "logging.tensorboard=false",
+        "checkpoint.save_every=1", "train.micro_batch_tokens=60",
+        # A reference model (kept whole under FSDP) and one eval prompt: rank 1 has none.
+        "algorithm.beta=0.01", "evaluate=true", "data.max_eval_prompts=1",
     ]
-    torchrun(*common, "train.steps=2", cwd=tmp_path)
-    torchrun(*common, "train.steps=3", "resume=true", cwd=tmp_path)
+    # auto picks ddp on CPU (fsdp on GPUs); fsdp must be asked for here.
+    first_mode = "fsdp" if mode == "fsdp" else "auto"
+    first = torchrun(*common, "train.steps=2", f"train.data_parallel={first_mode}", cwd=tmp_path)
+    assert f"data parallel: {mode} (" in first.stdout
+    torchrun(*common, "train.steps=3", "resume=true", f"train.data_parallel={mode}", cwd=tmp_path)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
-    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "actor/loss" in r] == [1, 2, 3]
+    assert "accuracy_before" in summary and "accuracy_after" in summary
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    # The checkpoint and the final model hold full weights, which load into one process.
+    from transformers import AutoModelForCausalLM
+
+    from dapo.checkpoint import load_checkpoint
+
+    final = AutoModelForCausalLM.from_pretrained(out / "final_model")
+    plain = AutoModelForCausalLM.from_pretrained(random_tiny_model)
+    load_checkpoint(out / "checkpoints" / "step_000003", plain)
+    start = AutoModelForCausalLM.from_pretrained(random_tiny_model).state_dict()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(final.state_dict()[name], value), name
+    assert any(not torch.equal(start[n], v) for n, v in plain.state_dict().items())
+    if mode == "fsdp":  # resuming loses nothing: the same state as an uninterrupted run
+        whole = tmp_path / "whole"
+        torchrun(*[a.replace(str(out), str(whole)) for a in common], "train.steps=3",
+                 "train.data_parallel=fsdp", cwd=tmp_path)
+        for name in ("model.safetensors", "optimizer.pt"):
+            resumed = (out / "checkpoints" / "step_000003" / name).read_bytes()
+            assert (whole / "checkpoints" / "step_000003" / name).read_bytes() == resumed, name

@@ -7,6 +7,9 @@ the next save removes. Old checkpoints are pruned by renaming them out of the
 ``step_*`` namespace first, so a crash while deleting never leaves a partial ``step_*``.
 If writing fails (a full disk, lost permissions), the temporary directory is removed and
 :class:`CheckpointError` says where and what to do; earlier checkpoints stay intact.
+
+Tensors are stored whole whatever the sharding (one process, DDP or FSDP), in the format
+of ``model.state_dict()`` and ``optimizer.state_dict()``, so any of them resumes any other.
 """
 
 from __future__ import annotations
@@ -15,11 +18,20 @@ import errno
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from dapo.sharding import (
+    full_model_state,
+    full_optimizer_state,
+    is_fsdp,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 # A finished checkpoint moved aside while the same step is re-saved: it is restored if the
@@ -118,6 +130,20 @@ def _write_error(root: Path, step: int, exc: BaseException, need: int) -> Checkp
     )
 
 
+@dataclass
+class FullState:
+    """A model's and its optimizer's full (unsharded) state dicts, as a checkpoint holds them."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> FullState:
+    """The state to checkpoint. For an FSDP model every rank must call this (it gathers the
+    shards); rank 0 gets the state, the others empty dicts."""
+    return FullState(full_model_state(model), full_optimizer_state(model, optimizer))
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -125,8 +151,13 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     state: dict[str, Any],
     keep_last: int = 2,
+    *,
+    full: FullState | None = None,
 ) -> Path:
     """Write ``root/step_{step}`` atomically and prune all but the newest ``keep_last``.
+
+    ``full`` is :func:`full_state` of ``model`` and ``optimizer`` when the caller gathered
+    it already (FSDP, where all ranks gather and one writes).
 
     Raises :class:`CheckpointError` (caused by the underlying error) when the checkpoint
     cannot be written, e.g. on a full disk: the temporary directory is removed first, so
@@ -135,8 +166,10 @@ def save_checkpoint(
     root = Path(root)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
-    weights = _untie({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()})
-    opt_state = optimizer.state_dict()
+    if full is None:
+        full = full_state(model, optimizer)
+    weights = _untie({k: v.detach().contiguous().cpu() for k, v in full.weights.items()})
+    opt_state = full.optimizer
     need = _tensor_bytes(weights) + _tensor_bytes(opt_state["state"]) + 2**20
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -223,18 +256,29 @@ def load_checkpoint(
             "delete the directory to resume from the previous checkpoint."
         )
     weights = _read(path / "model.safetensors", lambda p: load_file(str(p)))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    sharded = is_fsdp(model)
+    if sharded:  # every rank holds the full tensors and keeps its shards of them
+        expected = set(model.state_dict())
+        missing = sorted(expected - set(weights))
+        unexpected = sorted(set(weights) - expected)
+    else:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [m for m in missing if not _is_tied(model, m)]
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {path} does not match the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}; was it written for another model.name_or_path?"
         )
+    if sharded:
+        load_full_model_state(model, weights)
     if optimizer is not None:
         opt_state = _read(path / "optimizer.pt", lambda p: torch.load(p, weights_only=False))
         try:
-            optimizer.load_state_dict(opt_state)
-        except (ValueError, KeyError) as exc:
+            if sharded:
+                load_full_optimizer_state(model, optimizer, opt_state)
+            else:
+                optimizer.load_state_dict(opt_state)
+        except (ValueError, KeyError, IndexError) as exc:
             raise CheckpointError(
                 f"checkpoint {path}: the optimizer state does not match the model's parameters "
                 f"({exc}); was it written for another model or optimizer setting?"

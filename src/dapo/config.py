@@ -133,6 +133,9 @@ class TrainConfig:
     entropy_chunk_size: int = 1024
     max_nonfinite_updates: int = 3  # skipped (NaN/inf) updates in a row before stopping
     sample_budget: int = 0  # stop once this many responses were generated (all rounds); 0: off
+    # Under torchrun: shard parameters with FSDP2 or replicate them with DDP; auto = fsdp on
+    # GPUs (where fully_shard works), ddp on CPU (faster there for models that fit).
+    data_parallel: Literal["auto", "fsdp", "ddp"] = "auto"
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Launch with ``torchrun --nproc_per_node N -m dapo train ...``; without torchrun everything
 here degrades to a single process. Ranks exchange small Python objects (scored groups,
-metric sums) with the object collectives, and gradients through DDP.
+metric sums) with the object collectives, and gradients through DDP or FSDP2
+(``dapo.sharding``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def init_distributed() -> DistInfo:
         return DistInfo()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        # With NCCL, CPU tensors (the float lists and objects gathered below) need gloo.
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if backend == "nccl" else backend)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
@@ -51,7 +53,8 @@ def current() -> DistInfo:
     """The :class:`DistInfo` of an already initialised process group (or a single process)."""
     if not (dist.is_available() and dist.is_initialized()):
         return DistInfo()
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), dist.get_backend())
+    backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), backend)
 
 
 def all_gather_objects(obj: Any) -> list[Any]:
@@ -72,6 +75,15 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
+
+
+def all_reduce_max(value: int) -> int:
+    """The largest ``value`` over ranks."""
+    if not current().enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def barrier() -> None:

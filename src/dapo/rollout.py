@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from dapo.sharding import full_params
+
 
 @dataclass
 class SamplingParams:
@@ -87,19 +89,25 @@ class HFEngine:
             for name, tensor in named_tensors:
                 if name not in params:
                     raise KeyError(f"load_weights: the engine's model has no parameter {name!r}")
-                if params[name].data_ptr() != tensor.data_ptr():
+                if tensor is not params[name] and params[name].data_ptr() != tensor.data_ptr():
                     params[name].copy_(tensor)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Group]:
+        """Sample ``params.n`` responses per prompt.
+
+        An FSDP-sharded model is gathered once for the whole call, as each rank runs its
+        own number of decoding steps: every rank must call this, with any number of prompts.
+        """
         gen = torch.Generator(device=next(self.model.parameters()).device).manual_seed(params.seed)
         per_call = max(1, self.batch_size // max(1, params.n))
         groups: list[Group] = []
         was_training = self.model.training
         self.model.eval()
         try:
-            for start in range(0, len(prompts), per_call):
-                groups.extend(self._generate(prompts[start : start + per_call], params, gen))
+            with full_params(self.model):
+                for start in range(0, len(prompts), per_call):
+                    groups.extend(self._generate(prompts[start : start + per_call], params, gen))
         finally:
             self.model.train(was_training)
         return groups

@@ -21,8 +21,9 @@ import torch
 
 from dapo import algorithms as alg
 from dapo import distributed as D
+from dapo import sharding
 from dapo.builtin import BUILTIN_DATA, addition_records
-from dapo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dapo.checkpoint import full_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from dapo.config import Config
 from dapo.data import PromptRecord, encode_prompts, load_records
 from dapo.evaluation import evaluate
@@ -137,14 +138,14 @@ class Trainer:
         self.model.train()
         if torch.cuda.is_available():  # one GPU per rank; the CPU path is the tested one
             self.model.to(f"cuda:{self.dist.local_rank}")
-        self.ddp = None
-        if self.dist.enabled:  # gradients are averaged across ranks by DDP
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.ddp = DistributedDataParallel(self.model)
         self.ref_model = None
         if cfg.algorithm.beta > 0:  # beta = 0 (DAPO) needs no reference model at all
+            # A plain copy on every rank, taken before the policy is sharded.
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.ddp = None
+        self.data_parallel = None
+        if self.dist.enabled:
+            self.data_parallel = self._wrap_data_parallel(cfg.train.data_parallel)
 
         ctx = context_length(self.model)
         need = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
@@ -213,6 +214,35 @@ class Trainer:
         self.separate_engine = cfg.rollout.engine != "hf"
         self.engine_logprobs = self.separate_engine or cfg.algorithm.tis_cap is not None
         self.updates_since_sync = 0
+
+    def _wrap_data_parallel(self, requested: str) -> str:
+        """Shard the policy with FSDP2 or replicate it with DDP; the one chosen.
+
+        Runs before the optimizer is created: with FSDP it must hold the sharded parameters.
+        """
+        where = f"{self.dist.world_size} ranks, {self.dist.backend}"
+        if requested == "auto" and not torch.cuda.is_available():
+            # FSDP2 works on CPU (train.data_parallel=fsdp), but its per-layer collectives
+            # made a step ~1.4x slower than DDP here: sharding pays off on accelerators.
+            requested = "ddp"
+        why_not = None if requested == "ddp" else sharding.fsdp_support(self.dist)
+        if requested != "ddp" and why_not is None:
+            sharding.shard_model(self.model, self.dist)
+            self.log(f"data parallel: fsdp (FSDP2 fully_shard, parameters sharded; {where})")
+            return "fsdp"
+        if requested == "fsdp":
+            raise TrainingError(
+                f"`train.data_parallel` = 'fsdp', but FSDP2 sharding does not work on this "
+                f"platform: {why_not}. Use train.data_parallel=ddp (or auto)"
+            )
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.ddp = DistributedDataParallel(self.model)
+        because = f"; fsdp does not work here: {why_not}" if why_not else ""
+        if self.cfg.train.data_parallel == "auto" and not torch.cuda.is_available():
+            because = "; auto uses fsdp on GPUs only, set train.data_parallel=fsdp to shard"
+        self.log(f"data parallel: ddp (parameters replicated; {where}{because})")
+        return "ddp"
 
     # --- one rollout step -------------------------------------------------------------------
 
@@ -477,7 +507,9 @@ class Trainer:
         )
         records = D.shard(self.eval_records, self.dist)
         ids = D.shard(self.eval_ids, self.dist)
-        ev = evaluate(self.engine, self.tokenizer, records, ids, self.scorer, params)
+        # Gathered here, not only in generate: a rank without eval prompts never generates.
+        with sharding.full_params(self.model):
+            ev = evaluate(self.engine, self.tokenizer, records, ids, self.scorer, params)
         correct, n = D.all_reduce_sum([ev["acc"] * ev["n"] if ev["n"] else 0.0, float(ev["n"])])
         return {**ev, "acc": correct / max(n, 1.0), "n": int(n)}
 
@@ -519,13 +551,15 @@ class Trainer:
         _close_engine(self.engine)
 
     def save(self) -> Path:
-        """Rank 0 writes the checkpoint; the others wait for it."""
+        """Rank 0 writes the checkpoint; the others wait for it (with FSDP, after gathering
+        the full weights and optimizer state for it)."""
         root = self.out / "checkpoints"
         path = root / f"step_{self.step:06d}"
+        full = full_state(self.model, self.optimizer)
         if self.dist.is_main:
             path = save_checkpoint(
                 root, self.step, self.model, self.optimizer, self.state_dict(),
-                keep_last=self.cfg.checkpoint.keep_last,
+                keep_last=self.cfg.checkpoint.keep_last, full=full,
             )
         D.barrier()
         return path
@@ -597,10 +631,12 @@ class Trainer:
             last = latest_checkpoint(self.out / "checkpoints")
             if last is None or last.name != f"step_{self.step:06d}":
                 self.save()
-            if cfg.checkpoint.save_final_model and main:
-                final = self.out / "final_model"
-                self.model.save_pretrained(final)
-                self.tokenizer.save_pretrained(final)
+            if cfg.checkpoint.save_final_model:
+                weights = sharding.pretrained_state(self.model)  # all ranks gather with FSDP
+                if main:
+                    final = self.out / "final_model"
+                    self.model.save_pretrained(final, state_dict=weights)
+                    self.tokenizer.save_pretrained(final)
         finally:
             logger.close()
             self.scorer.close()

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dapo import algorithms as alg
-from dapo.distributed import all_reduce_sum, balance_by_tokens, current
+from dapo import sharding
+from dapo.distributed import all_reduce_max, all_reduce_sum, balance_by_tokens, current
 
 
 @dataclass
@@ -145,14 +146,20 @@ def compute_logprobs(
     temperature: float,
     token_budget: int,
 ) -> list[torch.Tensor]:
-    """Per-response log-probs of the sampled tokens under ``model`` (no grad)."""
+    """Per-response log-probs of the sampled tokens under ``model`` (no grad).
+
+    An FSDP model is gathered once for all micro-batches (every rank must call this, with
+    any number of samples, even none).
+    """
     out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
     device = device_of(model)
-    for idx in micro_batches(samples, token_budget):
-        batch = collate([samples[i] for i in idx], pad_id).to(device)
-        logp = alg.token_logprobs(response_logits(model, batch, temperature), batch.response_ids)
-        for j, i in enumerate(idx):
-            out[i] = logp[j, : len(samples[i].response_ids)].clone()
+    with sharding.full_params(model):
+        for idx in micro_batches(samples, token_budget):
+            batch = collate([samples[i] for i in idx], pad_id).to(device)
+            logits = response_logits(model, batch, temperature)
+            logp = alg.token_logprobs(logits, batch.response_ids)
+            for j, i in enumerate(idx):
+                out[i] = logp[j, : len(samples[i].response_ids)].clone()
     return out
 
 
@@ -232,21 +239,33 @@ def accumulate_gradients(
 
     ``denominator`` is :func:`loss_denominator` of the whole mini-batch (over all ranks),
     so the gradient does not depend on how ``samples`` are split. ``scale`` multiplies the
-    loss (the world size, when the gradient all-reduce averages over ranks). Samples
+    loss (the world size, when the gradient reduction averages over ranks). Samples
     without ``old_logprobs`` use the current policy's (detached), i.e. ratio 1.
 
     With ``ddp`` (the DistributedDataParallel wrapper of ``model``) the forward passes go
     through it and only the last micro-batch's backward synchronises gradients, so each
     rank all-reduces exactly once whatever its number of micro-batches; a rank with no
     samples contributes a zero gradient.
+
+    An FSDP-sharded ``model`` gathers parameters in every forward and backward, so every
+    rank runs as many passes as the rank with the most micro-batches: the missing ones are
+    zero-loss passes that add nothing to the gradient. Gradients are reduce-scattered after
+    each pass and accumulate sharded (keeping a full-size gradient until the last pass
+    would give up FSDP's memory saving).
     """
     stats = GradStats()
     chunks = micro_batches(samples, token_budget)
+    fsdp = sharding.is_fsdp(model) and current().enabled
     if ddp is not None and not chunks:
         _zero_backward(ddp, pad_id)
         return stats
+    passes = all_reduce_max(len(chunks)) if fsdp else len(chunks)
     forward = ddp if ddp is not None else model
-    for n, idx in enumerate(chunks):
+    for n in range(passes):
+        if n >= len(chunks):
+            _zero_backward(model, pad_id)
+            continue
+        idx = chunks[n]
         sync = ddp is None or n == len(chunks) - 1
         with contextlib.nullcontext() if sync else ddp.no_sync():
             stats_chunk = _micro_step(forward, [samples[i] for i in idx], settings, pad_id=pad_id,
@@ -259,9 +278,13 @@ def accumulate_gradients(
     return stats
 
 
-def _zero_backward(ddp: torch.nn.Module, pad_id: int) -> None:
-    """Join the gradient all-reduce with a zero gradient (a rank with nothing to train)."""
-    out = ddp(input_ids=torch.tensor([[pad_id]], device=device_of(ddp)), use_cache=False)
+def _zero_backward(model: torch.nn.Module, pad_id: int) -> None:
+    """Forward and backward with a zero loss: the collectives of a pass, a zero gradient.
+
+    A rank with nothing (more) to train joins DDP's all-reduce or FSDP's all-gathers and
+    reduce-scatters this way.
+    """
+    out = model(input_ids=torch.tensor([[pad_id]], device=device_of(model)), use_cache=False)
     (out.logits.sum() * 0.0).backward()
 
 
@@ -370,9 +393,11 @@ def optimizer_step(
 
     Every rank passes the whole mini-batch; each trains the share that balances token
     counts across ranks. The loss denominator is the all-reduced global count, and the
-    loss is scaled by the world size because DDP averages gradients: the summed gradient
-    is the one a single process computes on the whole mini-batch. Non-finite gradients
-    are not applied (``applied=False``); the caller decides what to do.
+    loss is scaled by the world size because DDP and FSDP average gradients over ranks:
+    the summed gradient is the one a single process computes on the whole mini-batch.
+    ``model`` may be sharded with FSDP (``dapo.sharding``); then the gradient norm is
+    the global one over all shards. Non-finite gradients are not applied
+    (``applied=False``); the caller decides what to do.
     """
     info = current()
     mine: Sequence[Sample] = samples
@@ -386,14 +411,12 @@ def optimizer_step(
         with_entropy=with_entropy, scale=float(info.world_size), ddp=ddp if info.enabled else None,
     )
     params = [p for p in model.parameters() if p.grad is not None]
-    if max_grad_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    else:
-        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) if params else torch.tensor(0.0)
+    norm = sharding.grad_norm(params, max_grad_norm)
     if info.enabled:
         stats.all_reduce()
     applied = bool(torch.isfinite(norm)) and math.isfinite(stats.loss)
     if applied:
+        sharding.reshard(model)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(stats, float(norm), applied)
