@@ -23,17 +23,22 @@ def model() -> torch.nn.Module:
 
 
 def make_samples(seed: int = 0) -> list[Sample]:
-    """Prompts and responses of very different lengths; two responses masked as truncated."""
+    """Prompts and responses of very different lengths, some prompts with several responses
+    (groups, as in training: one prompt pass shared by the group); three responses masked as
+    truncated."""
     rng = random.Random(seed)
-    lengths = [(5, 40), (12, 1), (3, 17), (9, 60), (7, 2), (4, 33)]
-    truncated = {3, 4}
+    layout = [(5, [40]), (12, [1]), (3, [17]), (9, [60]), (7, [2]), (4, [33]),
+              (6, [1, 25, 55, 8]), (11, [3, 3, 44])]  # (prompt length, its response lengths)
+    truncated = {3, 4, 8}
     samples = []
-    for i, (lp, lr) in enumerate(lengths):
+    for lp, lrs in layout:
         prompt = [rng.randrange(3, 99) for _ in range(lp)]
-        resp = [rng.randrange(3, 99) for _ in range(lr)]
-        mask = [0.0 if i in truncated else 1.0] * lr
-        adv = rng.choice([-1.3, -0.4, 0.7, 1.1])
-        samples.append(Sample(prompt, resp, adv, mask))
+        for lr in lrs:
+            i = len(samples)
+            resp = [rng.randrange(3, 99) for _ in range(lr)]
+            mask = [0.0 if i in truncated else 1.0] * lr
+            adv = rng.choice([-1.3, -0.4, 0.7, 1.1])
+            samples.append(Sample(prompt, resp, adv, mask))
     return samples
 
 
@@ -180,3 +185,21 @@ def test_truncated_importance_sampling_weights_each_token(model) -> None:
         s.sampling_logprobs = s.old_logprobs.clone()
     torch.testing.assert_close(step_gradient(model, samples, settings, 10**6), plain,
                                atol=1e-5, rtol=1e-5)
+
+
+def test_micro_batches_keep_groups_together() -> None:
+    """The responses of one prompt share a micro-batch unless the group alone exceeds the budget."""
+    samples = make_samples()
+    group_of = [tuple(s.prompt_ids) for s in samples]
+    for budget in (70, 130, 250, 10**6):
+        for chunk in micro_batches(samples, budget):
+            for i in chunk:
+                members = [j for j in range(len(samples)) if group_of[j] == group_of[i]]
+                if max(samples[j].length for j in members) * len(members) <= budget:
+                    assert set(members) <= set(chunk)
+    # Budget 130: the 4-response group (244 padded tokens) is split, the 3-response one
+    # (longest 55 + 11 = 66, 198 tokens) too; at 250 both stay whole.
+    split = micro_batches(samples, 130)
+    assert sum(any(i in c for i in range(6, 10)) for c in split) > 1
+    whole = micro_batches(samples, 250)
+    assert sum(any(i in c for i in range(6, 10)) for c in whole) == 1

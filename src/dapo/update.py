@@ -117,20 +117,33 @@ def pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
 def micro_batches(samples: Sequence[Sample], token_budget: int) -> list[list[int]]:
     """Indices of samples split into micro-batches of at most ``token_budget`` padded tokens.
 
-    Samples are sorted by length first so that padding stays small; the split does not
-    change the result, only the memory and time it takes.
+    Samples are kept in groups (the responses of one prompt), so that a micro-batch
+    forwards each of its prompts once (:func:`response_logits`): groups sorted by their
+    longest sample fill the micro-batches one after the other, and a group is split only
+    when it alone exceeds the budget. Sorting by length keeps padding small. The split does
+    not change the result, only the memory and time it takes.
     """
-    order = sorted(range(len(samples)), key=lambda i: samples[i].length)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(tuple(s.prompt_ids), []).append(i)
+    members = [sorted(g, key=lambda i: samples[i].length) for g in groups.values()]
+    members.sort(key=lambda g: samples[g[-1]].length)
     chunks: list[list[int]] = []
     current: list[int] = []
     widest = 0
-    for i in order:
-        w = max(widest, samples[i].length)
-        if current and w * (len(current) + 1) > token_budget:
+    for group in members:
+        longest = samples[group[-1]].length
+        together = max(widest, longest) * (len(current) + len(group))
+        if current and longest * len(group) <= token_budget < together:
             chunks.append(current)
-            current, w = [], samples[i].length
-        current.append(i)
-        widest = w
+            current, widest = [], 0
+        for i in group:  # all at once unless the group alone exceeds the budget
+            w = max(widest, samples[i].length)
+            if current and w * (len(current) + 1) > token_budget:
+                chunks.append(current)
+                current, w = [], samples[i].length
+            current.append(i)
+            widest = w
     if current:
         chunks.append(current)
     return chunks
