@@ -17,7 +17,8 @@ from dapo import distributed as D
 
 
 def fixed_batch():
-    """Responses of very different lengths, two of them masked as truncated."""
+    """Responses of very different lengths, two of them masked as truncated, and groups of
+    responses to one prompt (trained with the shared prompt pass)."""
     import random
 
     from dapo.update import Sample
@@ -25,14 +26,16 @@ def fixed_batch():
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(1)
     lengths = [(5, 40), (12, 1), (3, 17), (9, 60), (7, 2), (4, 33), (6, 25), (8, 9)]
+    groups = [(10, [1, 30, 52, 30]), (4, [22, 5, 14])]  # (prompt length, response lengths)
     samples = []
-    for i, (lp, lr) in enumerate(lengths):
+    for lp, lrs in [(lp, [lr]) for lp, lr in lengths] + groups:
         prompt = [rng.randrange(3, 99) for _ in range(lp)]
-        resp = [rng.randrange(3, 99) for _ in range(lr)]
-        mask = [0.0 if i in (3, 6) else 1.0] * lr
-        s = Sample(prompt, resp, rng.choice([-1.3, -0.4, 0.7, 1.1]), mask)
-        s.old_logprobs = -4.6 + 0.5 * torch.randn(lr, generator=gen, dtype=torch.float64)
-        samples.append(s)
+        for lr in lrs:
+            resp = [rng.randrange(3, 99) for _ in range(lr)]
+            mask = [0.0 if len(samples) in (3, 6) else 1.0] * lr
+            s = Sample(prompt, resp, rng.choice([-1.3, -0.4, 0.7, 1.1]), mask)
+            s.old_logprobs = -4.6 + 0.5 * torch.randn(lr, generator=gen, dtype=torch.float64)
+            samples.append(s)
     return samples
 
 

@@ -46,6 +46,17 @@ def test_two_ranks_make_the_same_step_as_one_process(tmp_path: Path) -> None:
     assert any(sum(batch[i].loss_mask) == 0 for i in parts[0]) or any(
         sum(batch[i].loss_mask) == 0 for i in parts[1]
     )
+    # Some micro-batches forward a shared prompt once for several responses (the DDP forward
+    # is the prompt pass), others every sequence whole; the ranks' last ones differ so.
+    from dapo.update import micro_batches
+
+    shared = [
+        [len({tuple(batch[part[i]].prompt_ids) for i in c}) < len(c)
+         for c in micro_batches([batch[i] for i in part], 150)]
+        for part in parts
+    ]
+    assert any(map(any, shared)) and not all(map(all, shared))
+    assert shared[0][-1] != shared[1][-1]
     out = tmp_path / "ddp.pt"
     torchrun(str(HERE / "dist_worker.py"), "step", str(out), cwd=tmp_path)
     two_ranks = torch.load(out)
