@@ -18,7 +18,8 @@ from dapo import distributed as D
 
 
 def fixed_batch():
-    """Responses of very different lengths, two of them masked as truncated."""
+    """Responses of very different lengths, two of them masked as truncated, and groups of
+    responses to one prompt (trained with the shared prompt pass)."""
     import random
 
     from dapo.update import Sample
@@ -26,18 +27,23 @@ def fixed_batch():
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(1)
     lengths = [(5, 40), (12, 1), (3, 17), (9, 60), (7, 2), (4, 33), (6, 25), (8, 9)]
+    groups = [(10, [1, 30, 52, 30]), (4, [22, 5, 14])]  # (prompt length, response lengths)
     samples = []
-    for i, (lp, lr) in enumerate(lengths):
+    for lp, lrs in [(lp, [lr]) for lp, lr in lengths] + groups:
         prompt = [rng.randrange(3, 99) for _ in range(lp)]
-        resp = [rng.randrange(3, 99) for _ in range(lr)]
-        mask = [0.0 if i in (3, 6) else 1.0] * lr
-        s = Sample(prompt, resp, rng.choice([-1.3, -0.4, 0.7, 1.1]), mask)
-        s.old_logprobs = -4.6 + 0.5 * torch.randn(lr, generator=gen, dtype=torch.float64)
-        samples.append(s)
+        for lr in lrs:
+            resp = [rng.randrange(3, 99) for _ in range(lr)]
+            mask = [0.0 if len(samples) in (3, 6) else 1.0] * lr
+            s = Sample(prompt, resp, rng.choice([-1.3, -0.4, 0.7, 1.1]), mask)
+            s.old_logprobs = -4.6 + 0.5 * torch.randn(lr, generator=gen, dtype=torch.float64)
+            samples.append(s)
     return samples
 
 
-TOKEN_BUDGET = 70  # ranks get different numbers of micro-batches (2 and 3)
+# Micro-batch token budgets. fsdp: the ranks get different numbers of micro-batches (6 and
+# 5; FSDP pads the shorter rank). ddp: some micro-batches share a prompt pass and some do
+# not, and the ranks' last ones differ (DDP's one forward per micro-batch must still match).
+TOKEN_BUDGET = {"fsdp": 70, "ddp": 150, "single": 70}
 
 
 def _model_and_optimizer(data_parallel: str):
@@ -73,7 +79,7 @@ def one_step(data_parallel: str, checkpoints: Path | None = None) -> dict:
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     result = optimizer_step(
         model, opt, fixed_batch(), LossSettings(loss_agg="token-mean"),
-        pad_id=0, token_budget=TOKEN_BUDGET, max_grad_norm=1.0, ddp=ddp,
+        pad_id=0, token_budget=TOKEN_BUDGET[data_parallel], max_grad_norm=1.0, ddp=ddp,
     )
     assert result.applied
     full = full_state(model, opt)

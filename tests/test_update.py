@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from dapo.builtin import build_model, build_tokenizer
-from dapo.update import LossSettings, Sample, accumulate_gradients, loss_denominator, micro_batches
+from dapo.update import (
+    LossSettings,
+    Sample,
+    accumulate_gradients,
+    compute_logprobs,
+    loss_denominator,
+    micro_batches,
+    prompt_cache,
+    response_logits,
+)
 
 PAD = 0
 
@@ -23,17 +32,22 @@ def model() -> torch.nn.Module:
 
 
 def make_samples(seed: int = 0) -> list[Sample]:
-    """Prompts and responses of very different lengths; two responses masked as truncated."""
+    """Prompts and responses of very different lengths, some prompts with several responses
+    (groups, as in training: one prompt pass shared by the group); three responses masked as
+    truncated."""
     rng = random.Random(seed)
-    lengths = [(5, 40), (12, 1), (3, 17), (9, 60), (7, 2), (4, 33)]
-    truncated = {3, 4}
+    layout = [(5, [40]), (12, [1]), (3, [17]), (9, [60]), (7, [2]), (4, [33]),
+              (6, [1, 25, 55, 8]), (11, [3, 3, 44])]  # (prompt length, its response lengths)
+    truncated = {3, 4, 8}
     samples = []
-    for i, (lp, lr) in enumerate(lengths):
+    for lp, lrs in layout:
         prompt = [rng.randrange(3, 99) for _ in range(lp)]
-        resp = [rng.randrange(3, 99) for _ in range(lr)]
-        mask = [0.0 if i in truncated else 1.0] * lr
-        adv = rng.choice([-1.3, -0.4, 0.7, 1.1])
-        samples.append(Sample(prompt, resp, adv, mask))
+        for lr in lrs:
+            i = len(samples)
+            resp = [rng.randrange(3, 99) for _ in range(lr)]
+            mask = [0.0 if i in truncated else 1.0] * lr
+            adv = rng.choice([-1.3, -0.4, 0.7, 1.1])
+            samples.append(Sample(prompt, resp, adv, mask))
     return samples
 
 
@@ -77,11 +91,11 @@ def reference_gradient(model: torch.nn.Module, samples: list[Sample], settings: 
     return grads(model)
 
 
-def step_gradient(model, samples, settings, budget) -> torch.Tensor:
+def step_gradient(model, samples, settings, budget, shared_prompt: bool = True) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
     accumulate_gradients(
         model, samples, settings, pad_id=PAD, token_budget=budget,
-        denominator=loss_denominator(samples, settings),
+        denominator=loss_denominator(samples, settings), shared_prompt=shared_prompt,
     )
     return grads(model)
 
@@ -180,3 +194,109 @@ def test_truncated_importance_sampling_weights_each_token(model) -> None:
         s.sampling_logprobs = s.old_logprobs.clone()
     torch.testing.assert_close(step_gradient(model, samples, settings, 10**6), plain,
                                atol=1e-5, rtol=1e-5)
+
+
+def test_micro_batches_keep_groups_together() -> None:
+    """The responses of one prompt share a micro-batch unless the group alone exceeds the budget."""
+    samples = make_samples()
+    group_of = [tuple(s.prompt_ids) for s in samples]
+    for budget in (70, 130, 250, 10**6):
+        for chunk in micro_batches(samples, budget):
+            for i in chunk:
+                members = [j for j in range(len(samples)) if group_of[j] == group_of[i]]
+                if max(samples[j].length for j in members) * len(members) <= budget:
+                    assert set(members) <= set(chunk)
+    # Budget 130: the 4-response group (244 padded tokens) is split, the 3-response one
+    # (longest 55 + 11 = 66, 198 tokens) too; at 250 both stay whole.
+    split = micro_batches(samples, 130)
+    assert sum(any(i in c for i in range(6, 10)) for c in split) > 1
+    whole = micro_batches(samples, 250)
+    assert sum(any(i in c for i in range(6, 10)) for c in whole) == 1
+
+
+def _count_prompt_passes(model: torch.nn.Module) -> tuple[list[int], object]:
+    """Batch sizes of the forwards run with a fresh cache (the shared prompt passes)."""
+    seen: list[int] = []
+
+    def hook(_module, _args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if cache is not None and cache.get_seq_length() == 0:
+            seen.append(kwargs["input_ids"].shape[0])
+
+    return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_shared_prompt_forward_equals_full_sequences(model) -> None:
+    """One prompt pass per distinct prompt gives the log-probs and gradients of forwarding
+    every sample as prompt + response: prompts of different lengths in one micro-batch,
+    groups split across micro-batches, responses of length 1."""
+    samples = with_old_logprobs(make_samples(), seed=7)
+    settings = LossSettings(loss_agg="token-mean", temperature=0.7)
+    seen, handle = _count_prompt_passes(model)
+    try:
+        for budget in (10**6, 250, 130, 70):
+            chunks = micro_batches(samples, budget)
+            seen.clear()
+            full = compute_logprobs(model, samples, pad_id=PAD, temperature=0.7,
+                                    token_budget=budget, shared_prompt=False)
+            assert not seen
+            shared = compute_logprobs(model, samples, pad_id=PAD, temperature=0.7,
+                                      token_budget=budget)
+            repeated = [c for c in chunks if len({tuple(samples[i].prompt_ids) for i in c}) < len(c)]
+            assert len(seen) == len(repeated) > 0  # the shared path did run
+            for a, b in zip(full, shared, strict=True):
+                torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+            g_full = step_gradient(model, samples, settings, budget, shared_prompt=False)
+            g_shared = step_gradient(model, samples, settings, budget)
+            assert g_full.abs().max() > 1e-4
+            torch.testing.assert_close(g_shared, g_full, atol=1e-5, rtol=1e-5)
+    finally:
+        handle.remove()
+    # A micro-batch of length-1 responses: response token 0 is predicted by the prompt pass
+    # alone, and two prompt lengths share it.
+    ones = [s for s in make_samples() if len(s.response_ids) <= 3]
+    assert len({len(s.prompt_ids) for s in ones}) > 1 and min(len(s.response_ids) for s in ones) == 1
+    for group in (ones, [s for s in ones if len(s.response_ids) == 1] * 2):
+        a = response_logits(model, group, pad_id=PAD, temperature=1.0, shared_prompt=False)
+        b = response_logits(model, group, pad_id=PAD, temperature=1.0)
+        assert a.shape == b.shape
+        for j, s in enumerate(group):  # padding positions predict nothing
+            r = len(s.response_ids)
+            torch.testing.assert_close(b[j, :r], a[j, :r], atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_forward_in_float32() -> None:
+    """In float32 the two paths differ only by summation order."""
+    m = build_model(len(build_tokenizer()), seed=5)
+    m.train()
+    samples = make_samples(seed=8)
+    a = compute_logprobs(m, samples, pad_id=PAD, temperature=1.0, token_budget=250,
+                         shared_prompt=False)
+    b = compute_logprobs(m, samples, pad_id=PAD, temperature=1.0, token_budget=250)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_cache_only_where_the_cache_is_exact(model) -> None:
+    """Gradient checkpointing (its layers drop the cache in training) and sliding-window
+    attention (the cache keeps only part of the past) fall back to full sequences, exactly."""
+    import copy
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    assert prompt_cache(model) is not None
+    checkpointed = copy.deepcopy(model)
+    checkpointed.gradient_checkpointing_enable()
+    assert prompt_cache(checkpointed) is None
+    assert prompt_cache(checkpointed.eval()) is not None
+    checkpointed.train()
+    settings = LossSettings(loss_agg="token-mean")
+    samples = with_old_logprobs(make_samples(), seed=9)
+    torch.testing.assert_close(step_gradient(checkpointed, samples, settings, 250),
+                               step_gradient(model, samples, settings, 250, shared_prompt=False),
+                               atol=1e-5, rtol=1e-5)
+    sliding = MistralForCausalLM(MistralConfig(
+        vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
+    ))
+    assert prompt_cache(sliding) is None

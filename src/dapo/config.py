@@ -122,6 +122,7 @@ class TrainConfig:
     mini_batch_size: int = 16  # prompts per optimizer update
     epochs: int = 1  # passes over the rollout batch
     micro_batch_tokens: int = 16384  # token budget of one forward/backward (memory bound)
+    shared_prompt_forward: bool = True  # forward each prompt once per micro-batch, not per response
     lr: float = 1.5e-4
     lr_schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = 5  # in rollout steps

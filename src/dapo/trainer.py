@@ -416,6 +416,7 @@ class Trainer:
             old = compute_logprobs(
                 self.model, [samples[i] for i in todo], pad_id=pad,
                 temperature=cfg.rollout.temperature, token_budget=t.micro_batch_tokens,
+                shared_prompt=t.shared_prompt_forward,
             )
             for i, lp in zip(todo, old, strict=True):
                 samples[i].old_logprobs = lp
@@ -425,6 +426,7 @@ class Trainer:
             ref = compute_logprobs(
                 self.ref_model, [samples[i] for i in mine], pad_id=pad,
                 temperature=cfg.rollout.temperature, token_budget=t.micro_batch_tokens,
+                shared_prompt=t.shared_prompt_forward,
             )
             for i, lp in zip(mine, ref, strict=True):
                 samples[i].ref_logprobs = lp
@@ -438,6 +440,7 @@ class Trainer:
                 self.model, self.optimizer, [samples[i] for i in idx], self.loss_settings,
                 pad_id=pad, token_budget=t.micro_batch_tokens, max_grad_norm=t.max_grad_norm,
                 entropy_chunk_size=t.entropy_chunk_size, with_entropy=epoch == 0, ddp=self.ddp,
+                shared_prompt=t.shared_prompt_forward,
             )
             stats = result.stats
             if not result.applied:

@@ -12,12 +12,16 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from dapo import algorithms as alg
 from dapo import sharding
 from dapo.distributed import all_reduce_max, all_reduce_sum, balance_by_tokens, current
+
+if TYPE_CHECKING:
+    from transformers import Cache
 
 
 @dataclass
@@ -54,11 +58,8 @@ class LossSettings:
 
 @dataclass
 class Collated:
-    """A padded micro-batch: prompts left-padded to P, responses right-padded to R."""
+    """The targets of a micro-batch: responses right-padded to R."""
 
-    input_ids: torch.Tensor  # [b, P + R]
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
     response_ids: torch.Tensor  # [b, R]
     loss_mask: torch.Tensor  # [b, R]
     response_len: int  # R
@@ -66,10 +67,7 @@ class Collated:
     def to(self, device: torch.device) -> Collated:
         if device.type == "cpu":
             return self
-        return Collated(
-            self.input_ids.to(device), self.attention_mask.to(device), self.position_ids.to(device),
-            self.response_ids.to(device), self.loss_mask.to(device), self.response_len,
-        )
+        return Collated(self.response_ids.to(device), self.loss_mask.to(device), self.response_len)
 
 
 def device_of(model: torch.nn.Module) -> torch.device:
@@ -77,34 +75,140 @@ def device_of(model: torch.nn.Module) -> torch.device:
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> Collated:
-    p = max(len(s.prompt_ids) for s in samples)
     r = max(len(s.response_ids) for s in samples)
-    b = len(samples)
-    ids = torch.full((b, p + r), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, p + r), dtype=torch.long)
-    resp = torch.full((b, r), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, r))
+    resp = torch.full((len(samples), r), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), r))
     for i, s in enumerate(samples):
-        lp, lr = len(s.prompt_ids), len(s.response_ids)
-        ids[i, p - lp : p] = torch.tensor(s.prompt_ids)
-        ids[i, p : p + lr] = torch.tensor(s.response_ids)
-        attn[i, p - lp : p + lr] = 1
-        resp[i, :lr] = torch.tensor(s.response_ids)
-        mask[i, :lr] = torch.tensor(s.loss_mask)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    return Collated(ids, attn, pos, resp, mask, r)
+        resp[i, : len(s.response_ids)] = torch.tensor(s.response_ids)
+        mask[i, : len(s.response_ids)] = torch.tensor(s.loss_mask)
+    return Collated(resp, mask, r)
 
 
-def response_logits(model: torch.nn.Module, batch: Collated, temperature: float) -> torch.Tensor:
-    """Logits ``[b, R, V]`` that predict each response token (scaled by 1/temperature)."""
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        logits_to_keep=batch.response_len + 1,
-        use_cache=False,
-    )
-    logits = out.logits[:, :-1].float()
+def _left_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[n, P]`` left-padded to the longest row, and their attention mask."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row) :] = torch.tensor(row)
+            mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
+def _right_padded(
+    rows: Sequence[Sequence[int]], width: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``[n, width]`` right-padded (rows cut at ``width``), and their attention mask."""
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        k = min(len(row), width)
+        if k:
+            ids[i, :k] = torch.tensor(row[:k])
+            mask[i, :k] = 1
+    return ids, mask
+
+
+def prompt_cache(model: torch.nn.Module) -> Cache | None:
+    """An empty key/value cache to forward ``model``'s prompts into, or None if the model cannot
+    continue exactly from one (then every sample is forwarded as prompt + response).
+
+    The condition: a decoder-only transformers model that takes a ``DynamicCache`` whose layers
+    all keep every past key and value (full attention; not sliding-window, chunked or linear
+    attention layers, which keep only part of the past), and no gradient checkpointing while
+    training (checkpointed layers drop the cache).
+    """
+    config = getattr(model, "config", None)
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if config is None or getattr(config, "is_encoder_decoder", False) or not callable(supports):
+        return None
+    if not supports() or (model.training and getattr(model, "is_gradient_checkpointing", False)):
+        return None
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    layers = getattr(cache, "layers", [])
+    depth = getattr(config.get_text_config(decoder=True), "num_hidden_layers", len(layers))
+    if len(layers) != depth or any(type(layer) is not DynamicLayer for layer in layers):
+        return None
+    return cache
+
+
+def response_logits(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    *,
+    pad_id: int,
+    temperature: float,
+    shared_prompt: bool = True,
+    ddp: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """Logits ``[b, R, V]`` that predict each response token (scaled by 1/temperature).
+
+    When some prompt of ``samples`` has several responses (a group) and ``shared_prompt`` is
+    on, each distinct prompt is forwarded once (left-padded, with a cache), the cache is
+    expanded to its responses (an ``index_select``, so the gradient of every response flows
+    back into the one prompt pass) and the responses are forwarded on top of it with their
+    prompt's padding mask and positions. This is exact: a response token attends to the same
+    keys and values at the same positions (causal attention makes a prompt's states
+    independent of what follows it), only computed once per prompt instead of once per
+    response. Otherwise (no repeated prompt, the switch off, or a model that cannot continue
+    from a cache, see :func:`prompt_cache`) every sample is forwarded as prompt + response.
+
+    ``ddp`` (the DistributedDataParallel wrapper of ``model``) runs exactly one forward per
+    call, the prompt pass or the full one, as DDP expects one forward per backward (each
+    forward broadcasts buffers, a collective every rank must match). The response pass calls
+    ``model`` itself: its gradient reaches the same parameters in the same backward, which
+    DDP (``find_unused_parameters`` off) reduces once.
+    """
+    first_pass = ddp if ddp is not None else model
+    owner: dict[tuple[int, ...], int] = {}
+    index = [owner.setdefault(tuple(s.prompt_ids), len(owner)) for s in samples]
+    cache = prompt_cache(model) if shared_prompt and len(owner) < len(samples) else None
+    device = device_of(model)
+    r = max(len(s.response_ids) for s in samples)
+    if cache is None:
+        prompt_ids, prompt_mask = _left_padded([s.prompt_ids for s in samples], pad_id)
+        resp_ids, resp_mask = _right_padded([s.response_ids for s in samples], r, pad_id)
+        attn = torch.cat([prompt_mask, resp_mask], 1)
+        out = first_pass(
+            input_ids=torch.cat([prompt_ids, resp_ids], 1).to(device),
+            attention_mask=attn.to(device),
+            position_ids=(attn.cumsum(-1) - 1).clamp(min=0).to(device),
+            logits_to_keep=r + 1,
+            use_cache=False,
+        )
+        logits = out.logits[:, :-1]
+    else:
+        prompt_ids, prompt_mask = _left_padded(list(owner), pad_id)
+        prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        out = first_pass(
+            input_ids=prompt_ids.to(device),
+            attention_mask=prompt_mask.to(device),
+            position_ids=prompt_pos.to(device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        rows = torch.tensor(index, device=device)
+        logits = out.logits[:, -1:].index_select(0, rows)  # predicts response token 0
+        if r > 1:  # tokens 1..R-1, from response positions 0..R-2 (the last is no input)
+            cache = out.past_key_values
+            cache.reorder_cache(rows)  # index_select of each layer's keys and values
+            resp_ids, resp_mask = _right_padded([s.response_ids for s in samples], r - 1, pad_id)
+            attn = torch.cat([prompt_mask[index], resp_mask], 1)
+            pos = prompt_mask.sum(-1)[index, None] + torch.arange(r - 1)
+            rest = model(
+                input_ids=resp_ids.to(device),
+                attention_mask=attn.to(device),
+                position_ids=pos.to(device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = torch.cat([logits, rest.logits], 1)
+    logits = logits.float()
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -118,20 +222,33 @@ def pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
 def micro_batches(samples: Sequence[Sample], token_budget: int) -> list[list[int]]:
     """Indices of samples split into micro-batches of at most ``token_budget`` padded tokens.
 
-    Samples are sorted by length first so that padding stays small; the split does not
-    change the result, only the memory and time it takes.
+    Samples are kept in groups (the responses of one prompt), so that a micro-batch
+    forwards each of its prompts once (:func:`response_logits`): groups sorted by their
+    longest sample fill the micro-batches one after the other, and a group is split only
+    when it alone exceeds the budget. Sorting by length keeps padding small. The split does
+    not change the result, only the memory and time it takes.
     """
-    order = sorted(range(len(samples)), key=lambda i: samples[i].length)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(tuple(s.prompt_ids), []).append(i)
+    members = [sorted(g, key=lambda i: samples[i].length) for g in groups.values()]
+    members.sort(key=lambda g: samples[g[-1]].length)
     chunks: list[list[int]] = []
     current: list[int] = []
     widest = 0
-    for i in order:
-        w = max(widest, samples[i].length)
-        if current and w * (len(current) + 1) > token_budget:
+    for group in members:
+        longest = samples[group[-1]].length
+        together = max(widest, longest) * (len(current) + len(group))
+        if current and longest * len(group) <= token_budget < together:
             chunks.append(current)
-            current, w = [], samples[i].length
-        current.append(i)
-        widest = w
+            current, widest = [], 0
+        for i in group:  # all at once unless the group alone exceeds the budget
+            w = max(widest, samples[i].length)
+            if current and w * (len(current) + 1) > token_budget:
+                chunks.append(current)
+                current, w = [], samples[i].length
+            current.append(i)
+            widest = w
     if current:
         chunks.append(current)
     return chunks
@@ -145,6 +262,7 @@ def compute_logprobs(
     pad_id: int,
     temperature: float,
     token_budget: int,
+    shared_prompt: bool = True,
 ) -> list[torch.Tensor]:
     """Per-response log-probs of the sampled tokens under ``model`` (no grad).
 
@@ -155,9 +273,10 @@ def compute_logprobs(
     device = device_of(model)
     with sharding.full_params(model):
         for idx in micro_batches(samples, token_budget):
-            batch = collate([samples[i] for i in idx], pad_id).to(device)
-            logits = response_logits(model, batch, temperature)
-            logp = alg.token_logprobs(logits, batch.response_ids)
+            chunk = [samples[i] for i in idx]
+            logits = response_logits(model, chunk, pad_id=pad_id, temperature=temperature,
+                                     shared_prompt=shared_prompt)
+            logp = alg.token_logprobs(logits, collate(chunk, pad_id).to(device).response_ids)
             for j, i in enumerate(idx):
                 out[i] = logp[j, : len(samples[i].response_ids)].clone()
     return out
@@ -234,6 +353,7 @@ def accumulate_gradients(
     scale: float = 1.0,
     on_micro_batch: Callable[[], None] | None = None,
     ddp: torch.nn.Module | None = None,
+    shared_prompt: bool = True,
 ) -> GradStats:
     """Backpropagate the mini-batch loss through ``model`` in micro-batches.
 
@@ -242,16 +362,18 @@ def accumulate_gradients(
     loss (the world size, when the gradient reduction averages over ranks). Samples
     without ``old_logprobs`` use the current policy's (detached), i.e. ratio 1.
 
-    With ``ddp`` (the DistributedDataParallel wrapper of ``model``) the forward passes go
-    through it and only the last micro-batch's backward synchronises gradients, so each
-    rank all-reduces exactly once whatever its number of micro-batches; a rank with no
-    samples contributes a zero gradient.
+    With ``ddp`` (the DistributedDataParallel wrapper of ``model``) each micro-batch runs one
+    forward through it (see :func:`response_logits`) and only the last micro-batch's
+    backward synchronises gradients, so each rank all-reduces exactly once whatever its
+    number of micro-batches; a rank with no samples contributes a zero gradient.
+    ``shared_prompt``: see :func:`response_logits`.
 
     An FSDP-sharded ``model`` gathers parameters in every forward and backward, so every
     rank runs as many passes as the rank with the most micro-batches: the missing ones are
     zero-loss passes that add nothing to the gradient. Gradients are reduce-scattered after
     each pass and accumulate sharded (keeping a full-size gradient until the last pass
-    would give up FSDP's memory saving).
+    would give up FSDP's memory saving). Each pass is then one whole-sequence forward
+    (no shared prompt), so that all ranks run the same collectives.
     """
     stats = GradStats()
     chunks = micro_batches(samples, token_budget)
@@ -260,7 +382,8 @@ def accumulate_gradients(
         _zero_backward(ddp, pad_id)
         return stats
     passes = all_reduce_max(len(chunks)) if fsdp else len(chunks)
-    forward = ddp if ddp is not None else model
+    if fsdp:  # a shared prompt adds a forward on some ranks only: keep the counts equal
+        shared_prompt = False
     for n in range(passes):
         if n >= len(chunks):
             _zero_backward(model, pad_id)
@@ -268,10 +391,11 @@ def accumulate_gradients(
         idx = chunks[n]
         sync = ddp is None or n == len(chunks) - 1
         with contextlib.nullcontext() if sync else ddp.no_sync():
-            stats_chunk = _micro_step(forward, [samples[i] for i in idx], settings, pad_id=pad_id,
+            stats_chunk = _micro_step(model, [samples[i] for i in idx], settings, pad_id=pad_id,
                                       denominator=denominator, scale=scale,
                                       entropy_chunk_size=entropy_chunk_size,
-                                      with_entropy=with_entropy)
+                                      with_entropy=with_entropy, ddp=ddp,
+                                      shared_prompt=shared_prompt)
         stats.merge(stats_chunk)
         if on_micro_batch is not None:
             on_micro_batch()
@@ -298,11 +422,14 @@ def _micro_step(
     scale: float,
     entropy_chunk_size: int,
     with_entropy: bool,
+    ddp: torch.nn.Module | None,
+    shared_prompt: bool,
 ) -> GradStats:
     """Forward and backward of one micro-batch; its share of the mini-batch loss."""
     stats = GradStats()
     batch = collate(chunk, pad_id).to(device_of(model))
-    logits = response_logits(model, batch, settings.temperature)
+    logits = response_logits(model, chunk, pad_id=pad_id, temperature=settings.temperature,
+                             shared_prompt=shared_prompt, ddp=ddp)
     logp = alg.token_logprobs(logits, batch.response_ids)
     r = batch.response_len
     old = logp.detach().clone()
@@ -388,6 +515,7 @@ def optimizer_step(
     entropy_chunk_size: int = 1024,
     with_entropy: bool = True,
     ddp: torch.nn.Module | None = None,
+    shared_prompt: bool = True,
 ) -> StepResult:
     """One exact optimizer step on a mini-batch, on one process or across data-parallel ranks.
 
@@ -409,6 +537,7 @@ def optimizer_step(
         model, mine, settings, pad_id=pad_id, token_budget=token_budget,
         denominator=denominator, entropy_chunk_size=entropy_chunk_size,
         with_entropy=with_entropy, scale=float(info.world_size), ddp=ddp if info.enabled else None,
+        shared_prompt=shared_prompt,
     )
     params = [p for p in model.parameters() if p.grad is not None]
     norm = sharding.grad_norm(params, max_grad_norm)
