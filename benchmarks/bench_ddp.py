@@ -23,12 +23,15 @@ import time
 from pathlib import Path
 
 
-def run(ranks: int, steps: int, out: Path, threads: int, data_parallel: str) -> list[float]:
+def run(
+    ranks: int, steps: int, out: Path, threads: int, data_parallel: str, extra: list[str]
+) -> list[float]:
     args = [
         "-m", "dapo", "train", f"output_dir={out}", f"train.steps={steps}",
         f"train.data_parallel={data_parallel}",
         "algorithm.dynamic_sampling=false", "evaluate=false", "logging.tensorboard=false",
         "logging.console=false", "checkpoint.save_every=0", "checkpoint.save_final_model=false",
+        *extra,
     ]
     if ranks == 1:
         cmd = [sys.executable, *args]
@@ -41,19 +44,21 @@ def run(ranks: int, steps: int, out: Path, threads: int, data_parallel: str) -> 
     return [r["perf/step_s"] for r in rows if "perf/step_s" in r][1:]  # first step warms up
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--data-parallel", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument("--output", default="benchmarks/results/ddp.json")
-    args = parser.parse_args()
+    parser.add_argument("extra", nargs="*", help="key.path=value overrides for both runs")
+    args = parser.parse_args(argv)
     cores = os.cpu_count() or 1
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in (1, 2):
             t0 = time.time()
             threads = max(1, cores // ranks)
-            times = run(ranks, args.steps, Path(tmp) / f"r{ranks}", threads, args.data_parallel)
+            times = run(ranks, args.steps, Path(tmp) / f"r{ranks}", threads, args.data_parallel,
+                        args.extra)
             results[ranks] = {
                 "median_step_s": statistics.median(times),
                 "steps_s": times,
@@ -76,6 +81,7 @@ def main() -> None:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2))
     print(f"written {args.output}")
+    return report
 
 
 if __name__ == "__main__":

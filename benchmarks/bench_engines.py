@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=256, help="sequences generated together")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--json", default="bench_engines.json", help="where to write the results")
+    ap.add_argument("--json", default="benchmarks/results/engines.json", help="where to write the results")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "results": rows,
     }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.json}")
     return report

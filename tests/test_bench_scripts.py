@@ -1,0 +1,50 @@
+"""Smoke tests of benchmarks/bench_ddp.py and bench_engines.py with tiny settings."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _import(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_bench_ddp_reports_both_runs(random_tiny_model, tmp_path, capsys):
+    out = tmp_path / "ddp.json"
+    report = _import("bench_ddp").main([
+        "--steps", "3", "--output", str(out), f"model.name_or_path={random_tiny_model}",
+        "train.prompts_per_step=2", "train.mini_batch_size=2", "rollout.num_generations=2",
+        "rollout.max_completion_length=6", "algorithm.overlong_buffer=2",
+    ])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    one, two = report["results"][1], report["results"][2]
+    assert len(one["steps_s"]) == len(two["steps_s"]) == 2  # 3 steps, the first dropped
+    assert all(t > 0 for t in one["steps_s"] + two["steps_s"])
+    assert report["speedup_2_ranks"] == pytest.approx(one["median_step_s"] / two["median_step_s"])
+    assert "speed-up with 2 ranks" in capsys.readouterr().out
+
+
+def test_bench_engines_counts_generated_tokens(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    out = tmp_path / "engines.json"
+    report = _import("bench_engines").main([
+        "--models", "tiny", "--prompts", "2", "--n", "2", "--max-tokens", "8",
+        "--repeats", "1", "--threads", "1", "--json", str(out),
+    ])
+    assert json.loads(out.read_text())["results"] == report["results"]
+    assert {r["engine"] for r in report["results"]} >= {"hf"}
+    for row in report["results"]:
+        # 2 prompts x 2 responses of at most 8 tokens each.
+        assert 4 <= row["tokens"] <= 2 * 2 * 8
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"], rel=0.05)
