@@ -10,11 +10,16 @@ every ``--eval-every`` rollout steps. The script prints a table of final held-ou
 final accuracy, and writes the figures to JSON and the learning curves to a PNG.
 
     python benchmarks/bench_ablation.py                      # 6 steps x 3 seeds (long)
+    python benchmarks/bench_ablation.py --jobs 2             # two runs at a time, 1 thread each
     python benchmarks/bench_ablation.py --presets grpo,dapo --seeds 0 --budget 2560
 
 Runs go to ``--runs-dir``; a run whose ``summary.json`` exists is not repeated, so an
 interrupted ladder continues where it stopped. ``--jobs 2`` trains two runs at once with
 one thread each (accuracy does not depend on it; wall time does).
+
+Clip-higher acts only when the policy moves between the sampling of a batch and its update,
+i.e. with several optimizer updates per rollout step (``--updates-per-step``; the paper made
+16). With one, the importance ratio is exactly 1 and the clip never binds.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ def train_run(preset: str, seed: int, args: argparse.Namespace, threads: int) ->
         sys.executable, "-m", "dapo", "train", f"preset={preset}", f"seed={seed}",
         f"output_dir={out}", f"model.name_or_path={args.model}",
         f"train.sample_budget={args.budget}", f"train.steps={math.ceil(args.budget / per_step)}",
-        f"train.prompts_per_step={args.prompts}", f"train.mini_batch_size={args.prompts}",
+        f"train.prompts_per_step={args.prompts}",
+        f"train.mini_batch_size={args.prompts // args.updates_per_step}",
         f"rollout.num_generations={args.generations}",
         f"logging.eval_every={args.eval_every}", f"data.max_eval_prompts={args.eval_prompts}",
         "logging.console=false", "logging.tensorboard=false",
@@ -74,8 +80,8 @@ def train_run(preset: str, seed: int, args: argparse.Namespace, threads: int) ->
     return out
 
 
-def curve(run: Path) -> dict[str, Any]:
-    """Held-out accuracy against rollout steps and generated samples, from one run."""
+def curve(run: Path, updates_per_step: int) -> dict[str, Any]:
+    """Held-out accuracy against gradient steps and generated samples, from one run."""
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     summary = json.loads((run / "summary.json").read_text())
     samples = {0: 0.0}
@@ -90,11 +96,12 @@ def curve(run: Path) -> dict[str, Any]:
             points = [p for p in points if p[0] != r["step"]] + [(r["step"], r["val/acc"])]
     points.sort()
     return {
-        "steps": [s for s, _ in points],
+        "steps": [s * updates_per_step for s, _ in points],  # gradient steps
         "samples": [samples.get(s, float("nan")) for s, _ in points],
         "acc": [a for _, a in points],
         "final_acc": summary["accuracy_after"],
-        "gradient_steps": summary["steps"],
+        "rollout_steps": summary["steps"],
+        "gradient_steps": summary["steps"] * updates_per_step,
         "samples_generated": summary["samples_generated"],
         "final_entropy": entropy[-1] if entropy else float("nan"),
         "final_response_length": length[-1] if length else float("nan"),
@@ -207,6 +214,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--budget", type=int, default=10240, help="generated responses per run")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per rollout step")
     parser.add_argument("--generations", type=int, default=8, help="responses per prompt")
+    parser.add_argument(
+        "--updates-per-step", type=int, default=4,
+        help="optimizer updates per rollout step (the paper: 16); with 1 the ratio is always 1 "
+        "and clip-higher has nothing to clip",
+    )
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-prompts", type=int, default=500)
     parser.add_argument("--model", default="builtin:tiny")
@@ -221,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
         parser.error(f"--presets: unknown {unknown}; choose from {list(PRESETS)}")
+    if args.updates_per_step < 1 or args.prompts % args.updates_per_step:
+        parser.error(f"--updates-per-step {args.updates_per_step} must divide --prompts {args.prompts}")
     seeds = [int(s) for s in args.seeds.split(",")]
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
 
@@ -230,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dirs = list(pool.map(lambda job: train_run(job[0], job[1], args, threads), jobs))
     curves: dict[str, list[dict[str, Any]]] = {p: [] for p in presets}
     for (preset, _), run in zip(jobs, dirs, strict=True):
-        curves[preset].append(curve(run))
+        curves[preset].append(curve(run, args.updates_per_step))
 
     result = summarize(curves)
     result.update(

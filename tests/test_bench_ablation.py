@@ -30,7 +30,7 @@ def test_ladder_runs_and_reports_what_its_runs_measured(bench, random_tiny_model
     png = tmp_path / "ablation.png"
     args = [
         "--presets", "grpo,dapo", "--seeds", "0,1", "--budget", "48", "--prompts", "2",
-        "--generations", "4", "--eval-every", "2", "--eval-prompts", "6",
+        "--generations", "4", "--updates-per-step", "2", "--eval-every", "2", "--eval-prompts", "6",
         "--model", str(random_tiny_model), "--runs-dir", str(tmp_path / "runs"),
         "--output", str(out), "--plot", str(png),
         "rollout.max_completion_length=10", "algorithm.overlong_buffer=4",
@@ -53,8 +53,11 @@ def test_ladder_runs_and_reports_what_its_runs_measured(bench, random_tiny_model
         assert row["final_acc"] == finals
         assert row["final_acc_mean"] == pytest.approx(statistics.fmean(finals))
         assert row["final_acc_std"] == pytest.approx(statistics.stdev(finals))
-    # GRPO uses exactly 8 responses per step: 48 / 8 = 6 steps.
-    assert result["rows"]["grpo"]["gradient_steps_mean"] == 6
+    # GRPO uses exactly 8 responses per rollout step: 48 / 8 = 6 steps of 2 updates each.
+    assert result["rows"]["grpo"]["gradient_steps_mean"] == 12
+    rows = [json.loads(x) for x in
+            (tmp_path / "runs" / "grpo" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == 6
 
     # steps_to_reach agrees with a direct reading of DAPO's mean curve.
     curves = result["curves"]["dapo"]
@@ -74,3 +77,6 @@ def test_unknown_preset_is_refused(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--presets", "grpo,dapoo"])
     assert "dapoo" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--prompts", "16", "--updates-per-step", "3"])
+    assert "--updates-per-step 3 must divide --prompts 16" in capsys.readouterr().err
