@@ -29,14 +29,16 @@ counted. For a prompt of ``P`` tokens and its responses of ``R`` tokens:
   forward per fed-back token; the last sampled token is never fed back):
   prefill ``P*2N + 4LHh * P(P+1)/2 + 2dV``, and per response
   ``(R-1) * (2N + 2dV) + 4LHh * ((R-1)*P + R(R-1)/2)``;
-- training (forward and backward of every sample, 3 x forward):
+- training with the shared prompt forward (``train.shared_prompt_forward``, the default:
+  each prompt once per group, its responses on its cache, tokens 0..R-2 as inputs): the
+  generation count above, 3 times (forward + backward);
+- training without it (forward and backward of every sample, 3 x forward):
   ``3 * [(P+R)*2N + 4LHh * (P+R)(P+R+1)/2 + R*2dV]`` (logits of the ``R`` positions that
   predict a response token), plus one more forward if the trainer recomputes the old
   policy's log-probs (several updates per rollout step; not with one update, as here).
 
-Peak: the median time of a ``--peak-size`` square fp32 matmul with the same thread count,
-measured before and after the run; the faster of the two medians is the peak (the less
-disturbed one, on a shared machine). MFU = FLOPs / seconds / peak, for generation (over
+Peak: the fastest of ``--peak-repeats`` ``--peak-size`` square fp32 matmuls with the same
+thread count, measured before and after the run; the faster of the two is the peak. MFU = FLOPs / seconds / peak, for generation (over
 the ``generate`` time), training (over the update time) and the whole step (over the
 step time, which also holds scoring); the summary is the median over the steps after the
 first (which warms up).
@@ -117,10 +119,21 @@ def generation_flops(shape: Shape, prompt_lens: list[int], response_lens: list[l
 
 
 def training_flops(
-    shape: Shape, prompt_lens: list[int], response_lens: list[list[int]], old_logprobs: bool
+    shape: Shape,
+    prompt_lens: list[int],
+    response_lens: list[list[int]],
+    old_logprobs: bool,
+    shared_prompt: bool = False,
 ) -> int:
-    """Model FLOPs of the update: forward + backward (+ an old-log-prob forward) per sample."""
+    """Model FLOPs of the update: forward + backward (+ an old-log-prob forward) per sample.
+
+    With ``shared_prompt`` (``train.shared_prompt_forward``) each prompt is forwarded once
+    for its group and the responses run on its cache, token 0..R-2 as inputs: the same
+    computation as generation, so each pass costs :func:`generation_flops`.
+    """
     passes = 3 + (1 if old_logprobs else 0)
+    if shared_prompt:
+        return passes * generation_flops(shape, prompt_lens, response_lens)
     total = 0
     for p, group in zip(prompt_lens, response_lens, strict=True):
         for r in group:
@@ -130,7 +143,8 @@ def training_flops(
 
 
 def matmul_peak(size: int, repeats: int) -> dict[str, Any]:
-    """Median GFLOP/s of a ``size`` x ``size`` fp32 matmul (after one warm-up call)."""
+    """Best GFLOP/s of a ``size`` x ``size`` fp32 matmul (after one warm-up call): the peak
+    is what the cores reach, so the fastest repeat, not a typical one."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     c = torch.empty(size, size)
     torch.mm(a, b, out=c)
@@ -141,7 +155,7 @@ def matmul_peak(size: int, repeats: int) -> dict[str, Any]:
         seconds.append(time.perf_counter() - t0)
     flops = 2 * size**3
     runs = [flops / s / 1e9 for s in seconds]
-    return {"gflops": statistics.median(runs), "runs": runs}
+    return {"gflops": max(runs), "median_gflops": statistics.median(runs), "runs": runs}
 
 
 def recomputes_old_logprobs(cfg: Any) -> bool:
@@ -156,6 +170,7 @@ def run_steps(args: argparse.Namespace, work: Path, shape_kw: dict[str, int]) ->
     """Save the model, run ``args.steps`` rollout steps; per-step timings and token counts."""
     from dapo.config import load_config
     from dapo.trainer import Trainer
+    from dapo.update import prompt_cache
 
     model = save_random_llama(work / "model", seed=args.seed, **shape_kw)
     n_params = sum(p.numel() for p in model.parameters())
@@ -184,6 +199,9 @@ def run_steps(args: argparse.Namespace, work: Path, shape_kw: dict[str, int]) ->
     )
     old_logprobs = recomputes_old_logprobs(cfg)
     trainer = Trainer(cfg, log=lambda _: None)
+    # The update forwards each prompt once per group when it can (dapo.update.response_logits).
+    shared = (cfg.train.shared_prompt_forward and args.generations > 1
+              and prompt_cache(trainer.model) is not None)
     steps = []
     try:
         for _ in range(args.steps):
@@ -197,7 +215,7 @@ def run_steps(args: argparse.Namespace, work: Path, shape_kw: dict[str, int]) ->
             prompt_lens = [len(g.prompt_ids) for g in batch]
             response_lens = [[len(r) for r in g.response_ids] for g in batch]
             gen_flops = generation_flops(shape, prompt_lens, response_lens)
-            train_flops = training_flops(shape, prompt_lens, response_lens, old_logprobs)
+            train_flops = training_flops(shape, prompt_lens, response_lens, old_logprobs, shared)
             steps.append(
                 {
                     "step": trainer.step,
@@ -222,7 +240,8 @@ def run_steps(args: argparse.Namespace, work: Path, shape_kw: dict[str, int]) ->
             )
     finally:
         trainer.close()
-    return {"shape": shape, "params": n_params, "old_logprobs": old_logprobs, "steps": steps}
+    return {"shape": shape, "params": n_params, "old_logprobs": old_logprobs,
+            "shared_prompt": shared, "steps": steps}
 
 
 def add_mfu(steps: list[dict[str, Any]], peak_gflops: float) -> dict[str, float]:
@@ -354,6 +373,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "threads", "seed")},
         "model": {"params": run["params"], "body_params": shape.body_params, **asdict(shape)},
         "old_logprob_forward": run["old_logprobs"],
+        "shared_prompt_forward": run["shared_prompt"],
         "peak": {
             "gflops": peak,
             "size": args.peak_size,

@@ -38,11 +38,22 @@ def hand_count(prompt_lens: list[int], response_lens: list[list[int]]) -> tuple[
             # Response tokens 1 .. r-1 are fed back (the last one is not), each after the
             # prompt and the response tokens before it.
             gen += sum(token_forward(p + j, True) for j in range(1, r))
-            # Training: forward + backward (3x) of prompt + response; the logits of
-            # positions p-1 .. p+r-2 predict the response tokens.
-            n = p + r
-            train += 3 * sum(token_forward(i + 1, p - 1 <= i < n - 1) for i in range(n))
     return gen, train
+
+
+def hand_count_training(prompt_lens: list[int], response_lens: list[list[int]], shared: bool) -> int:
+    """Training FLOPs (forward + backward = 3 forwards), token by token."""
+    train = 0
+    for p, group in zip(prompt_lens, response_lens, strict=True):
+        if shared:  # the prompt once; its last position's logits predict response token 0
+            train += 3 * sum(token_forward(i + 1, i == p - 1) for i in range(p))
+        for r in group:
+            if shared:  # response tokens 0 .. r-2 as inputs, after the prompt's cache
+                train += 3 * sum(token_forward(p + j + 1, True) for j in range(r - 1))
+            else:  # prompt + response; positions p-1 .. p+r-2 predict the response tokens
+                n = p + r
+                train += 3 * sum(token_forward(i + 1, p - 1 <= i < n - 1) for i in range(n))
+    return train
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +82,7 @@ def test_report_metadata(report: dict) -> None:
     assert report["model"]["params"] == ALL_PARAMS
     assert report["model"]["body_params"] == BODY_PARAMS
     assert report["old_logprob_forward"] is False  # one update per rollout step
+    assert report["shared_prompt_forward"] is True  # the trainer's default
     peak = report["peak"]
     assert peak["gflops"] == max(peak["before"]["gflops"], peak["after"]["gflops"]) > 0
 
@@ -84,7 +96,8 @@ def test_flops_match_hand_count(report: dict) -> None:
         assert all(1 <= r <= MAX_TOKENS for r in lens)
         # The token counts agree with the trainer's own metric.
         assert sum(lens) / len(lens) == pytest.approx(s["response_length_mean"])
-        gen, train = hand_count(s["prompt_lens"], s["response_lens"])
+        gen = hand_count(s["prompt_lens"], s["response_lens"])[0]
+        train = hand_count_training(s["prompt_lens"], s["response_lens"], shared=True)
         assert (s["gen_flops"], s["train_flops"]) == (gen, train)
         assert s["total_flops"] == gen + train > 0
         assert s["updates"] == 1 and s["skipped_updates"] == 0
@@ -103,3 +116,20 @@ def test_mfu_is_flops_over_time_over_peak(report: dict) -> None:
     later = report["steps"][1:]
     for key in ("mfu_gen", "mfu_train", "mfu_total", "step_s"):
         assert summary[key] == pytest.approx(sorted(s[key] for s in later)[len(later) // 2])
+
+
+def test_training_flops_without_the_shared_prompt() -> None:
+    """The whole-sequence count (train.shared_prompt_forward=false), against the hand count."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_utilisation as bench
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    shape = bench.Shape(hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=HEADS,
+                        head_dim=HIDDEN // HEADS, intermediate=INTERMEDIATE, vocab=VOCAB)
+    prompts, responses = [5, 3], [[1, 4, 6], [2, 2, 5]]
+    for shared in (False, True):
+        assert bench.training_flops(shape, prompts, responses, False, shared) == (
+            hand_count_training(prompts, responses, shared))
+    assert bench.training_flops(shape, prompts, responses, False, True) < (
+        bench.training_flops(shape, prompts, responses, False, False))
