@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +18,14 @@ def random_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_model(len(tok), seed=0).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests, restored afterwards: a second
+    thread gains nothing on such models, and when other processes busy both cores a
+    2-thread torch slows down by ~100x (measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

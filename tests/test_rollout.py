@@ -21,15 +21,7 @@ EOS, PAD = 1, 0
 TEXTS = ["Add 1+2", "Hi", "abcdefghijkl", "x", "The quick brown", "42+17=", "zz top", "Answer: 5"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The model is tiny: a second intra-op thread gains nothing, and when other processes
-    # busy both cores a 2-thread torch slows down by ~100x (measured), so run on one thread
-    # and restore the setting for the rest of the session.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one thread
 
 
 @pytest.fixture(scope="module")

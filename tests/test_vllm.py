@@ -58,14 +58,7 @@ needs_trainer = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The models are tiny: one intra-op thread is as fast, and far less sensitive to other
-    # processes busying the cores (both engines run in this process, on torch's threads).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one thread
 
 
 @pytest.fixture(scope="module")
