@@ -66,6 +66,8 @@ def train_run(preset: str, seed: int, args: argparse.Namespace, threads: int) ->
         f"train.prompts_per_step={args.prompts}",
         f"train.mini_batch_size={args.prompts // args.updates_per_step}",
         f"rollout.num_generations={args.generations}",
+        f"rollout.max_completion_length={args.max_length}",
+        f"algorithm.overlong_buffer={args.overlong_buffer}",
         f"logging.eval_every={args.eval_every}", f"data.max_eval_prompts={args.eval_prompts}",
         "logging.console=false", "logging.tensorboard=false",
         "checkpoint.save_every=0", "checkpoint.save_final_model=false", *args.extra,
@@ -86,12 +88,14 @@ def curve(run: Path, updates_per_step: int) -> dict[str, Any]:
     summary = json.loads((run / "summary.json").read_text())
     samples = {0: 0.0}
     points = [(0, summary["accuracy_before"])]
-    entropy, length = [], []
+    entropy, length, truncated, clipped_high = [], [], [], []
     for r in rows:
         if "sampling/generated_samples_total" in r:
             samples[r["step"]] = r["sampling/generated_samples_total"]
             entropy.append(r.get("actor/entropy", float("nan")))
             length.append(r.get("response_length/mean", float("nan")))
+            truncated.append(r.get("response_length/clip_ratio", float("nan")))
+            clipped_high.append(r.get("actor/clip_frac_high", float("nan")))
         if "val/acc" in r and r["step"] > 0:
             points = [p for p in points if p[0] != r["step"]] + [(r["step"], r["val/acc"])]
     points.sort()
@@ -105,6 +109,8 @@ def curve(run: Path, updates_per_step: int) -> dict[str, Any]:
         "samples_generated": summary["samples_generated"],
         "final_entropy": entropy[-1] if entropy else float("nan"),
         "final_response_length": length[-1] if length else float("nan"),
+        "truncated_frac": statistics.fmean(truncated) if truncated else float("nan"),
+        "clip_frac_high": statistics.fmean(clipped_high) if clipped_high else float("nan"),
         "wall_s": summary["wall_seconds"],
     }
 
@@ -135,6 +141,9 @@ def summarize(curves: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "gradient_steps_mean": statistics.fmean(c["gradient_steps"] for c in runs),
             "samples_generated_mean": statistics.fmean(c["samples_generated"] for c in runs),
             "final_entropy_mean": statistics.fmean(c["final_entropy"] for c in runs),
+            "final_response_length_mean": statistics.fmean(c["final_response_length"] for c in runs),
+            "truncated_frac_mean": statistics.fmean(c["truncated_frac"] for c in runs),
+            "clip_frac_high_mean": statistics.fmean(c["clip_frac_high"] for c in runs),
             "wall_s_mean": statistics.fmean(c["wall_s"] for c in runs),
         }
     out: dict[str, Any] = {"rows": rows}
@@ -179,14 +188,15 @@ def plot(curves: dict[str, list[dict[str, Any]]], path: Path) -> None:
 def table(result: dict[str, Any], seeds: int) -> str:
     lines = [
         f"| step | held-out accuracy (mean ± std over {seeds} seeds) | min-max | gradient steps "
-        "| final entropy |",
-        "|---|---|---|---|---|",
+        "| final entropy | final length | truncated | clipped high |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"].values():
         lines.append(
             f"| {r['label']} | {r['final_acc_mean']:.1%} ± {r['final_acc_std']:.1%} | "
             f"{r['final_acc_min']:.1%}-{r['final_acc_max']:.1%} | {r['gradient_steps_mean']:.0f} | "
-            f"{r['final_entropy_mean']:.3f} |"
+            f"{r['final_entropy_mean']:.3f} | {r['final_response_length_mean']:.1f} | "
+            f"{r['truncated_frac_mean']:.1%} | {r['clip_frac_high_mean']:.2%} |"
         )
     if "dapo_steps_to_grpo_final" in result:
         n = result["dapo_steps_to_grpo_final"]
@@ -219,6 +229,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="optimizer updates per rollout step (the paper: 16); with 1 the ratio is always 1 "
         "and clip-higher has nothing to clip",
     )
+    parser.add_argument(
+        "--max-length", type=int, default=44,
+        help="response limit L_max in tokens; 44 truncates the ~13%% of worked solutions that "
+        "end with a carry, so overlong filtering and punishment have something to act on",
+    )
+    parser.add_argument("--overlong-buffer", type=int, default=8, help="L_cache in tokens")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-prompts", type=int, default=500)
     parser.add_argument("--model", default="builtin:tiny")
