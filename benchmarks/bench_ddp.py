@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _report import provenance, write_report  # benchmarks/_report.py (run as a script)
 
 
 def run(
@@ -71,16 +72,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{ranks:>5} {r['threads_per_rank']:>12} {r['median_step_s']:>14.2f}")
     print(f"speed-up with 2 ranks: {ratio:.2f}x (same {cores} cores shared)")
     report = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {cores} cores",
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        **provenance(),
         "results": results,
         "data_parallel": args.data_parallel,
         "speedup_2_ranks": ratio,
     }
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2))
-    print(f"written {args.output}")
+    write_report(args.output, report)
     return report
 
 

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
-from datetime import date
 from pathlib import Path
 from typing import Any
 
 import yaml
+from _report import provenance, write_report  # benchmarks/_report.py (run as a script)
 
 
 def train(args: argparse.Namespace) -> Path:
@@ -165,17 +163,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"--runs: {d} has no metrics.jsonl; give finished run directories")
         runs[f"{d.parent.name}/{d.name}"] = per_step(d)
     result = analyse(runs)
-    result.update(
-        {
-            "date": date.today().isoformat(),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        }
-    )
+    result.update(provenance())
     plot(result, Path(args.plot))
     print(table(result))
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {args.output} and {args.plot}")
+    write_report(args.output, result, args.plot)
     return result
 
 

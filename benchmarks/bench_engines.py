@@ -26,15 +26,13 @@ DEVELOPERS.md); without it only the ``hf`` rows are measured.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from _models import EOS, PAD, random_llama  # benchmarks/_models.py (run as a script)
+from _report import provenance, write_report  # benchmarks/_report.py (run as a script)
 
 from dapo.builtin import addition_records, build_tokenizer
 from dapo.rollout import HFEngine, SamplingParams
@@ -162,18 +160,10 @@ def main(argv: list[str] | None = None) -> dict:
             "repeats": args.repeats,
             "threads": args.threads,
         },
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "vllm": _version("vllm"),
-            "cpu": platform.processor() or platform.machine(),
-            "cuda": torch.cuda.is_available(),
-        },
+        **provenance(vllm=_version("vllm")),
         "results": rows,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.json}")
+    write_report(args.json, report)
     return report
 
 

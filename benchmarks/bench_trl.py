@@ -38,7 +38,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -49,6 +48,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _report import provenance, write_report  # benchmarks/_report.py (run as a script)
 
 SIDES = ("ours", "trl")
 
@@ -336,18 +337,6 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def git_commit() -> str:
-    """The short commit of the checkout, with ``+dirty`` when it has local changes."""
-    root = Path(__file__).resolve().parent
-
-    def git(*argv: str) -> str:
-        out = subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, check=False)
-        return out.stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
 def versions() -> dict[str, str]:
     out = {}
     for name in ("torch", "transformers", "trl", "accelerate"):
@@ -384,14 +373,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results = {side: summarise(runs[side]) for side in SIDES}
     ratio = results["trl"]["median_step_s"] / results["ours"]["median_step_s"]
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.machine(),
-            "cpu_count": os.cpu_count(),
-        },
+        **provenance(),
         "versions": versions(),
-        "commit": git_commit(),
         "settings": {
             "model": "builtin:tiny",
             "prompts_per_step": args.prompts,
@@ -439,10 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("trl is not installed; it is a benchmark-only extra: pip install -e '.[bench]'")
     report = run_benchmark(args)
     print_table(report["results"], report["throughput_ratio"])
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"written {out}")
+    write_report(args.output, report)
 
 
 if __name__ == "__main__":

@@ -51,11 +51,7 @@ first (which warms up).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -64,6 +60,7 @@ from typing import Any
 
 import torch
 from _models import save_random_llama  # benchmarks/_models.py (run as a script)
+from _report import provenance, write_report  # benchmarks/_report.py (run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "utilisation.json"
@@ -282,39 +279,6 @@ def _g(flops: float) -> str:
     return f"{flops / 1e9:.4g}"
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import transformers
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-
-
-def git_commit() -> dict[str, Any]:
-    def git(*cmd: str) -> str:
-        try:
-            out = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True)
-        except OSError:
-            return ""
-        return out.stdout.strip() if out.returncode == 0 else ""
-
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=4, help="prompts per rollout step")
@@ -365,9 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{summary['step_s']:.1f} s per step")
 
     report = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "machine": machine(),
-        "git": git_commit(),
+        **provenance(),
         "settings": {k: getattr(args, k) for k in (
             "prompts", "generations", "max_tokens", "steps", "peak_size", "peak_repeats",
             "threads", "seed")},
@@ -383,10 +345,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "summary": summary,
         "steps": steps,
     }
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {out}")
+    write_report(args.json, report)
     return report
 
 

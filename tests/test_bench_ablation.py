@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARDS = Path(__file__).with_name("trainer_rewards.py")
@@ -33,7 +34,7 @@ def test_ladder_runs_and_reports_what_its_runs_measured(bench, random_tiny_model
         "--generations", "4", "--updates-per-step", "2", "--eval-every", "2", "--eval-prompts", "6",
         "--model", str(random_tiny_model), "--runs-dir", str(tmp_path / "runs"),
         "--output", str(out), "--plot", str(png),
-        "rollout.max_completion_length=10", "algorithm.overlong_buffer=4",
+        "--max-length", "10", "--overlong-buffer", "4", "--lr", "1e-4",
         f"reward.functions=[{{name: '{REWARDS}:by_answer_class'}}]",
     ]
     result = bench.main(args)
@@ -58,6 +59,22 @@ def test_ladder_runs_and_reports_what_its_runs_measured(bench, random_tiny_model
     rows = [json.loads(x) for x in
             (tmp_path / "runs" / "grpo" / "seed0" / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) == 6
+    # The script's own settings reach every run.
+    cfg = yaml.safe_load((tmp_path / "runs" / "grpo" / "seed0" / "config.yaml").read_text())
+    assert cfg["train"]["lr"] == 1e-4 and cfg["rollout"]["max_completion_length"] == 10
+    assert cfg["algorithm"]["overlong_buffer"] == 4 and cfg["train"]["mini_batch_size"] == 1
+    # The truncation and clip columns are the per-run means of the logged metrics, over seeds.
+    per_run = {}
+    for seed in (0, 1):
+        lines = (tmp_path / "runs" / "dapo" / f"seed{seed}" / "metrics.jsonl").read_text()
+        steps = [json.loads(x) for x in lines.splitlines()]
+        per_run[seed] = (
+            statistics.fmean(r["response_length/clip_ratio"] for r in steps if "sampling/generated_samples_total" in r),
+            statistics.fmean(r["actor/clip_frac_high"] for r in steps if "actor/clip_frac_high" in r),
+        )
+    row = result["rows"]["dapo"]
+    assert row["truncated_frac_mean"] == pytest.approx(statistics.fmean(t for t, _ in per_run.values()))
+    assert row["clip_frac_high_mean"] == pytest.approx(statistics.fmean(c for _, c in per_run.values()))
 
     # steps_to_reach agrees with a direct reading of DAPO's mean curve.
     curves = result["curves"]["dapo"]
