@@ -20,6 +20,16 @@ def random_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tok():
+    """The builtin character tokenizer (eos id 1, pad id 0, as the tiny-model tests assume)."""
+    from dapo.builtin import build_tokenizer
+
+    t = build_tokenizer()
+    assert (t.eos_token_id, t.pad_token_id) == (1, 0)
+    return t
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module of tiny-model tests, restored afterwards: a second

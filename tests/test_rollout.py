@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from dapo.builtin import build_model, build_tokenizer
+from dapo.builtin import build_model
 from dapo.rollout import HFEngine, SamplingParams, process_logits
 
 EOS, PAD = 1, 0
@@ -22,13 +22,6 @@ TEXTS = ["Add 1+2", "Hi", "abcdefghijkl", "x", "The quick brown", "42+17=", "zz 
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one thread
-
-
-@pytest.fixture(scope="module")
-def tok():
-    t = build_tokenizer()
-    assert (t.eos_token_id, t.pad_token_id) == (EOS, PAD)
-    return t
 
 
 @pytest.fixture(scope="module")

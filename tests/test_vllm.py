@@ -38,34 +38,11 @@ def _vllm_import_error() -> str | None:
     return None
 
 
-def _trainer_wired() -> bool:
-    """Whether the trainer has the vLLM keys (rollout.vllm_sync_every, algorithm.tis_cap)."""
-    from dataclasses import fields
-
-    from dapo.config import AlgorithmConfig, RolloutConfig
-
-    names = {f.name for f in fields(RolloutConfig)} | {f.name for f in fields(AlgorithmConfig)}
-    return {"vllm_sync_every", "tis_cap"} <= names
-
-
 _ERROR = _vllm_import_error()
 needs_vllm = pytest.mark.skipif(
     _ERROR is not None, reason=f"vllm does not import: {(_ERROR or '')[:300]}"
 )
-needs_trainer = pytest.mark.skipif(
-    not _trainer_wired(),
-    reason="the trainer does not wire rollout.engine=vllm yet (make_engine, rollout.vllm_* keys)",
-)
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one thread
-
-
-@pytest.fixture(scope="module")
-def tok():
-    t = build_tokenizer()
-    assert (t.eos_token_id, t.pad_token_id) == (EOS, PAD)
-    return t
 
 
 def encode(tok, texts: list[str]) -> list[list[int]]:
@@ -101,7 +78,6 @@ def test_missing_vllm_names_the_extra(monkeypatch):
     assert isinstance(info.value, ImportError)
 
 
-@needs_trainer
 def test_trainer_error_names_the_extra(monkeypatch):
     from dapo.config import load_config
     from dapo.trainer import TrainingError, make_engine
@@ -333,7 +309,6 @@ def train(tiny_path: Path, out: Path, *overrides: str) -> list[dict]:
 
 
 @needs_vllm
-@needs_trainer
 @pytest.mark.slow
 def test_train_with_vllm_engine_raises_accuracy(tmp_path, tiny_path):
     out = tmp_path / "run"
@@ -350,7 +325,6 @@ def test_train_with_vllm_engine_raises_accuracy(tmp_path, tiny_path):
 
 
 @needs_vllm
-@needs_trainer
 @pytest.mark.slow
 def test_sync_every_two_updates_tis_and_resume(tmp_path, tiny_path):
     out = tmp_path / "run"
