@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -103,7 +104,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for name, run in result["runs"].items():
         steps = run["steps"]
         x = [s["step"] for s in steps]
-        share = [s["uniform"] / s["generated"] for s in steps]
+        # A step served entirely from the carried-over surplus generated nothing.
+        share = [s["uniform"] / s["generated"] if s["generated"] else math.nan for s in steps]
         (line,) = axes[0].plot(x, share, lw=1.2, label=f"{name}: dropped (uniform groups)")
         acc = [s["train_acc"] for s in steps]
         axes[0].plot(x, acc, lw=0.8, ls=":", color=line.get_color(), label=f"{name}: sampled accuracy")
@@ -112,8 +114,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
             cum_gen += s["generated"]
             cum_waste += s["uniform"]
             cum_discard += s["uniform"] + s["carried_over"]
-            ys.append(cum_waste / cum_gen)
-            yd.append(cum_discard / cum_gen)
+            ys.append(cum_waste / cum_gen if cum_gen else math.nan)
+            yd.append(cum_discard / cum_gen if cum_gen else math.nan)
         axes[1].plot(x, ys, color=line.get_color(), label=f"{name}: ours (surplus carried over)")
         axes[1].plot(x, yd, color=line.get_color(), ls="--", label=f"{name}: if surplus discarded")
     axes[0].set_title("per rollout step: share of generated responses dropped")

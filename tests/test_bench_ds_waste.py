@@ -47,3 +47,26 @@ def test_waste_of_a_dapo_run(random_tiny_model, tmp_path, monkeypatch, capsys):
     assert total["wasted_share"] == pytest.approx(
         (total["uniform"] + total["final_surplus"]) / total["generated"])
     assert total["discard_surplus_share"] >= total["uniform_share"]
+
+
+def test_a_step_served_from_the_surplus_alone(tmp_path):
+    """A rollout step can train only on groups carried over, generating nothing: the plot
+    and the totals must take it (the 5-seed ladder's DAPO runs have such steps)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_ds_waste
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    step = {"all_correct": 0, "all_wrong": 0, "train_acc": 0.5}
+    steps = [
+        {**step, "step": 1, "generated": 32, "uniform": 8, "all_correct": 8, "carried_over": 8},
+        {**step, "step": 2, "generated": 0, "uniform": 0, "carried_over": 0},
+        {**step, "step": 3, "generated": 24, "uniform": 4, "all_wrong": 4, "carried_over": 4},
+    ]
+    result = bench_ds_waste.analyse({"run": steps})
+    total = result["runs"]["run"]["total"]
+    assert total["generated"] == 56 and total["uniform"] == 12
+    assert total["wasted_share"] == pytest.approx((12 + 4) / 56)  # dropped + final surplus
+    png = tmp_path / "waste.png"
+    bench_ds_waste.plot(result, png)
+    assert png.stat().st_size > 0
