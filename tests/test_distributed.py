@@ -26,6 +26,21 @@ def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
+def test_destroy_waits_for_every_rank_before_leaving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leaving while a peer still has collectives in flight aborted a gloo rank; the barrier
+    must come first. Without a process group, destroy does nothing."""
+    calls: list[str] = []
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(D.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(D.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    D.destroy()
+    assert calls == ["barrier", "destroy"]
+    calls.clear()
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: False)
+    D.destroy()
+    assert calls == []
+
+
 def test_balance_by_tokens_spreads_the_load() -> None:
     parts = D.balance_by_tokens([100, 1, 50, 50, 2, 97], 2)
     assert sorted(i for p in parts for i in p) == list(range(6))

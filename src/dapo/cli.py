@@ -38,9 +38,11 @@ def _train(argv: list[str]) -> int:
     if print_only:
         print(cfg.to_yaml())
         return 0
+    from dapo import distributed
     from dapo.trainer import Trainer
 
     summary = Trainer(cfg).run()
+    distributed.destroy()  # every rank gets here; a failed run exits through torchrun instead
     _print_summary(summary, Path(cfg.output_dir))
     return 0
 

@@ -108,5 +108,12 @@ def shard(items: list[Any], info: DistInfo) -> list[Any]:
 
 
 def destroy() -> None:
+    """Leave the process group after a finished run; every rank must call it.
+
+    The barrier first lets collectives still in flight on a peer finish: tearing gloo down
+    under one aborted the process ("terminate called without an active exception") in
+    about one of many 2-rank FSDP runs.
+    """
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
