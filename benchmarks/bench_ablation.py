@@ -233,8 +233,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--max-length", type=int, default=44,
-        help="response limit L_max in tokens; 44 truncates the ~13%% of worked solutions that "
-        "end with a carry, so overlong filtering and punishment have something to act on",
+        help="response limit L_max in tokens; 44 cuts off the worked solutions that end with a "
+        "carry line (13%% of the warmed-up model's responses, ~24%% during training), so "
+        "overlong filtering and punishment have something to act on",
     )
     parser.add_argument("--overlong-buffer", type=int, default=8, help="L_cache in tokens")
     parser.add_argument("--eval-every", type=int, default=10)
