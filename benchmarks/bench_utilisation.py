@@ -38,10 +38,10 @@ counted. For a prompt of ``P`` tokens and its responses of ``R`` tokens:
   policy's log-probs (several updates per rollout step; not with one update, as here).
 
 Peak: the fastest of ``--peak-repeats`` ``--peak-size`` square fp32 matmuls with the same
-thread count, measured before and after the run; the faster of the two is the peak. MFU = FLOPs / seconds / peak, for generation (over
-the ``generate`` time), training (over the update time) and the whole step (over the
-step time, which also holds scoring); the summary is the median over the steps after the
-first (which warms up).
+thread count, measured before and after the run; the faster of the two is the peak.
+MFU = FLOPs / seconds / peak, for generation (over the ``generate`` time), training (over
+the update time) and the whole step (over the step time, which also holds scoring); the
+summary is the median over the steps after the first (which warms up).
 
     python benchmarks/bench_utilisation.py                 # ~110M model, 4 x 8 x 64, 4 steps
     python benchmarks/bench_utilisation.py --hidden 64 --layers 2 --heads 4 --intermediate 128 \\

@@ -40,6 +40,8 @@ def test_provenance_and_write_report(report_mod, tmp_path, capsys):
     assert prov["machine"]["torch"] == torch.__version__
     assert prov["machine"]["threads"] == torch.get_num_threads()
     assert prov["machine"]["engine"] == "hf"  # extra machine fields are kept
+    assert report_mod.package_version("torch") == torch.__version__
+    assert report_mod.package_version("no-such-package-dapo") is None
 
     out = tmp_path / "new" / "folder" / "r.json"
     report_mod.write_report(out, {"x": 1.5, **prov}, tmp_path / "plot.png")

@@ -43,4 +43,4 @@ def test_bench_trl_smoke(tmp_path: Path) -> None:
     expected = results["trl"]["median_step_s"] / results["ours"]["median_step_s"]
     assert report["throughput_ratio"] == pytest.approx(expected)
     assert report["settings"]["prompts_per_step"] == 4
-    assert report["versions"]["trl"] != "not installed"
+    assert report["machine"]["trl"] is not None  # installed, and its version recorded
