@@ -55,7 +55,7 @@ def random_llama(seed: int = 0, **shape: Any) -> torch.nn.Module:
 def save_random_llama(out_dir: Path, seed: int = 0, **shape: Any) -> torch.nn.Module:
     """Save a random Llama and the builtin character tokenizer to ``out_dir`` (a model
     directory ``dapo train model.name_or_path=...`` can load); returns the model."""
-    from dapo.builtin import build_tokenizer
+    from dapo.models.tiny import build_tokenizer
 
     model = random_llama(seed, **shape)
     model.save_pretrained(out_dir)

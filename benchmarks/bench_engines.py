@@ -38,7 +38,8 @@ from _report import (  # benchmarks/_report.py (run as a script)
     write_report,
 )
 
-from dapo.builtin import addition_records, build_tokenizer
+from dapo.data.tasks.addition import addition_records
+from dapo.models.tiny import build_tokenizer
 from dapo.rollout import HFEngine, SamplingParams
 
 
@@ -58,7 +59,7 @@ MODELS = {"tiny": tiny_model, "100m": model_100m}
 def make_engine(name: str, model: torch.nn.Module, max_model_len: int, batch: int) -> Any:
     if name == "hf":
         return HFEngine(model, EOS, PAD, batch_size=batch)
-    from dapo.vllm_engine import VLLMEngine
+    from dapo.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(model, EOS, PAD, max_model_len=max_model_len, max_num_seqs=batch)
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     engines = [e for e in args.engines.split(",") if e]
     if "vllm" in engines:
-        from dapo.vllm_engine import VLLMUnavailableError, import_vllm
+        from dapo.rollout.vllm_engine import VLLMUnavailableError, import_vllm
 
         try:
             import_vllm()

@@ -188,9 +188,8 @@ def worker_trl(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from dapo.config import load_config
-    from dapo.data import encode_prompts
+    from dapo.data import encode_prompts, load_prompt_set
     from dapo.models import load_policy, load_tokenizer, resolve_model_path
-    from dapo.trainer import load_prompt_set
 
     torch.set_num_threads(args.threads)
     cfg = load_config(overrides=our_overrides(args, workdir / "unused"))
@@ -200,7 +199,7 @@ def worker_trl(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model = load_policy(path, dtype=cfg.model.dtype)
     # The same prompt set as ours: the same records, the same length filter (none is dropped).
     records, _, _ = encode_prompts(
-        load_prompt_set(cfg, "train"), tokenizer, cfg.data.max_prompt_length
+        load_prompt_set(cfg.data, "train"), tokenizer, cfg.data.max_prompt_length
     )
     dataset = Dataset.from_dict(
         {"prompt": [x.prompt for x in records], "ground_truth": [x.ground_truth for x in records]}

@@ -3,7 +3,7 @@
 Saves a randomly initialised Llama of about 100M parameters (the ``100m`` model of
 ``bench_engines.py``: the ``builtin:tiny`` architecture at hidden 768, 12 layers, 12 heads,
 MLP 2048, vocabulary 32000, tied embeddings, the builtin character tokenizer) and runs the
-real trainer on it in this process (``dapo.trainer.Trainer``, ``dapo`` preset, data
+real trainer on it in this process (``dapo.training.trainer.Trainer``, ``dapo`` preset, data
 ``builtin:addition``, dynamic sampling off so every step does the same work, overlong
 filtering off so that the loss has tokens, no evaluation, no checkpoints). Each rollout
 step generates ``--generations`` responses of up to ``--max-tokens`` tokens for
@@ -166,8 +166,8 @@ def recomputes_old_logprobs(cfg: Any) -> bool:
 def run_steps(args: argparse.Namespace, work: Path, shape_kw: dict[str, int]) -> dict[str, Any]:
     """Save the model, run ``args.steps`` rollout steps; per-step timings and token counts."""
     from dapo.config import load_config
-    from dapo.trainer import Trainer
-    from dapo.update import prompt_cache
+    from dapo.training.forward import prompt_cache
+    from dapo.training.trainer import Trainer
 
     model = save_random_llama(work / "model", seed=args.seed, **shape_kw)
     n_params = sum(p.numel() for p in model.parameters())
@@ -196,19 +196,13 @@ def run_steps(args: argparse.Namespace, work: Path, shape_kw: dict[str, int]) ->
     )
     old_logprobs = recomputes_old_logprobs(cfg)
     trainer = Trainer(cfg, log=lambda _: None)
-    # The update forwards each prompt once per group when it can (dapo.update.response_logits).
+    # The update forwards each prompt once per group when it can (dapo.training.forward.response_logits).
     shared = (cfg.train.shared_prompt_forward and args.generations > 1
               and prompt_cache(trainer.model) is not None)
     steps = []
     try:
         for _ in range(args.steps):
-            # As in Trainer.run: step time = rollout (generate + score) + update.
-            t0 = time.perf_counter()
-            batch, metrics = trainer.rollout(trainer.step)
-            t1 = time.perf_counter()
-            metrics.update(trainer.update(batch, trainer.step))
-            t2 = time.perf_counter()
-            trainer.step += 1
+            metrics, batch = trainer.train_step()  # what Trainer.run does each step
             prompt_lens = [len(g.prompt_ids) for g in batch]
             response_lens = [[len(r) for r in g.response_ids] for g in batch]
             gen_flops = generation_flops(shape, prompt_lens, response_lens)
@@ -217,8 +211,8 @@ def run_steps(args: argparse.Namespace, work: Path, shape_kw: dict[str, int]) ->
                 {
                     "step": trainer.step,
                     "gen_s": metrics["perf/gen_s"],
-                    "train_s": t2 - t1,
-                    "step_s": t2 - t0,
+                    "train_s": metrics["perf/train_s"],
+                    "step_s": metrics["perf/step_s"],
                     "gen_flops": gen_flops,
                     "train_flops": train_flops,
                     "total_flops": gen_flops + train_flops,

@@ -11,7 +11,7 @@ import torch
 @pytest.fixture(scope="session")
 def random_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised builtin-architecture model saved as a transformers directory."""
-    from dapo.builtin import build_model, build_tokenizer
+    from dapo.models.tiny import build_model, build_tokenizer
 
     path = tmp_path_factory.mktemp("random_tiny")
     tok = build_tokenizer()
@@ -23,7 +23,7 @@ def random_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tok():
     """The builtin character tokenizer (eos id 1, pad id 0, as the tiny-model tests assume)."""
-    from dapo.builtin import build_tokenizer
+    from dapo.models.tiny import build_tokenizer
 
     t = build_tokenizer()
     assert (t.eos_token_id, t.pad_token_id) == (1, 0)

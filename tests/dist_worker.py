@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from dapo import distributed as D
+from dapo.parallel import distributed as D
 
 
 def fixed_batch():
@@ -22,7 +22,7 @@ def fixed_batch():
     responses to one prompt (trained with the shared prompt pass)."""
     import random
 
-    from dapo.update import Sample
+    from dapo.training.batch import Sample
 
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(1)
@@ -48,8 +48,8 @@ TOKEN_BUDGET = {"fsdp": 70, "ddp": 150, "single": 70}
 
 def _model_and_optimizer(data_parallel: str):
     """The seed-3 builtin model in float64, wrapped for ``data_parallel``, and its AdamW."""
-    from dapo import sharding
-    from dapo.builtin import build_model, build_tokenizer
+    from dapo.models.tiny import build_model, build_tokenizer
+    from dapo.parallel import sharding
 
     model = build_model(len(build_tokenizer()), seed=3).double()
     model.train()
@@ -71,8 +71,8 @@ def one_step(data_parallel: str, checkpoints: Path | None = None) -> dict:
     """
     from torch.distributed.tensor import DTensor
 
-    from dapo.checkpoint import full_state, load_checkpoint, save_checkpoint
-    from dapo.update import LossSettings, optimizer_step
+    from dapo.training.checkpoint import full_state, load_checkpoint, save_checkpoint
+    from dapo.training.step import LossSettings, optimizer_step
 
     torch.set_num_threads(1)
     model, ddp, opt = _model_and_optimizer(data_parallel)
@@ -109,7 +109,7 @@ def no_grad_passes_match(data_parallel: str) -> bool:
     samples (rank 1 none), which FSDP's per-layer all-gathers could not survive.
     """
     from dapo.rollout import HFEngine, SamplingParams
-    from dapo.update import compute_logprobs
+    from dapo.training.forward import compute_logprobs
 
     rank = D.current().rank
     model, _, _ = _model_and_optimizer(data_parallel)
@@ -138,7 +138,7 @@ def main() -> None:
             torch.save({**out, "local_numel": local, "no_grad_passes_match": match}, sys.argv[3])
     elif mode == "dynamic":
         from dapo.config import load_config
-        from dapo.trainer import Trainer
+        from dapo.training.trainer import Trainer
 
         model, out, rewards = sys.argv[2], Path(sys.argv[3]), sys.argv[4]
         cfg = load_config(overrides=[
@@ -150,22 +150,22 @@ def main() -> None:
         ])
         trainer = Trainer(cfg, log=lambda _: None)
         seen: list[dict] = []
-        original = trainer.update
+        original = trainer.build_samples
 
-        def record(groups, step):
-            samples = trainer.build_samples(groups)
+        def record(groups):
+            samples = original(groups)
             g = groups[0].size
             trained = sorted({i for k in range(0, len(samples), g * cfg.train.mini_batch_size)
                               for i in trainer._my_share(samples, list(range(k, k + g * cfg.train.mini_batch_size)))})
             seen.append({
-                "step": step,
+                "step": trainer.step,
                 "groups": [list(map(bool, x.correct)) for x in groups],
                 "trained_rows": trained,
                 "uids": [x.record.uid for x in groups],
             })
-            return original(groups, step)
+            return samples
 
-        trainer.update = record
+        trainer.build_samples = record
         trainer.run()
         (out / f"rank{info.rank}.json").write_text(json.dumps(seen))
     D.destroy()

@@ -14,17 +14,22 @@ from typing import Any
 import pytest
 import yaml
 
+from dapo.algorithms import ADVANTAGE_SCALES, KL_KINDS, LOSS_AGG_MODES
 from dapo.cli import main
 from dapo.config import (
     ABLATION_LADDER,
     PRESETS,
+    AlgorithmConfig,
     Config,
     ConfigError,
+    RewardFunctionConfig,
     TrainConfig,
+    _all_keys,
     config_from_dict,
     load_config,
     validate,
 )
+from dapo.rollout import ENGINES
 
 
 def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -332,3 +337,85 @@ def test_cli_print_config(capsys, tmp_path):
     assert printed["train"]["lr"] == 1e-5
     assert printed["train"]["steps"] == 9
     assert printed["algorithm"]["clip_high"] == 0.2
+
+
+def test_cli_help_is_the_short_usage(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dapo train [CONFIG.yaml]")
+    assert "--help-config" in out
+
+
+# --------------------------------------------------------------------------------------
+# Help text and choices: one source of truth
+# --------------------------------------------------------------------------------------
+
+
+def _sections(cls: type = Config) -> list[type]:
+    """``cls`` and every dataclass reachable from its fields (list items included)."""
+    out = [cls]
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            out += _sections(type(default))
+    return out
+
+
+def test_every_field_has_help_text():
+    sections = _sections() + [RewardFunctionConfig]  # reward.functions holds these
+    assert len(sections) == 10
+    missing = [
+        f"{cls.__name__}.{f.name}"
+        for cls in sections
+        for f in dataclasses.fields(cls)
+        if len(f.metadata.get("help", "").strip()) < 10
+    ]
+    assert missing == []
+
+
+def test_help_config_lists_every_key_with_default_and_help(capsys):
+    assert main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.strip().startswith("algorithm.clip_high "))
+    assert "0.28" in line and "float" in line
+    (clip_high,) = [f for f in dataclasses.fields(AlgorithmConfig) if f.name == "clip_high"]
+    assert "Clip-Higher" in clip_high.metadata["help"] and "0.28" in clip_high.metadata["help"]
+    flowing = " ".join(out.split())  # the help text is wrapped at spaces only
+    assert clip_high.metadata["help"] in flowing
+    keys = _all_keys()
+    for key in keys:
+        is_section = any(k.startswith(key + ".") for k in keys)
+        assert (f"\n{key}: " if is_section else f"\n  {key} = ") in out, key
+    for cls in _sections() + [RewardFunctionConfig]:
+        for f in dataclasses.fields(cls):
+            assert f.metadata["help"] in flowing, f"{cls.__name__}.{f.name}"
+    # Enumerated keys show their choices.
+    assert " | ".join(LOSS_AGG_MODES) in out
+    assert "L_cache" in out  # overlong_buffer says what it is in the paper's terms
+
+
+def test_enumerated_fields_take_their_choices_from_the_implementations():
+    choices = {
+        f.name: f.metadata.get("choices")
+        for cls in _sections()
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("choices")
+    }
+    assert choices["loss_agg"] is LOSS_AGG_MODES
+    assert choices["advantage_scale"] is ADVANTAGE_SCALES
+    assert choices["kl_estimator"] is KL_KINDS
+    assert choices["engine"] is ENGINES
+
+
+def test_loss_agg_accepts_exactly_the_algorithm_modes():
+    for mode in LOSS_AGG_MODES:
+        assert load_config(overrides=[f"algorithm.loss_agg={mode}"]).algorithm.loss_agg == mode
+    msg = raises_config_error(["algorithm.loss_agg=sum"])
+    assert "`algorithm.loss_agg`" in msg and "'sum'" in msg
+    assert str(list(LOSS_AGG_MODES)) in msg
+    # validate() checks the same list on a config built in code.
+    cfg = Config()
+    cfg.algorithm.loss_agg = "sum"
+    with pytest.raises(ConfigError, match="algorithm.loss_agg") as info:
+        validate(cfg)
+    assert str(list(LOSS_AGG_MODES)) in str(info.value)

@@ -7,12 +7,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from dapo import distributed as D
+from dapo.parallel import distributed as D
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
@@ -70,7 +69,7 @@ def two_rank_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_make_the_same_step_as_one_process(mode: str, two_rank_steps: dict) -> None:
-    from dapo.update import micro_batches
+    from dapo.training.forward import micro_batches
 
     dist_worker = _dist_worker()
     # The ranks really hold different responses, with truncated ones among them, and
@@ -96,7 +95,7 @@ def test_two_ranks_make_the_same_step_as_one_process(mode: str, two_rank_steps: 
     two_ranks = two_rank_steps[mode]
     torch.set_num_threads(1)
     single = dist_worker.one_step("single")
-    from dapo.builtin import build_model, build_tokenizer
+    from dapo.models.tiny import build_model, build_tokenizer
 
     initial = build_model(len(build_tokenizer()), seed=3).double().state_dict()
     moved = 0.0
@@ -137,13 +136,13 @@ def test_fsdp_generation_and_logprob_passes_match_a_plain_model(two_rank_steps: 
 
 
 def test_fsdp_where_it_does_not_work_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dapo import sharding
-    from dapo.trainer import Trainer, TrainingError
+    from dapo.errors import TrainingError
+    from dapo.parallel import sharding
+    from dapo.parallel.data_parallel import wrap_data_parallel
 
     monkeypatch.setattr(sharding, "fsdp_support", lambda info: "no reduce_scatter in gloo")
-    trainer = SimpleNamespace(dist=D.DistInfo(0, 2, 0, "gloo"), log=print, model=None)
     with pytest.raises(TrainingError) as err:
-        Trainer._wrap_data_parallel(trainer, "fsdp")
+        wrap_data_parallel(None, D.DistInfo(0, 2, 0, "gloo"), "fsdp", print)
     assert str(err.value) == (
         "`train.data_parallel` = 'fsdp', but FSDP2 sharding does not work on this platform: "
         "no reduce_scatter in gloo. Use train.data_parallel=ddp (or auto)"
@@ -193,7 +192,7 @@ def test_two_rank_run_resumes_from_its_checkpoint(
     # The checkpoint and the final model hold full weights, which load into one process.
     from transformers import AutoModelForCausalLM
 
-    from dapo.checkpoint import load_checkpoint
+    from dapo.training.checkpoint import load_checkpoint
 
     final = AutoModelForCausalLM.from_pretrained(out / "final_model")
     plain = AutoModelForCausalLM.from_pretrained(random_tiny_model)

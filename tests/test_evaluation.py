@@ -12,15 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dapo.cli import main
-from dapo.evaluation import (
-    evaluate,
-    load_eval_problems,
-    majority_answer,
-    majority_correct,
-    pass_at_k,
-    score_groups,
-    summarize,
-)
+from dapo.evaluation.run import engine_accuracy, load_eval_problems, score_groups
+from dapo.evaluation.stats import majority_answer, majority_correct, pass_at_k, summarize
 from dapo.rewards import RewardScorer
 from dapo.rollout import Group, SamplingParams
 
@@ -166,7 +159,7 @@ def _records():
 
 
 def test_score_groups_and_trainer_evaluate_use_the_scorer_and_answers() -> None:
-    from dapo.builtin import build_tokenizer
+    from dapo.models.tiny import build_tokenizer
 
     tok = build_tokenizer()
     texts = [["work\nAnswer: 5", "Answer: 4"], ["Answer: $9$", "no answer here"]]
@@ -180,7 +173,7 @@ def test_score_groups_and_trainer_evaluate_use_the_scorer_and_answers() -> None:
         assert answers == [["5", "4"], ["$9$", None]]
 
         params = SamplingParams(n=2, max_tokens=16)
-        ev = evaluate(engine, tok, records, ids, scorer, params)
+        ev = engine_accuracy(engine, tok, records, ids, scorer, params)
     assert ev["acc"] == pytest.approx(0.5)
     assert ev["n"] == 4
     assert ev["truncated"] == pytest.approx(0.25)
@@ -243,7 +236,7 @@ def test_repeated_rows_are_samples_of_one_problem(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dapo.builtin import build_model, build_tokenizer
+    from dapo.models.tiny import build_model, build_tokenizer
 
     path = tmp_path_factory.mktemp("eval_model") / "rand-tiny"
     tok = build_tokenizer()
@@ -292,8 +285,8 @@ def test_cli_eval_end_to_end(
 def test_cli_eval_options_and_default_output(
     random_model: Path, eval_parquet: Path, tmp_path: Path, monkeypatch, capsys
 ) -> None:
-    from dapo.builtin import build_tokenizer
     from dapo.data import load_records, render_prompt
+    from dapo.models.tiny import build_tokenizer
 
     monkeypatch.chdir(tmp_path)
     records, _ = load_records(str(eval_parquet), dedupe=False)
@@ -356,7 +349,7 @@ def test_cli_eval_missing_and_malformed_data_exit_2(
 def test_cli_eval_unavailable_engine_exit_2(
     random_model: Path, eval_parquet: Path, tmp_path: Path, capsys, monkeypatch
 ) -> None:
-    from dapo import vllm_engine
+    from dapo.rollout import vllm_engine
 
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
     args = ["eval", str(random_model), "--data", str(eval_parquet), "--engine", "vllm"]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from dapo import metrics
-from dapo.metrics import PG_LOSS_NOTE, MetricsLogger, plot_dashboard, read_metrics
+from dapo import atomic
+from dapo.metrics import PG_LOSS_NOTE, MetricsLogger, dashboard, plot_dashboard, read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -182,7 +182,7 @@ def test_resume_rewrite_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     def failing_replace(src: str, dst: str) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(metrics.os, "replace", failing_replace)
+    monkeypatch.setattr(atomic.os, "replace", failing_replace)
     with pytest.raises(OSError, match="disk full"):
         _logger(tmp_path, resume_step=2)
     assert path.read_bytes() == original  # the old file is untouched on failure
@@ -382,7 +382,7 @@ def test_plot_dashboard_full(tmp_path: Path) -> None:
     _check_png(out)
     assert sorted(p.name for p in run.iterdir()) == ["dashboard.png", "metrics.jsonl"]
 
-    fig = metrics._build_figure(read_metrics(run), "t")
+    fig = dashboard._build_figure(read_metrics(run), "t")
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert "no data" not in texts
 
@@ -399,7 +399,7 @@ def test_plot_dashboard_with_missing_keys(tmp_path: Path) -> None:
     assert out == tmp_path / "sub" / "dash.png"
     _check_png(out)
 
-    fig = metrics._build_figure(read_metrics(run), "t")
+    fig = dashboard._build_figure(read_metrics(run), "t")
     # The non-finite values of the synthetic run are left out of the plotted lines.
     entropy_ax = fig.axes[2]
     xs, ys = entropy_ax.lines[0].get_data()

@@ -35,13 +35,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import dapo.checkpoint as ckpt_mod
-import dapo.trainer
-from dapo.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+import dapo.training.checkpoint as ckpt_mod
+import dapo.training.step
+import dapo.training.trainer
 from dapo.cli import main
 from dapo.config import load_config
 from dapo.rewards import RewardFunctionWarning
-from dapo.trainer import Trainer, TrainingError
+from dapo.training.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from dapo.training.trainer import Trainer, TrainingError
 
 HERE = Path(__file__).parent
 REWARDS = HERE / "reliability_rewards.py"
@@ -70,7 +76,7 @@ def one_thread():
 @pytest.fixture(autouse=True)
 def no_dashboard(monkeypatch):
     """The dashboard PNG is not what these tests are about and costs seconds per run."""
-    monkeypatch.setattr(dapo.trainer, "plot_dashboard", lambda *a, **k: None)
+    monkeypatch.setattr(dapo.training.trainer, "plot_dashboard", lambda *a, **k: None)
 
 
 @pytest.fixture(scope="module")
@@ -169,11 +175,13 @@ def _phase(dump: str) -> str | None:
     if not main_blocks:
         return None
     stack = main_blocks[-1]
-    if "dapo/checkpoint.py" in stack:
+    if "dapo/training/checkpoint.py" in stack:
         return "checkpoint"
-    if "dapo/rollout.py" in stack:
+    if "dapo/rollout/" in stack:
         return "generation"
-    if "dapo/update.py" in stack or re.search(r'trainer\.py", line \d+ in update', stack):
+    if re.search(r"dapo/training/(step|forward)\.py", stack) or re.search(
+        r'trainer\.py", line \d+ in (update|_apply_updates|_fill_logprobs)', stack
+    ):
         # Gradient passes and optimizer steps, not the no-grad pass for the old log-probs.
         return "update-logprobs" if " in compute_logprobs" in stack else "update"
     return "other"
@@ -323,7 +331,7 @@ def crash_runs(random_tiny_model, train_file, tmp_path_factory):
             overrides=base_overrides(random_tiny_model, train_file, base, *CRASH_EXTRA)
         )
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(dapo.trainer, "plot_dashboard", lambda *a, **k: None)
+            mp.setattr(dapo.training.trainer, "plot_dashboard", lambda *a, **k: None)
             Trainer(cfg, log=quiet).run()
         base_seconds = time.monotonic() - t0
         for t in threads:
@@ -418,9 +426,9 @@ NAN_EXTRA = (
 def inject_nan(monkeypatch, trainer: Trainer, nan_at: set[tuple[int, int]]) -> dict:
     """Make the loss NaN at (rollout step, update of that step). Returns the weights as
     they were at the latest NaN update: the last good state when training stops there."""
-    import dapo.update
+    import dapo.training.step
 
-    real_loss = dapo.update.alg.policy_loss
+    real_loss = dapo.training.step.alg.policy_loss
     calls: dict[int, int] = {}
     weights_at_nan: dict[str, torch.Tensor] = {}
 
@@ -435,16 +443,16 @@ def inject_nan(monkeypatch, trainer: Trainer, nan_at: set[tuple[int, int]]) -> d
             loss = loss * float("nan")
         return loss, stats
 
-    monkeypatch.setattr(dapo.update.alg, "policy_loss", policy_loss)
+    monkeypatch.setattr(dapo.training.step.alg, "policy_loss", policy_loss)
     return weights_at_nan
 
 
 def test_nonfinite_updates_are_skipped_counted_and_stop_with_last_good_state(
     random_tiny_model, train_file, tmp_path, monkeypatch
 ):
-    import dapo.update
+    import dapo.training.step
 
-    real_loss = dapo.update.alg.policy_loss
+    real_loss = dapo.training.step.alg.policy_loss
     out = tmp_path / "run"
     trainer = Trainer(
         load_config(overrides=base_overrides(random_tiny_model, train_file, out, *NAN_EXTRA)),
@@ -472,7 +480,7 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_with_last_good_state(
         torch.equal(weights[n], t) for n, t in last_good.items() if n in weights
     )
     # The saved state resumes (the cause gone) to the end.
-    monkeypatch.setattr(dapo.update.alg, "policy_loss", real_loss)
+    monkeypatch.setattr(dapo.training.step.alg, "policy_loss", real_loss)
     overrides = base_overrides(random_tiny_model, train_file, out, *NAN_EXTRA, "resume=true")
     assert Trainer(load_config(overrides=overrides), log=quiet).run()["steps"] == 4
 
@@ -686,9 +694,9 @@ def _unshare_available() -> bool:
 REAL_FS_SCRIPT = """
 import sys, os, torch
 torch.set_num_threads(1)
-from dapo.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from dapo.training.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 from dapo.config import load_config
-from dapo.trainer import Trainer, TrainingError
+from dapo.training.trainer import Trainer, TrainingError
 ro, small = sys.argv[1], sys.argv[2]
 try:
     Trainer(load_config(overrides=[f"output_dir={ro}/run"]), log=print)
@@ -906,7 +914,7 @@ def test_bad_input_gives_the_documented_error(
 ):
     monkeypatch.chdir(bad_inputs)
     if case == "vllm-not-installed":  # as on a machine without the optional extra
-        from dapo import vllm_engine
+        from dapo.rollout import vllm_engine
 
         monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
     args, fragments = BAD_INPUTS[case]

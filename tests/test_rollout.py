@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from dapo.builtin import build_model
+from dapo.models.tiny import build_model
 from dapo.rollout import HFEngine, SamplingParams, process_logits
 
 EOS, PAD = 1, 0

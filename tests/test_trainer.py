@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from dapo.config import load_config
-from dapo.sampling import DynamicSamplingError, is_uniform
-from dapo.trainer import Trainer, TrainingError
+from dapo.training.dynamic_sampling import DynamicSamplingError, is_uniform
+from dapo.training.trainer import Trainer, TrainingError
 
 REWARDS = Path(__file__).with_name("trainer_rewards.py")
 
@@ -45,18 +45,18 @@ def test_dynamic_sampling_trains_only_mixed_groups_and_reuses_surplus(random_tin
     trainer = Trainer(cfg, log=lambda _: None)
     trained: list[list] = []
     carried_after: list[list] = []
-    original_update, original_fill = trainer.update, trainer.sampler.fill
+    original_build, original_fill = trainer.build_samples, trainer.sampler.fill
 
-    def record_update(groups, step):
+    def record_build(groups):
         trained.append(list(groups))
-        return original_update(groups, step)
+        return original_build(groups)
 
     def record_fill(produce):
         out = original_fill(produce)
         carried_after.append(list(trainer.sampler.carry))
         return out
 
-    trainer.update = record_update
+    trainer.build_samples = record_build
     trainer.sampler.fill = record_fill
     trainer.run()
 
@@ -146,7 +146,7 @@ def test_trains_a_transformers_model_on_reference_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dapo.builtin import build_model, build_tokenizer
+    from dapo.models.tiny import build_model, build_tokenizer
 
     model_dir = tmp_path / "model"
     tok = build_tokenizer()
@@ -213,3 +213,61 @@ def test_sample_budget_stops_after_that_many_generated_responses(random_tiny_mod
     resumed = Trainer(more, log=lambda _: None).run()
     assert resumed["steps"] == len(steps) + 1
     assert resumed["samples_generated"] > totals[-1]
+
+
+# --- metric regressions ---------------------------------------------------------------------
+
+
+def _punishment(length: int, l_max: int, buffer: int) -> float:
+    """The paper's soft overlong punishment, transcribed (eq. 13)."""
+    if length <= l_max - buffer:
+        return 0.0
+    if length <= l_max:
+        return ((l_max - buffer) - length) / buffer
+    return -1.0
+
+
+@pytest.mark.parametrize("penalty, factor", [(True, 0.5), (False, 1.0)])
+def test_overlong_penalty_metric_is_the_penalty_applied(random_tiny_model, tmp_path, penalty, factor):
+    """reward/overlong_penalty_mean is the mean shaping actually added to the rewards: with
+    its factor, and 0 when the shaping is off (it used to be computed regardless, unscaled)."""
+    cfg = small_config(
+        random_tiny_model, tmp_path / "run", "algorithm.dynamic_sampling=false",
+        f"algorithm.overlong_penalty={str(penalty).lower()}",
+        f"algorithm.overlong_penalty_factor={factor}", "algorithm.overlong_buffer=8",
+    )
+    trainer = Trainer(cfg, log=lambda _: None)
+    try:
+        groups, metrics = trainer.fill_batch(0)  # dynamic sampling off: every group kept
+    finally:
+        trainer.close()
+    lengths = [len(r) for g in groups for r in g.response_ids]
+    shaped = [factor * _punishment(n, 12, 8) for n in lengths] if penalty else [0.0] * len(lengths)
+    assert any(n > 4 for n in lengths)  # the ramp (lengths 5..12) is reached
+    assert metrics["reward/overlong_penalty_mean"] == pytest.approx(sum(shaped) / len(shaped))
+    if not penalty:
+        assert metrics["reward/overlong_penalty_mean"] == 0.0
+
+
+def test_only_rank_zero_prints_start_up_lines(random_tiny_model, tmp_path, monkeypatch):
+    """Set-up messages (here: prompts dropped by the length filter) come from rank 0 only."""
+    import dapo.training.trainer as trainer_mod
+    from dapo.parallel import distributed as D
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "\n".join(
+            f'{{"prompt": "{i}{"x" * (5 if i % 2 else 60)}", "reward_model": {{"ground_truth": "1"}}}}'
+            for i in range(8)
+        )
+    )
+    monkeypatch.setattr(trainer_mod, "wrap_data_parallel", lambda *a, **k: ("ddp", None))
+    heard: dict[int, list[str]] = {}
+    for rank in (0, 1):
+        monkeypatch.setattr(D, "init_distributed", lambda rank=rank: D.DistInfo(rank=rank, world_size=2))
+        heard[rank] = []
+        cfg = small_config(random_tiny_model, tmp_path / f"run{rank}", f"data.train={data}",
+                           "data.max_prompt_length=20")
+        Trainer(cfg, log=heard[rank].append).close()
+    assert any("dropped 4 training prompts" in m for m in heard[0])
+    assert heard[1] == []

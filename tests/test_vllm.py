@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo import vllm_engine
-from dapo.builtin import addition_records, build_model, build_tokenizer
-from dapo.rollout import HFEngine, SamplingParams
+from dapo.data.tasks.addition import addition_records
+from dapo.models.tiny import build_model
+from dapo.rollout import HFEngine, SamplingParams, vllm_engine
 
 EOS, PAD = 1, 0
 
@@ -78,14 +78,14 @@ def test_missing_vllm_names_the_extra(monkeypatch):
     assert isinstance(info.value, ImportError)
 
 
-def test_trainer_error_names_the_extra(monkeypatch):
+def test_trainer_error_names_the_extra(monkeypatch, tmp_path):
     from dapo.config import load_config
-    from dapo.trainer import TrainingError, make_engine
+    from dapo.training.trainer import Trainer, TrainingError
 
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
-    cfg = load_config(overrides=["rollout.engine=vllm"])
+    cfg = load_config(overrides=["rollout.engine=vllm", f"output_dir={tmp_path}", "evaluate=false"])
     with pytest.raises(TrainingError) as info:
-        make_engine(cfg, build_model(99), build_tokenizer())
+        Trainer(cfg, log=lambda _: None)
     assert "pip install 'dapo[vllm]'" in str(info.value)
 
 
@@ -345,9 +345,9 @@ def test_sync_every_two_updates_tis_and_resume(tmp_path, tiny_path):
 
 def test_vllm_with_several_ranks_is_refused(monkeypatch, tmp_path):
     """vLLM runs colocated in one process; a torchrun job must be told to use `hf`."""
-    from dapo import distributed as D
     from dapo.config import load_config
-    from dapo.trainer import Trainer, TrainingError
+    from dapo.parallel import distributed as D
+    from dapo.training.trainer import Trainer, TrainingError
 
     monkeypatch.setattr(D, "init_distributed", lambda: D.DistInfo(rank=0, world_size=2))
     cfg = load_config(overrides=["rollout.engine=vllm", f"output_dir={tmp_path / 'run'}"])

@@ -7,17 +7,33 @@ are ``[B, T]`` with a ``mask`` that is 1 on the response tokens that count in th
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-AdvantageScale = Literal["group", "batch", "none"]
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLKind = Literal["k1", "k2", "k3"]
+from dapo.choices import (  # the names of the variants below (one source, shared with config)
+    ADVANTAGE_SCALES,
+    KL_KINDS,
+    LOSS_AGG_MODES,
+    AdvantageScale,
+    KLKind,
+    LossAgg,
+)
 
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-ADVANTAGE_SCALES: tuple[str, ...] = ("group", "batch", "none")
-KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
+__all__ = [
+    "ADVANTAGE_SCALES",
+    "EPS",
+    "KL_KINDS",
+    "LOSS_AGG_MODES",
+    "aggregate_loss",
+    "entropy_from_logits",
+    "gen_prob",
+    "group_advantages",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "policy_loss",
+    "token_logprobs",
+]
+
 EPS = 1e-6
 
 

@@ -6,12 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from dapo.config import PRESETS, Config, ConfigError, describe_presets, load_config
+from dapo.config import PRESETS, ConfigError, describe_config, describe_presets, load_config
 
 _TRAIN_HELP = """\
 dapo train [CONFIG.yaml] [key.path=value ...]
 
-With no arguments: the built-in default (a tiny Qwen2 warmed up on column addition, trained
+With no arguments: the built-in default (a ~1M-parameter Llama warmed up on column addition, trained
 with the `dapo` preset, evaluated before and after on held-out problems). Keys:
   preset=NAME            one of: {presets}
   output_dir=DIR seed=N resume=true
@@ -19,15 +19,17 @@ with the `dapo` preset, evaluated before and after on held-out problems). Keys:
   train.steps=N train.lr=X train.prompts_per_step=N train.mini_batch_size=N
   rollout.num_generations=G rollout.max_completion_length=L rollout.engine=hf
   algorithm.clip_high=0.28 algorithm.dynamic_sampling=true algorithm.loss_agg=token-mean
+`dapo train --help-config` lists every key with its type, default and meaning.
 `dapo train --print-config [CONFIG.yaml] [key=value ...]` prints the resolved config.
 """
 
 
 def _train(argv: list[str]) -> int:
-    if argv and argv[0] in ("-h", "--help", "--help-config"):
+    if argv and argv[0] in ("-h", "--help"):
         print(_TRAIN_HELP.format(presets=", ".join(PRESETS)))
-        if argv[0] == "--help-config":
-            print(Config().to_yaml())
+        return 0
+    if argv and argv[0] == "--help-config":
+        print(describe_config())
         return 0
     print_only = "--print-config" in argv
     argv = [a for a in argv if a != "--print-config"]
@@ -38,8 +40,8 @@ def _train(argv: list[str]) -> int:
     if print_only:
         print(cfg.to_yaml())
         return 0
-    from dapo import distributed
-    from dapo.trainer import Trainer
+    from dapo.parallel import distributed
+    from dapo.training.trainer import Trainer
 
     summary = Trainer(cfg).run()
     distributed.destroy()  # every rank gets here; a failed run exits through torchrun instead
@@ -116,28 +118,11 @@ def _eval(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
 
-    from dapo.data import DataError
-    from dapo.evaluation import EvalError, format_table, run_evaluation
-    from dapo.models import ModelError
+    from dapo.errors import DataError, EvalError, ModelError
+    from dapo.evaluation.run import format_table, run_evaluation
 
     try:
-        report = run_evaluation(
-            args.model,
-            args.data,
-            k=args.k,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_tokens=args.max_tokens,
-            max_prompt_length=args.max_prompt_length,
-            max_problems=args.max_problems,
-            seed=args.seed,
-            batch_size=args.batch_size,
-            engine=args.engine,
-            split=args.split,
-            prompt_key=args.prompt_key,
-            answer_key=args.answer_key,
-            output=args.output,
-        )
+        report = run_evaluation(**vars(args))  # the options are run_evaluation's arguments
     except (DataError, EvalError, ModelError) as exc:
         print(f"dapo eval: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,54 @@
+"""Atomic file writes: a reader sees the old file or the new one, never a torn one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+
+def fsync_dir(path: Path, *, strict: bool = False) -> None:
+    """fsync a directory so that a rename in it survives a power loss.
+
+    Best effort unless ``strict`` (some file systems refuse to fsync a directory).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        if strict:
+            raise
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` atomically: temp file in the same directory, fsync, ``os.replace``.
+
+    The file keeps its permissions when it exists; on any error the temp file is removed
+    and the old file is untouched.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """:func:`atomic_write` of UTF-8 text."""
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))

@@ -1,0 +1,25 @@
+"""The names of every enumerated option, one tuple each: the single source of truth.
+
+Torch-free and import-free, so that :mod:`dapo.config` (which validates the names) and the
+modules that act on them (:mod:`dapo.algorithms`, :mod:`dapo.rollout`, ...) can all import
+it without a cycle and without loading torch for ``dapo presets`` or ``--help-config``.
+Where a function's signature takes one of these, its ``Literal`` type is defined here too
+and the tuple is read from it (``get_args``), so no name is written twice.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+AdvantageScale = Literal["group", "batch", "none"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLKind = Literal["k1", "k2", "k3"]
+
+ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)  # algorithm.advantage_scale
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAgg)  # algorithm.loss_agg
+KL_KINDS: tuple[str, ...] = get_args(KLKind)  # algorithm.kl_estimator
+ENGINES: tuple[str, ...] = ("hf", "vllm")  # rollout.engine: dapo.rollout.make_engine
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # model.dtype
+LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # train.lr_schedule
+DATA_PARALLEL_MODES: tuple[str, ...] = ("auto", "fsdp", "ddp")  # train.data_parallel
+DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("acc", "reward")  # algorithm.dynamic_sampling_metric

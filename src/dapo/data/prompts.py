@@ -1,0 +1,145 @@
+"""Prompts for the policy: the configured prompt sets, rendering (chat template), tokenizing,
+the length filter, and the seeded endless stream of training prompts."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from dapo.config import DataConfig
+from dapo.data.records import LoadStats, PromptRecord
+from dapo.data.sources import load_records
+from dapo.data.tasks import is_builtin, load_task
+from dapo.errors import DataError
+
+_TOKENIZE_BATCH = 1024
+
+
+def render_prompt(record: PromptRecord, tokenizer: Any) -> str:
+    """Prompt text: chat messages through the tokenizer's chat template (if it has one)."""
+    prompt = record.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template(
+                [dict(m) for m in prompt], tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:
+            raise DataError(
+                f"prompt uid={record.uid}: the tokenizer's chat template failed "
+                f"({type(exc).__name__}: {exc}). Fix: check the message roles/order suit this "
+                "model's template, or use plain-text prompts."
+            ) from exc
+        if not isinstance(text, str):
+            raise DataError(
+                f"prompt uid={record.uid}: apply_chat_template returned a "
+                f"{type(text).__name__}, not text. Fix: use a tokenizer whose chat template "
+                "renders to a string."
+            )
+        return text
+    return "\n".join(m["content"] for m in prompt)
+
+
+def encode_prompts(
+    records: list[PromptRecord],
+    tokenizer: Any,
+    max_prompt_length: int,
+    *,
+    stats: LoadStats | None = None,
+) -> tuple[list[PromptRecord], list[list[int]], int]:
+    """Render and tokenize prompts; drop (never truncate) those over ``max_prompt_length``.
+
+    Returns the kept records, their token ids and the number dropped. If ``stats`` is
+    given, its ``too_long`` and ``kept`` are updated.
+    """
+    if max_prompt_length <= 0:
+        raise DataError(
+            f"data.max_prompt_length must be positive, got {max_prompt_length}. "
+            "Fix: set data.max_prompt_length to the prompt token budget."
+        )
+    texts = [render_prompt(r, tokenizer) for r in records]
+    all_ids: list[list[int]] = []
+    for start in range(0, len(texts), _TOKENIZE_BATCH):
+        enc = tokenizer(texts[start : start + _TOKENIZE_BATCH], add_special_tokens=False)
+        all_ids.extend(list(ids) for ids in enc["input_ids"])
+
+    kept: list[PromptRecord] = []
+    kept_ids: list[list[int]] = []
+    for record, ids in zip(records, all_ids, strict=True):
+        if len(ids) <= max_prompt_length:
+            kept.append(record)
+            kept_ids.append(ids)
+    dropped = len(records) - len(kept)
+    if records and not kept:
+        lengths = [len(ids) for ids in all_ids]
+        raise DataError(
+            f"all {len(records)} prompts are longer than data.max_prompt_length="
+            f"{max_prompt_length} tokens (shortest {min(lengths)}, longest {max(lengths)}). "
+            f"Fix: raise data.max_prompt_length to at least {min(lengths)} "
+            f"({max(lengths)} keeps every prompt), or check the tokenizer/chat template."
+        )
+    if stats is not None:
+        stats.too_long = dropped
+        stats.kept = len(kept)
+    return kept, kept_ids, dropped
+
+
+def group_repeats(records: list[PromptRecord]) -> dict[str, list[int]]:
+    """Map each uid to the indices of its records, in first-appearance order."""
+    groups: dict[str, list[int]] = {}
+    for i, record in enumerate(records):
+        groups.setdefault(record.uid, []).append(i)
+    return groups
+
+
+def load_prompt_set(data: DataConfig, which: str) -> list[PromptRecord]:
+    """The training (``which="train"``) or held-out (``"eval"``) prompts of ``data``."""
+    source = data.train if which == "train" else data.eval
+    split = data.train_split if which == "train" else data.eval_split
+    if source is None:
+        return []
+    if is_builtin(source):
+        n = 20000 if which == "train" else data.max_eval_prompts
+        return load_task(source, "train" if which == "train" else "test", n=n)
+    records, _ = load_records(
+        source,
+        split=split,
+        prompt_key=data.prompt_key,
+        answer_key=data.answer_key,
+        data_source_key=data.data_source_key,
+        dedupe=True,
+    )
+    return records[: data.max_eval_prompts] if which == "eval" else records
+
+
+class PromptStream:
+    """Endless, seeded, reshuffled-per-epoch stream over the training prompts."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True) -> None:
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.epoch, self.pos = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        order = list(range(self.n))
+        if self.shuffle:
+            random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
+        return order
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos == self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._make_order()
+            out.append(self._order[self.pos])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._order = self._make_order()

@@ -1,0 +1,51 @@
+"""Every error dapo raises on purpose, in one place that any module may import.
+
+Each message names the field or input, the value, and the fix. ``DapoError`` is the common
+base where a caller wants to catch "a problem the user can fix" in one ``except``.
+"""
+
+from __future__ import annotations
+
+
+class DapoError(Exception):
+    """A problem the user can fix; the message says what to change."""
+
+
+class ConfigError(DapoError, ValueError):
+    """A configuration problem, with the key, the value and the fix in the message."""
+
+
+class DataError(DapoError, ValueError):
+    """A problem with the data; the message names the file, row, field and the fix."""
+
+
+class ModelError(DapoError, ValueError):
+    """A model or tokenizer that cannot be loaded; the message says why and what to do."""
+
+
+class TrainingError(DapoError, RuntimeError):
+    """Training cannot go on; the message says why and what to change."""
+
+
+class DynamicSamplingError(TrainingError):
+    """The round cap was reached before the batch was full."""
+
+
+class CheckpointError(DapoError, RuntimeError):
+    """A checkpoint could not be written or read; earlier checkpoints are intact."""
+
+
+class EvalError(DapoError, ValueError):
+    """A bad evaluation option or set-up; the message says what to change."""
+
+
+class VLLMUnavailableError(DapoError, ImportError):
+    """vLLM is not installed (or does not import); the message names the extra to install."""
+
+
+class VLLMEngineError(DapoError, RuntimeError):
+    """The vLLM engine could not start or failed; the message says what to change."""
+
+
+class RewardFunctionWarning(UserWarning):
+    """A reward function timed out, raised, or returned a non-number (the sample scored -1)."""

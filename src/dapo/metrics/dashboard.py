@@ -1,0 +1,235 @@
+"""The dashboard: one PNG of the paper's training signals from ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dapo.atomic import atomic_write
+from dapo.metrics.logger import _metrics_path, read_metrics
+
+DASHBOARD_FILE = "dashboard.png"
+
+
+# --------------------------------------------------------------------------- dashboard
+
+
+@dataclass(frozen=True)
+class _Series:
+    key: str
+    label: str
+    color: str
+    style: str = "-"
+    marker: str | None = None
+    band: str | None = None  # key of a std to shade around the line
+
+
+@dataclass(frozen=True)
+class _Panel:
+    title: str
+    left: tuple[_Series, ...]
+    left_label: str
+    right: tuple[_Series, ...] = ()
+    right_label: str = ""
+
+
+_PANELS = (
+    _Panel(
+        "Reward and accuracy",
+        (
+            _Series("reward/mean", "reward mean", "C0", band="reward/std"),
+            _Series("reward/acc", "train acc", "C1"),
+            _Series("val/acc", "val acc", "C3", style="--", marker="o"),
+        ),
+        "reward / accuracy",
+    ),
+    _Panel(
+        "Response length",
+        (
+            _Series("response_length/mean", "mean", "C0"),
+            _Series("response_length/max", "max", "C1"),
+        ),
+        "tokens",
+        (_Series("response_length/clip_ratio", "truncated share", "C3", style="--"),),
+        "truncated share",
+    ),
+    _Panel("Actor entropy", (_Series("actor/entropy", "entropy", "C4"),), "nats / token"),
+    _Panel(
+        "Mean generation probability",
+        (_Series("actor/gen_prob", "p(sampled token)", "C2"),),
+        "probability",
+    ),
+    _Panel(
+        "Clip fractions",
+        (
+            _Series("actor/clip_frac_low", "clipped low", "C0"),
+            _Series("actor/clip_frac_high", "clipped high", "C3"),
+        ),
+        "token share",
+    ),
+    _Panel(
+        "Dynamic sampling",
+        (
+            _Series("sampling/all_correct_frac", "all-correct groups", "C2"),
+            _Series("sampling/all_wrong_frac", "all-wrong groups", "C3"),
+            _Series("sampling/wasted_frac", "wasted share", "C7"),
+        ),
+        "share",
+        (_Series("sampling/gen_rounds", "generation rounds", "C0", style="--", marker="."),),
+        "rounds",
+    ),
+    _Panel(
+        "Gradient norm and PPO KL",
+        (_Series("actor/grad_norm", "grad norm", "C0"),),
+        "grad norm",
+        (_Series("actor/ppo_kl", "ppo kl", "C1", style="--"),),
+        "ppo kl",
+    ),
+    _Panel(
+        "Throughput and step time",
+        (
+            _Series("perf/rollout_tokens_per_s", "rollout tok/s", "C0"),
+            _Series("perf/train_tokens_per_s", "train tok/s", "C1"),
+        ),
+        "tokens / s",
+        (
+            _Series("perf/step_s", "step s", "C3", style="--"),
+            _Series("perf/gen_s", "gen s", "C4", style=":"),
+            _Series("perf/train_s", "train s", "C5", style=":"),
+        ),
+        "seconds",
+    ),
+)
+
+
+_TITLE_FONT = {"size": 11, "weight": "bold"}
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for rec in records:
+        value = rec.get(key)
+        # Non-finite values are left out: NaN would break lines into invisible single
+        # points and inf would wreck the axis scaling.
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            xs.append(rec["step"])
+            ys.append(float(value))
+    return xs, ys
+
+
+def _draw_panel(ax: Any, panel: _Panel, records: list[dict]) -> bool:
+    """Draw one panel; return False (and show "no data") when none of its keys exist.
+
+    A panel with data carries its title as the title of a legend placed above the plot.
+    """
+    ax.grid(True, alpha=0.3)
+    ax.tick_params(labelsize=8)
+    handles: list[Any] = []
+
+    def draw(target: Any, series: tuple[_Series, ...]) -> None:
+        for s in series:
+            xs, ys = _series(records, s.key)
+            if not xs:
+                continue
+            marker = s.marker or ("o" if len(xs) == 1 else None)
+            (line,) = target.plot(
+                xs, ys, s.style, color=s.color, marker=marker, markersize=4, lw=1.5, label=s.label
+            )
+            handles.append(line)
+            if s.band:
+                bx, by = _series(records, s.band)
+                std = dict(zip(bx, by, strict=True))
+                pts = [(x, y, std[x]) for x, y in zip(xs, ys, strict=True) if x in std]
+                if pts:
+                    line.set_label(f"{s.label} (±std)")
+                    target.fill_between(
+                        [p[0] for p in pts],
+                        [p[1] - p[2] for p in pts],
+                        [p[1] + p[2] for p in pts],
+                        color=s.color,
+                        alpha=0.15,
+                        lw=0,
+                    )
+
+    draw(ax, panel.left)
+    n_left = len(handles)
+    top = ax
+    if panel.right and any(_series(records, s.key)[0] for s in panel.right):
+        top = ax.twinx()
+        draw(top, panel.right)
+        top.set_ylabel(panel.right_label, color=panel.right[0].color, fontsize=9)
+        top.tick_params(axis="y", labelsize=8, colors=panel.right[0].color)
+    if not handles:
+        ax.set_title(panel.title, **_TITLE_FONT)
+        ax.text(
+            0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center",
+            fontsize=12, color="0.5",
+        )  # fmt: skip
+        ax.set_yticks([])
+        return False
+    if n_left:
+        ax.set_ylabel(panel.left_label, fontsize=9)
+    else:  # only twin-axis series: the left axis has nothing to show
+        ax.set_yticks([])
+    # Legend above the plot area, under the panel title, so it never hides data.
+    ax.legend(
+        handles=handles,
+        title=panel.title,
+        title_fontproperties=_TITLE_FONT,
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.0),
+        ncol=min(len(handles), 3),
+        fontsize=8,
+        frameon=False,
+        borderaxespad=0.2,
+        handlelength=2.5,
+    )
+    return True
+
+
+def _build_figure(records: list[dict], title: str) -> Any:
+    """Build the dashboard figure (no pyplot, so no global backend state is touched)."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(15, 16), dpi=100, layout="constrained")
+    axes = fig.subplots(4, 2, sharex=True)
+    for ax, panel in zip(axes.flat, _PANELS, strict=True):
+        _draw_panel(ax, panel, records)
+        ax.tick_params(labelbottom=True)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes[-1]:
+        ax.set_xlabel("rollout step", fontsize=9)
+    fig.suptitle(title, fontsize=14)
+    return fig
+
+
+def plot_dashboard(run_dir: str | Path, out_path: str | Path | None = None) -> Path:
+    """Render the run's metrics.jsonl to a PNG grid of panels; return the PNG path.
+
+    ``run_dir`` may also be the metrics.jsonl file itself. Default output:
+    ``run_dir/dashboard.png`` (written atomically).
+    """
+    file = _metrics_path(run_dir)
+    if not file.is_file():
+        raise FileNotFoundError(f"no metrics file at {file}")
+    run_dir = file.parent
+    by_step: dict[int, dict] = {}
+    for rec in read_metrics(file):
+        if isinstance(rec.get("step"), int):
+            by_step[rec["step"]] = rec  # keep the last record of a repeated step
+    if not by_step:
+        raise ValueError(f"{file} has no metric records")
+    records = [by_step[s] for s in sorted(by_step)]
+    first, last = records[0]["step"], records[-1]["step"]
+    name = run_dir.resolve().name
+    title = f"{name} — {len(records)} rollout steps"
+    if (first, last) != (1, len(records)):
+        title += f" (steps {first}–{last})"
+    fig = _build_figure(records, title)
+
+    out = Path(out_path) if out_path is not None else run_dir / DASHBOARD_FILE
+    atomic_write(out, lambda f: fig.savefig(f, format="png"))
+    return out

@@ -1,0 +1,459 @@
+"""Metric sinks: console progress bar, JSONL, TensorBoard, W&B."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import operator
+import os
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from dapo.atomic import atomic_write
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+DASHBOARD_FILE = "dashboard.png"
+
+PG_LOSS_NOTE = (
+    "note: pg loss near 0 is expected with zero-mean advantages and ratio 1; "
+    "the gradient is not zero (see docs)"
+)
+PG_LOSS_NEAR_ZERO = 1e-3  # |actor/pg_loss| below this triggers the one-time note
+
+_RESERVED_KEYS = ("step", "time")
+_NONFINITE_TO_STR = {math.inf: "inf", -math.inf: "-inf"}
+_STR_TO_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+# Console postfix: (metric key, short label, unit suffix).
+_POSTFIX_KEYS = (
+    ("reward/acc", "acc", ""),
+    ("reward/mean", "reward", ""),
+    ("response_length/mean", "len", ""),
+    ("actor/entropy", "ent", ""),
+    ("actor/clip_frac_high", "clip_hi", ""),
+    ("sampling/uniform_groups", "uniform", ""),
+    ("perf/step_s", "step", "s"),
+)
+# Group order of the periodic one-line summary; other groups follow alphabetically.
+_GROUP_ORDER = ("reward", "val", "response_length", "actor", "sampling", "perf")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _to_float(key: str, value: Any) -> float:
+    """Convert a metric value (number, tensor, numpy scalar) to a Python float."""
+    if isinstance(value, bool | int | float):
+        return float(value)
+    item = getattr(value, "item", None)  # torch.Tensor, numpy scalar / 1-element array
+    if callable(item):
+        try:
+            value = item()
+        except (ValueError, RuntimeError) as err:
+            raise TypeError(f"metric {key!r} must be a scalar, got {value!r}") from err
+    try:
+        return float(value)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}") from err
+
+
+def _json_value(value: float) -> float | str:
+    """Encode a float for strict JSON: non-finite values become "nan"/"inf"/"-inf"."""
+    if math.isnan(value):
+        return "nan"
+    return _NONFINITE_TO_STR.get(value, value)
+
+
+def _decode_record(obj: dict[str, Any]) -> dict[str, Any]:
+    """Turn the "nan"/"inf"/"-inf" strings of a record back into floats."""
+    return {
+        k: _STR_TO_NONFINITE[v] if isinstance(v, str) and v in _STR_TO_NONFINITE else v
+        for k, v in obj.items()
+    }
+
+
+def _parse_jsonl(path: Path) -> Iterator[tuple[bytes, dict[str, Any]]]:
+    """Yield (raw line, record) for each valid line; drop a torn last line silently."""
+    lines = path.read_bytes().split(b"\n")
+    last = max((i for i, raw in enumerate(lines) if raw.strip()), default=-1)
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            obj = None
+        if not isinstance(obj, dict):
+            if i != last:  # a torn last line is the expected crash case; anything else is odd
+                warnings.warn(
+                    f"{path}: skipping malformed line {i + 1}", RuntimeWarning, stacklevel=3
+                )
+            continue
+        yield raw, obj
+
+
+def _fmt(value: float) -> str:
+    """Compact number formatting for console output."""
+    if not math.isfinite(value):
+        return str(value)
+    if abs(value) >= 1000 or (value == int(value) and abs(value) < 1e15):
+        return f"{value:.0f}"
+    return f"{value:.4g}"
+
+
+def _metrics_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path / METRICS_FILE if path.is_dir() else path
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+class _LineStream:
+    """Stream wrapper for non-TTY output: each tqdm redraw becomes one plain line.
+
+    tqdm redraws in place with carriage returns and padding, which turns CI logs into
+    one endless line; here every non-empty redraw is written as its own line instead.
+    """
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+        self._last = ""
+
+    def write(self, text: str) -> int:
+        line = text.replace("\r", "").rstrip()
+        if line and line != self._last:
+            self._stream.write(line + "\n")
+            self._last = line
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    @property
+    def encoding(self) -> str | None:
+        return getattr(self._stream, "encoding", None)
+
+
+# --------------------------------------------------------------------------- logger
+
+
+class MetricsLogger:
+    """Per-step metrics sink: JSONL (always), TensorBoard, W&B (optional) and console.
+
+    With ``enabled=False`` (non-zero ranks) every method is a no-op and nothing is written.
+    ``console`` controls the progress bar and periodic summaries; :meth:`message` prints
+    whenever the logger is enabled.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        total_steps: int,
+        console: bool = True,
+        tensorboard: bool = True,
+        wandb: bool = False,
+        wandb_project: str = "dapo",
+        wandb_run_name: str | None = None,
+        config: dict | None = None,
+        resume_step: int | None = None,
+        enabled: bool = True,
+    ) -> None:
+        total_steps = operator.index(total_steps)
+        if total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        if resume_step is not None:
+            resume_step = operator.index(resume_step)
+            if resume_step < 0:
+                raise ValueError(f"resume_step must be >= 0, got {resume_step}")
+        self.output_dir = Path(output_dir)
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.metrics_path = self.output_dir / METRICS_FILE
+        self._closed = False
+        self._file: IO[str] | None = None
+        self._tb: Any = None
+        self._wandb_run: Any = None
+        self._bar: tqdm | None = None
+        self._stream: IO[str] = sys.stderr
+        self._line_mode = True  # non-TTY: plain lines instead of an in-place bar
+        self._pg_note_done = False
+        self._warned_reserved = False
+        self._last_step: int | None = None
+        self._last_values: dict[str, float] = {}
+        self._last_summary_step: int | None = None
+        self._start_step = resume_step or 0
+        self._summary_every = max(1, math.ceil(total_steps / 10))
+        self._t0 = time.time()
+        if not enabled:
+            return
+
+        wandb_mod = _import_wandb() if wandb else None  # fail before touching anything
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            self._truncate(resume_step)
+        self._file = self._open_append()
+
+        if wandb_mod is not None:
+            try:
+                self._wandb_run = wandb_mod.init(
+                    project=wandb_project,
+                    name=wandb_run_name,
+                    config=dict(config) if config is not None else None,
+                    dir=str(self.output_dir),
+                )
+            except BaseException:
+                self._file.close()
+                raise
+
+        if tensorboard:
+            self._tb = self._open_tensorboard(resume_step, config)
+
+        if console:
+            self._stream = sys.stderr
+            tty = _isatty(self._stream)
+            self._line_mode = not tty
+            self._bar = tqdm(
+                total=total_steps,
+                initial=min(self._start_step, total_steps),
+                desc="dapo",
+                unit="step",
+                file=self._stream if tty else _LineStream(self._stream),
+                dynamic_ncols=True,
+                mininterval=0.5 if tty else 30.0,
+                ascii=None if tty else True,
+                smoothing=0.1,
+                leave=True,
+            )
+        self._t0 = time.time()
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _truncate(self, resume_step: int) -> None:
+        """Atomically keep only records with step <= resume_step (drops torn lines)."""
+        if not self.metrics_path.exists():
+            return
+        kept = [
+            raw.rstrip(b"\r") + b"\n"
+            for raw, rec in _parse_jsonl(self.metrics_path)
+            if isinstance(rec.get("step"), int) and rec["step"] <= resume_step
+        ]
+        atomic_write(self.metrics_path, lambda f: f.writelines(kept))
+
+    def _open_append(self) -> IO[str]:
+        """Open metrics.jsonl for appending, first cutting off a torn last line (crash)."""
+        path = self.metrics_path
+        if path.exists() and path.stat().st_size > 0:
+            with path.open("r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":  # rare: read it all to find the last full line
+                    f.seek(0)
+                    f.truncate(f.read().rfind(b"\n") + 1)
+        return path.open("a", encoding="utf-8")
+
+    def _open_tensorboard(self, resume_step: int | None, config: dict | None) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            warnings.warn(
+                f"TensorBoard logging disabled (cannot import it: {err})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        try:
+            # purge_step hides the events a crashed run wrote after the resume checkpoint.
+            writer = SummaryWriter(
+                log_dir=str(self.output_dir / TENSORBOARD_DIR),
+                purge_step=None if resume_step is None else resume_step + 1,
+            )
+            if config:
+                text = json.dumps(config, indent=2, sort_keys=True, default=str)
+                writer.add_text("config", "```\n" + text + "\n```", global_step=resume_step or 0)
+        except Exception as err:  # noqa: BLE001 - logging must not stop training
+            warnings.warn(f"TensorBoard logging disabled: {err}", RuntimeWarning, stacklevel=3)
+            return None
+        return writer
+
+    # ------------------------------------------------------------------ public API
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record one rollout step's metrics to every enabled sink."""
+        if not self.enabled:
+            return
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log() called after close()")
+        step = operator.index(step)
+        values: dict[str, float] = {}
+        for key, value in metrics.items():
+            if key in _RESERVED_KEYS:
+                if not self._warned_reserved:
+                    warnings.warn(
+                        f"metric names {_RESERVED_KEYS} are reserved; ignoring them",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    self._warned_reserved = True
+                continue
+            values[str(key)] = _to_float(key, value)
+        now = time.time()
+
+        record: dict[str, Any] = {"step": step, "time": now}
+        record.update((k, _json_value(v)) for k, v in values.items())
+        assert self._file is not None
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+
+        if self._tb is not None:
+            try:
+                for key, value in values.items():
+                    self._tb.add_scalar(key, value, global_step=step, walltime=now)
+                self._tb.flush()
+            except Exception as err:  # noqa: BLE001 - logging must not stop training
+                warnings.warn(f"TensorBoard logging disabled: {err}", RuntimeWarning, stacklevel=2)
+                self._tb = None
+
+        if self._wandb_run is not None:
+            self._wandb_run.log(dict(values), step=step)
+
+        self._last_step = step
+        self._last_values = values
+        self._update_console(step, values)
+
+        pg_loss = values.get("actor/pg_loss")
+        if (
+            not self._pg_note_done
+            and pg_loss is not None
+            and math.isfinite(pg_loss)
+            and abs(pg_loss) < PG_LOSS_NEAR_ZERO
+        ):
+            self._pg_note_done = True
+            self.message(PG_LOSS_NOTE)
+
+    def message(self, text: str) -> None:
+        """Print a line to stderr without breaking the progress bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None and not self._line_mode:
+            tqdm.write(text, file=self._bar.fp)  # clears and redraws the in-place bar
+            return
+        stream = self._stream if self._bar is not None else sys.stderr
+        stream.write(text + "\n")
+        stream.flush()
+
+    def close(self) -> None:
+        """Flush and close all sinks (idempotent)."""
+        if not self.enabled or self._closed:
+            return
+        self._closed = True
+        try:
+            if (
+                self._bar is not None
+                and self._last_step is not None
+                and self._last_summary_step != self._last_step
+            ):
+                self.message(self._summary_line(self._last_step, self._last_values))
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+            if self._tb is not None:
+                with contextlib.suppress(Exception):
+                    self._tb.close()
+            if self._wandb_run is not None:
+                self._wandb_run.finish()
+            if self._file is not None:
+                self._file.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ console
+
+    def _update_console(self, step: int, values: dict[str, float]) -> None:
+        bar = self._bar
+        if bar is None:
+            return
+        bar.set_postfix_str(self._postfix(values), refresh=False)
+        if step >= bar.n:
+            bar.update(step - bar.n)
+        else:  # step went backwards (should not happen); just move the bar
+            bar.n = step
+            bar.refresh()
+        first = self._last_summary_step is None
+        if first or step % self._summary_every == 0 or step >= self.total_steps:
+            self._last_summary_step = step
+            self.message(self._summary_line(step, values))
+
+    @staticmethod
+    def _postfix(values: dict[str, float]) -> str:
+        shown = dict(values)
+        if "sampling/uniform_groups" not in shown and (
+            "sampling/all_correct_frac" in shown and "sampling/all_wrong_frac" in shown
+        ):
+            shown["sampling/uniform_groups"] = (
+                shown["sampling/all_correct_frac"] + shown["sampling/all_wrong_frac"]
+            )
+        return " ".join(
+            f"{label}={_fmt(shown[key])}{unit}"
+            for key, label, unit in _POSTFIX_KEYS
+            if key in shown
+        )
+
+    def _summary_line(self, step: int, values: dict[str, float]) -> str:
+        groups: dict[str, list[str]] = {}
+        for key, value in values.items():
+            group, _, name = key.rpartition("/")
+            groups.setdefault(group, []).append(f"{name}={_fmt(value)}")
+        order = [g for g in _GROUP_ORDER if g in groups]
+        order += sorted(g for g in groups if g not in _GROUP_ORDER)
+        parts = [f"[step {step}/{self.total_steps} {100 * step / self.total_steps:.0f}%]"]
+        parts += [f"{g or '-'}: {' '.join(groups[g])}" for g in order]
+        elapsed = time.time() - self._t0
+        timing = f"elapsed {tqdm.format_interval(elapsed)}"
+        done = step - self._start_step
+        if done > 0 and step < self.total_steps:
+            timing += f" eta {tqdm.format_interval(elapsed / done * (self.total_steps - step))}"
+        parts.append(timing)
+        return " | ".join(parts)
+
+
+def _import_wandb() -> Any:
+    try:
+        import wandb  # type: ignore[import-not-found]
+    except ImportError as err:
+        raise RuntimeError(
+            "W&B logging is enabled but the 'wandb' package is not installed: "
+            "run `pip install wandb` (or `pip install dapo[wandb]`), "
+            "or set logging.wandb=false in the config"
+        ) from err
+    return wandb
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Read the records of a run dir or metrics.jsonl; a torn last line is dropped.
+
+    The strings "nan", "inf" and "-inf" are returned as floats.
+    """
+    file = _metrics_path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"no metrics file at {file}")
+    return [_decode_record(rec) for _, rec in _parse_jsonl(file)]

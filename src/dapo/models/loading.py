@@ -1,0 +1,131 @@
+"""Loading the policy and its tokenizer from a local path, a hub id, or ``builtin:tiny``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dapo.errors import ModelError
+from dapo.models import tiny
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# Files one of which every saved tokenizer directory has.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
+def _is_local_path(name: str) -> bool:
+    """True when ``name`` can only be a local path (hub ids are ``name`` or ``owner/name``)."""
+    return name.startswith(("/", "./", "../", "~", ".\\", "..\\")) or name.count("/") > 1
+
+
+def resolve_model_path(name_or_path: str, log: Callable[[str], None] = print) -> str:
+    """``builtin:tiny`` becomes the cached warmed-up model (built on first use)."""
+    if name_or_path == tiny.NAME:
+        return str(tiny.ensure_builtin_model(log=log))
+    if name_or_path.startswith("builtin:"):
+        raise ModelError(
+            f"`model.name_or_path` = {name_or_path!r}: the only built-in model is {tiny.NAME!r}"
+        )
+    path = Path(name_or_path).expanduser()
+    if _is_local_path(name_or_path) and not path.exists():
+        raise ModelError(
+            f"`model.name_or_path` = {name_or_path!r}: no such directory (resolved to "
+            f"{path.absolute()}). Fix: give the directory of a saved model (config.json and "
+            "weights, as written by save_pretrained), a hub id in the local cache, or "
+            f"{tiny.NAME!r}."
+        )
+    if path.is_file():
+        raise ModelError(
+            f"`model.name_or_path` = {name_or_path!r} is a file; give the model's directory "
+            "(the one holding config.json and the weights)"
+        )
+    return name_or_path
+
+
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
+    """The tokenizer, with a pad token (the EOS token when the model has none)."""
+    from transformers import AutoTokenizer
+
+    path = Path(name_or_path).expanduser()
+    if _is_local_path(name_or_path) and not path.exists():
+        raise ModelError(
+            f"tokenizer {name_or_path!r}: no such directory (resolved to {path.absolute()}). "
+            "Fix: set `model.tokenizer` to a directory holding the tokenizer files, or leave "
+            "it unset to use the model's own directory."
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        if path.is_dir() and not any((path / f).is_file() for f in _TOKENIZER_FILES):
+            raise ModelError(
+                f"{name_or_path!r} has no tokenizer: none of {', '.join(_TOKENIZER_FILES)} is "
+                "in that directory. Fix: save the tokenizer there (tokenizer.save_pretrained("
+                "dir)), or set `model.tokenizer` to the directory or hub id of the model's "
+                "tokenizer."
+            ) from exc
+        raise ModelError(_load_hint("tokenizer", name_or_path, exc)) from exc
+    if tok.eos_token_id is None:
+        raise ModelError(
+            f"the tokenizer of {name_or_path!r} has no EOS token, so responses cannot end; "
+            "set `eos_token` in its tokenizer_config.json"
+        )
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_policy(
+    name_or_path: str,
+    *,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+) -> torch.nn.Module:
+    """A causal LM from a local directory or hub id (weights cached locally)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as exc:
+        raise ModelError(_load_hint("model", name_or_path, exc)) from exc
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = True
+    return model
+
+
+def _load_hint(what: str, name: str, exc: Exception) -> str:
+    if Path(name).expanduser().exists():
+        fix = (
+            "Fix: the directory needs config.json and the weights (model.safetensors or "
+            "pytorch_model.bin), as written by save_pretrained."
+            if what == "model"
+            else "Fix: the directory needs the tokenizer files written by "
+            "tokenizer.save_pretrained, or set `model.tokenizer` to where they are."
+        )
+        return f"could not load the {what} from the directory {name!r}: {exc} {fix}"
+    return (
+        f"could not load the {what} {name!r}: it is not a local directory, and loading it as a "
+        f"hub id failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
+        "Without network access, download it elsewhere and give its local path in "
+        "`model.name_or_path`, or use `builtin:tiny`."
+    )
+
+
+def context_length(model: torch.nn.Module) -> int | None:
+    """The model's maximum number of positions, when its config says."""
+    return getattr(model.config, "max_position_embeddings", None)

@@ -1,0 +1,1 @@
+"""Data parallelism: process groups and collectives (``distributed``), FSDP2 (``sharding``)."""

@@ -1,0 +1,39 @@
+"""Rewards: answer scorers, overlong shaping, user reward functions and the timed scoring pool.
+
+- ``math``: extract and normalise final answers; the built-in scorers ``dapo_math`` and
+  ``math_verify``.
+- ``shaping``: the soft overlong punishment and the overlong filter mask.
+- ``user``: loading ``module:function`` reward functions and running one sample.
+- ``pool``: :class:`RewardScorer`, the functions in worker processes with timeouts.
+
+The package imports neither torch nor the trainer: scoring workers import only it.
+"""
+
+from dapo.errors import RewardFunctionWarning
+from dapo.rewards.math import (
+    SCORERS,
+    dapo_math_score,
+    extract_answer,
+    math_verify_score,
+    normalize_final_answer,
+    scorer_for_source,
+)
+from dapo.rewards.pool import RewardScorer, ScoreRequest, ScoreResult
+from dapo.rewards.shaping import overlong_filter_mask, soft_overlong_punishment
+from dapo.rewards.user import load_reward_function
+
+__all__ = [
+    "SCORERS",
+    "RewardFunctionWarning",
+    "RewardScorer",
+    "ScoreRequest",
+    "ScoreResult",
+    "dapo_math_score",
+    "extract_answer",
+    "load_reward_function",
+    "math_verify_score",
+    "normalize_final_answer",
+    "overlong_filter_mask",
+    "scorer_for_source",
+    "soft_overlong_punishment",
+]

@@ -1,0 +1,254 @@
+"""Answer scorers: extract and normalise the final answer, compare with the ground truth.
+
+Built-in scorers take ``(response, ground_truth)`` and return +1.0 (correct) or -1.0:
+
+- ``dapo_math``: the DAPO answer format. The answer is the last ``Answer: ...`` line in
+  the final 300 characters of the response; it and the ground truth are normalised
+  (:func:`normalize_final_answer`) and compared as strings.
+- ``math_verify``: symbolic comparison with the ``math_verify`` library, so ``0.5``
+  matches ``\\frac{1}{2}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
+
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------
+# Answer extraction and normalisation (DAPO / Minerva style)
+# ---------------------------------------------------------------------------
+
+_ANSWER_TAIL_CHARS = 300
+_ANSWER_RE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
+
+
+def extract_answer(response: str) -> str | None:
+    """Return the text of the last ``Answer: ...`` line in the last 300 characters, or None."""
+    last = None
+    for last in _ANSWER_RE.finditer(response[-_ANSWER_TAIL_CHARS:]):  # noqa: B007
+        pass
+    return None if last is None else last.group(1).strip()
+
+
+# \name{...} wrappers whose content is kept.
+_WRAPPERS = (
+    "boxed", "fbox", "text", "textbf", "textit", "textrm", "textup", "textnormal",
+    "mbox", "mathrm", "mathbf", "mathit", "operatorname",
+)  # fmt: skip
+_BOXED_SPACE_RE = re.compile(r"\\boxed\s+")
+_WRAPPER_RE = re.compile(r"\\(?:" + "|".join(_WRAPPERS) + r")\s*\{")
+# Decorations removed outright (spacing, sizing, degree and percent signs, ellipses).
+_DECORATION_RE = re.compile(
+    r"\\left(?![A-Za-z])|\\right(?![A-Za-z])|\\displaystyle|\\q?quad"
+    r"|\\[!,;: ]|~"
+    r"|\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|°"
+    r"|\\%|%|\\\$|\$"
+    r"|\\l?dots"
+)
+# Unit and filler words, only as whole words (not inside \commands or other words),
+# with an optional square/cube exponent ("cm^2").
+_UNIT_WORDS = (
+    "degrees", "degree", "deg", "radians", "cm", "mm", "km", "meters", "meter", "metres",
+    "metre", "inches", "inch", "feet", "foot", "ft", "yards", "yd", "miles", "mile", "mph",
+    "units", "unit", "sq", "square", "cubic", "dollars", "dollar", "cents", "cent",
+    "hours", "hour", "hrs", "minutes", "minute", "mins", "seconds", "days", "weeks",
+    "years", "grams", "gm", "kg", "pounds", "lbs", "ounces", "oz", "liters", "litres",
+    "ways", "points", "students", "digits", "integers", "percent",
+)  # fmt: skip
+_UNIT_RE = re.compile(
+    r"(?<![A-Za-z\\])(?:" + "|".join(_UNIT_WORDS) + r")(?:\^\{?[23]\}?)?(?![A-Za-z])",
+    re.IGNORECASE,
+)
+_FRAC_VARIANT_RE = re.compile(r"\\[dtc]frac(?![A-Za-z])")
+_LETTER_RE = re.compile(r"[A-Za-z]")
+_FRAC_SQRT_RE = re.compile(r"\\frac|\\sqrt")
+_CONTROL_SEQ_RE = re.compile(r"\\(?:[A-Za-z]+|.)", re.DOTALL)
+_THOUSANDS_RE = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+
+
+def _frac(_: re.Match[str]) -> str:
+    return "\\frac"
+
+
+def _matching_brace(s: str, open_at: int) -> int | None:
+    """Index of the ``}`` closing the ``{`` at ``open_at``, or None when unbalanced."""
+    depth = 0
+    for i in range(open_at, len(s)):
+        if s[i] == "{":
+            depth += 1
+        elif s[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
+def _unwrap(s: str) -> str:
+    """Replace every ``\\boxed{x}``, ``\\text{x}``, ... by ``x`` (nesting-aware)."""
+    while (m := _WRAPPER_RE.search(s)) is not None:
+        close = _matching_brace(s, m.end() - 1)
+        if close is None:  # unbalanced: drop the command and its brace
+            s = s[: m.start()] + s[m.end() :]
+        else:
+            s = s[: m.start()] + s[m.end() : close] + s[close + 1 :]
+    return _BOXED_SPACE_RE.sub("", s) if "\\boxed" in s else s
+
+
+def _read_arg(s: str, i: int) -> tuple[str | None, int]:
+    """Read one TeX macro argument at ``i``: a brace group, a control word or one character."""
+    if i >= len(s):
+        return None, i
+    if s[i] == "{":
+        close = _matching_brace(s, i)
+        if close is None:
+            return None, i
+        return s[i + 1 : close], close + 1
+    if s[i] == "\\":
+        m = _CONTROL_SEQ_RE.match(s, i)
+        assert m is not None
+        return m.group(0), m.end()
+    return s[i], i + 1
+
+
+def _brace_shorthand(s: str) -> str:
+    """Brace the arguments of ``\\frac`` and ``\\sqrt``: ``\\frac12`` -> ``\\frac{1}{2}``."""
+    out: list[str] = []
+    i = 0
+    while (m := _FRAC_SQRT_RE.search(s, i)) is not None:
+        out.append(s[i : m.end()])
+        i = m.end()
+        if m.group(0) == "\\sqrt" and s.startswith("[", i) and (end := s.find("]", i)) > 0:
+            out.append(s[i : end + 1])  # \sqrt[3]{x}
+            i = end + 1
+        for _ in range(2 if m.group(0) == "\\frac" else 1):
+            arg, i = _read_arg(s, i)
+            if arg is None:
+                break
+            out.append("{" + _brace_shorthand(arg) + "}")
+    out.append(s[i:])
+    return "".join(out)
+
+
+def normalize_final_answer(answer: str) -> str:
+    """Normalise a final answer for exact string comparison (DAPO/Minerva style).
+
+    Unwraps ``\\boxed{}``/``\\text{}``-like wrappers, keeps the text after the last
+    ``=``, strips ``$``, spacing commands, ``\\left``/``\\right``, degree and percent
+    signs, unit words and a trailing period, braces ``\\frac12``/``\\sqrt2`` shorthand,
+    maps ``\\dfrac``/``\\tfrac`` to ``\\frac`` and drops thousands separators.
+    """
+    return _normalize(str(answer))
+
+
+@functools.lru_cache(maxsize=8192)
+def _normalize(s: str) -> str:
+    s = _FRAC_VARIANT_RE.sub(_frac, s.replace("\u2212", "-"))
+    s = _unwrap(s)
+    s = s.rsplit("=", 1)[-1]
+    s = _DECORATION_RE.sub(" ", s)
+    if _LETTER_RE.search(s):
+        s = _UNIT_RE.sub(" ", s)
+    s = "".join(s.split())
+    s = _brace_shorthand(s)
+    s = s.replace("{,}", ",")
+    if _THOUSANDS_RE.fullmatch(s):
+        s = s.replace(",", "")
+    return s.rstrip(".")
+
+
+def dapo_math_score(response: str, ground_truth: str) -> float:
+    """+1.0 when the normalised ``Answer:`` equals the normalised ground truth, else -1.0."""
+    predicted = extract_answer(response)
+    if predicted is None:
+        return -1.0
+    predicted = normalize_final_answer(predicted)
+    return 1.0 if predicted and predicted == normalize_final_answer(str(ground_truth)) else -1.0
+
+
+# ---------------------------------------------------------------------------
+# math_verify
+# ---------------------------------------------------------------------------
+
+
+class _DropTimeoutDisabledNotice(logging.Filter):
+    """Hide math_verify's 'Timeout is disabled' notice: our worker pool enforces timeouts."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+_math_verify_ready = False
+
+
+def _math_verify() -> Any:
+    """Import math_verify lazily (about 1 s) and silence its timeout notice."""
+    global _math_verify_ready
+    import math_verify
+
+    if not _math_verify_ready:
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).addFilter(_DropTimeoutDisabledNotice())
+        _math_verify_ready = True
+    return math_verify
+
+
+def _mv_parse(text: str, *, wrap: bool) -> list[Any]:
+    """Parse with math_verify; a bare answer is tried as ``$...$`` LaTeX first."""
+    mv = _math_verify()
+    if wrap and not any(d in text for d in ("$", "\\boxed", "\\[", "\\(")):
+        parsed = mv.parse(f"${text}$", parsing_timeout=None)
+        if parsed:
+            return parsed
+    return mv.parse(text, parsing_timeout=None)
+
+
+def math_verify_score(response: str, ground_truth: str) -> float:
+    """+1.0 when math_verify finds the answer equivalent to the ground truth, else -1.0.
+
+    The candidate is the ``Answer:`` line when there is one, else whatever math_verify
+    extracts from the last 300 characters (e.g. a ``\\boxed{}``). math_verify's own
+    signal-based timeouts are disabled (they fail outside the main thread); run it
+    through :class:`RewardScorer` for a time limit.
+    """
+    candidate = extract_answer(response)
+    if candidate is None:
+        target = _mv_parse(response[-_ANSWER_TAIL_CHARS:], wrap=False)
+    else:
+        target = _mv_parse(candidate, wrap=True)
+    gold = _mv_parse(str(ground_truth), wrap=True)
+    if not target or not gold:
+        return -1.0
+    return 1.0 if _math_verify().verify(gold, target, timeout_seconds=None) else -1.0
+
+
+SCORERS: dict[str, Callable[[str, str], float]] = {
+    "dapo_math": dapo_math_score,
+    "math_verify": math_verify_score,
+}
+
+
+def scorer_for_source(
+    data_source: str, mapping: dict[str, str] | None = None, default: str = "dapo_math"
+) -> str:
+    """Name of the built-in scorer for ``data_source`` (``mapping`` entry, else ``default``)."""
+    name = mapping.get(data_source, default) if mapping else default
+    if name not in SCORERS:
+        where = (
+            f"reward.source_scorers[{data_source!r}]"
+            if mapping and data_source in mapping
+            else "reward.default_scorer"
+        )
+        raise ValueError(
+            f"unknown reward scorer {name!r} ({where}, data_source {data_source!r}); "
+            f"valid names: {', '.join(sorted(SCORERS))}"
+        )
+    return name

@@ -1,0 +1,94 @@
+"""The unit of training: one response with its advantage, loss mask and log-probs.
+
+:func:`build_samples` turns a batch of scored groups into samples: group-normalised
+advantages (``dapo.algorithms.group_advantages``) and loss masks with overlong filtering
+(``dapo.rewards.overlong_filter_mask``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dapo import algorithms as alg
+from dapo.errors import TrainingError
+from dapo.rewards.shaping import overlong_filter_mask
+from dapo.training.dynamic_sampling import ScoredGroup
+
+
+@dataclass
+class Sample:
+    """One response ready for training."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    advantage: float
+    loss_mask: list[float]  # per response token; all 0 for a filtered (truncated) response
+    old_logprobs: torch.Tensor | None = None  # [len(response_ids)], trainer's, no grad
+    ref_logprobs: torch.Tensor | None = None
+    sampling_logprobs: torch.Tensor | None = None  # the rollout engine's, for tis_cap
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def build_samples(
+    groups: list[ScoredGroup],
+    *,
+    step: int,
+    advantage_scale: str = "group",
+    overlong_filter: bool = True,
+    keep_engine_logprobs: bool = False,
+    exact_sampling_logprobs: bool = True,
+) -> list[Sample]:
+    """One :class:`Sample` per response of ``groups``, in order.
+
+    ``keep_engine_logprobs`` attaches the engine's sampling log-probs (for the mismatch
+    metric and ``algorithm.tis_cap``). A group carried over from an earlier step than
+    ``step`` takes its ratio against the policy that generated it: its old log-probs are the
+    engine's, when those are the exact sampling distribution (``exact_sampling_logprobs``:
+    no top-p / top-k truncation).
+    """
+    g_size = groups[0].size
+    if any(g.size != g_size for g in groups):
+        raise TrainingError("all groups of a batch must have the same number of responses")
+    rewards = torch.tensor([x for g in groups for x in g.rewards], dtype=torch.float64)
+    adv = alg.group_advantages(rewards, g_size, advantage_scale).tolist()
+    truncated = torch.tensor([t for g in groups for t in g.truncated])
+    keep = torch.ones(len(truncated), 1)
+    if overlong_filter:
+        keep = overlong_filter_mask(keep, truncated)
+    keep_list = keep[:, 0].tolist()
+    samples, k = [], 0
+    for g in groups:
+        for resp, lp in zip(g.response_ids, g.sample_logprobs, strict=True):
+            s = Sample(g.prompt_ids, resp, adv[k], [keep_list[k]] * len(resp))
+            if keep_engine_logprobs:
+                s.sampling_logprobs = torch.tensor(lp)
+            if g.step < step and exact_sampling_logprobs:
+                s.old_logprobs = torch.tensor(lp)
+            samples.append(s)
+            k += 1
+    return samples
+
+
+def group_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
+    """Rewards, accuracy, length shaping and lengths over every response of ``groups``."""
+    rewards = [x for g in groups for x in g.rewards]
+    lengths = [float(len(x)) for g in groups for x in g.response_ids]
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    return {
+        "reward/mean": mean(rewards),
+        "reward/std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
+        "reward/acc": mean([float(x) for g in groups for x in g.correct]),
+        # The shaping actually added to the rewards: 0 when it is off.
+        "reward/overlong_penalty_mean": mean([x for g in groups for x in g.penalty]),
+        "response_length/mean": mean(lengths),
+        "response_length/max": max(lengths, default=0.0),
+        "response_length/clip_ratio": mean([float(x) for g in groups for x in g.truncated]),
+    }

@@ -1,0 +1,364 @@
+"""One optimizer step's gradient, exact under any micro-batch split.
+
+The loss of a mini-batch is normalised by denominators of the *whole* mini-batch (for
+``token-mean``, its number of loss tokens after overlong filtering), computed once before
+any micro-batch runs. Each micro-batch then contributes ``sum(loss tokens) / global`` and
+the accumulated gradient equals the one of a single pass over the whole mini-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from dapo import algorithms as alg
+from dapo.choices import LossAgg
+from dapo.errors import TrainingError
+from dapo.models.inputs import device_of
+from dapo.parallel import sharding
+from dapo.parallel.distributed import all_reduce_max, all_reduce_sum, current, token_share
+from dapo.training.batch import Sample
+from dapo.training.forward import collate, micro_batches, pad_rows, response_logits
+
+if TYPE_CHECKING:
+    from dapo.config import Config, TrainConfig
+
+
+@dataclass
+class LossSettings:
+    """The algorithm knobs the loss needs."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: float | None = None
+    loss_agg: LossAgg = "token-mean"
+    beta: float = 0.0
+    kl_estimator: str = "k3"
+    temperature: float = 1.0
+    max_len: int = 1  # L_max, for seq-mean-token-sum-norm
+    tis_cap: float | None = None  # truncated importance sampling cap C; None disables
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> LossSettings:
+        """The loss knobs of a run: the ``algorithm`` fields of the same names, the sampling
+        temperature and L_max (``rollout.max_completion_length``)."""
+        shared = {
+            f.name: getattr(cfg.algorithm, f.name)
+            for f in dataclasses.fields(cls)
+            if hasattr(cfg.algorithm, f.name)
+        }
+        return cls(
+            **shared,
+            temperature=cfg.rollout.temperature,
+            max_len=cfg.rollout.max_completion_length,
+        )
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """The learning rate of rollout step ``step``: linear warm-up, then constant or cosine."""
+    warm = min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps else 1.0
+    if t.lr_schedule == "cosine" and t.steps > t.warmup_steps:
+        progress = min(1.0, max(0.0, (step - t.warmup_steps) / (t.steps - t.warmup_steps)))
+        floor = t.min_lr_ratio
+        return t.lr * warm * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return t.lr * warm
+
+
+def plan_updates(
+    n_samples: int, group_size: int, prompts_per_step: int, mini_batch_size: int, epochs: int,
+    *, seed: int,
+) -> list[tuple[int, list[int]]]:  # fmt: skip
+    """``(epoch, sample indices)`` of every optimizer update of a rollout step: whole groups,
+    shuffled per epoch (seeded), cut into mini-batches of ``mini_batch_size`` prompts."""
+    n_groups, rest = divmod(n_samples, group_size)
+    if rest:
+        raise TrainingError(f"{n_samples} samples do not make groups of {group_size} responses")
+    gen = torch.Generator().manual_seed(seed)
+    plan = []
+    for epoch in range(epochs):
+        order = torch.randperm(n_groups, generator=gen).tolist()
+        for m in range(prompts_per_step // mini_batch_size):
+            gids = order[m * mini_batch_size : (m + 1) * mini_batch_size]
+            plan.append((epoch, [g * group_size + j for g in gids for j in range(group_size)]))
+    return plan
+
+
+def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on biases, norms or other vectors)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 or "norm" in name else decay).append(p)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+    )
+
+
+def loss_denominator(samples: Sequence[Sample], settings: LossSettings) -> float:
+    """The global normaliser of a mini-batch for the configured aggregation.
+
+    ``token-mean``: loss tokens (masked, e.g. truncated, responses do not count);
+    ``seq-mean-token-mean``: responses; ``seq-mean-token-sum-norm``: responses x L_max.
+    In data-parallel training the caller sums this over ranks.
+    """
+    if settings.loss_agg == "token-mean":
+        return float(sum(sum(s.loss_mask) for s in samples))
+    if settings.loss_agg == "seq-mean-token-mean":
+        return float(len(samples))
+    return float(len(samples) * settings.max_len)
+
+
+STAT_KEYS = (
+    "actor/clip_frac_low",
+    "actor/clip_frac_high",
+    "actor/ratio_mean",
+    "actor/ppo_kl",
+    "actor/gen_prob",
+    "actor/entropy",
+    "actor/kl_ref",
+    "actor/tis_weight",
+)
+
+
+@dataclass
+class GradStats:
+    """Token-weighted sums of per-token statistics over the micro-batches of a step."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    tokens: float = 0.0
+    loss: float = 0.0  # the mini-batch loss (sum of the micro-batch losses)
+    pg_loss: float = 0.0  # its policy-gradient part
+
+    def add(self, name: str, value: float, weight: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + value * weight
+
+    def merge(self, other: GradStats) -> None:
+        for k, v in other.sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.tokens += other.tokens
+        self.loss += other.loss
+        self.pg_loss += other.pg_loss
+
+    def all_reduce(self) -> None:
+        """Sum over data-parallel ranks; a rank that trained nothing may lack keys."""
+        keys = STAT_KEYS
+        values = [self.sums.get(k, 0.0) for k in keys] + [float(k in self.sums) for k in keys]
+        totals = all_reduce_sum(values + [self.tokens, self.loss, self.pg_loss])
+        n = len(keys)
+        self.sums = {k: totals[i] for i, k in enumerate(keys) if totals[n + i] > 0}
+        self.tokens, self.loss, self.pg_loss = totals[2 * n :]
+
+    def means(self) -> dict[str, float]:
+        return {k: v / max(self.tokens, 1.0) for k, v in self.sums.items()}
+
+
+def accumulate_gradients(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    settings: LossSettings,
+    *,
+    pad_id: int,
+    token_budget: int,
+    denominator: float,
+    entropy_chunk_size: int = 1024,
+    with_entropy: bool = True,
+    scale: float = 1.0,
+    ddp: torch.nn.Module | None = None,
+    shared_prompt: bool = True,
+) -> GradStats:
+    """Backpropagate the mini-batch loss through ``model`` in micro-batches.
+
+    ``denominator`` is :func:`loss_denominator` of the whole mini-batch (over all ranks),
+    so the gradient does not depend on how ``samples`` are split. ``scale`` multiplies the
+    loss (the world size, when the gradient reduction averages over ranks). Samples
+    without ``old_logprobs`` use the current policy's (detached), i.e. ratio 1.
+
+    With ``ddp`` (the DistributedDataParallel wrapper of ``model``) each micro-batch runs one
+    forward through it (see :func:`response_logits`) and only the last micro-batch's
+    backward synchronises gradients, so each rank all-reduces exactly once whatever its
+    number of micro-batches; a rank with no samples contributes a zero gradient.
+    ``shared_prompt``: see :func:`response_logits`.
+
+    An FSDP-sharded ``model`` gathers parameters in every forward and backward, so every
+    rank runs as many passes as the rank with the most micro-batches: the missing ones are
+    zero-loss passes that add nothing to the gradient. Gradients are reduce-scattered after
+    each pass and accumulate sharded (keeping a full-size gradient until the last pass
+    would give up FSDP's memory saving). Each pass is then one whole-sequence forward
+    (no shared prompt), so that all ranks run the same collectives.
+    """
+    stats = GradStats()
+    chunks = micro_batches(samples, token_budget)
+    fsdp = sharding.is_fsdp(model) and current().enabled
+    if ddp is not None and not chunks:
+        _zero_backward(ddp, pad_id)
+        return stats
+    passes = all_reduce_max(len(chunks)) if fsdp else len(chunks)
+    if fsdp:  # a shared prompt adds a forward on some ranks only: keep the counts equal
+        shared_prompt = False
+    for n in range(passes):
+        if n >= len(chunks):
+            _zero_backward(model, pad_id)
+            continue
+        idx = chunks[n]
+        sync = ddp is None or n == len(chunks) - 1
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            stats_chunk = _micro_step(model, [samples[i] for i in idx], settings, pad_id=pad_id,
+                                      denominator=denominator, scale=scale,
+                                      entropy_chunk_size=entropy_chunk_size,
+                                      with_entropy=with_entropy, ddp=ddp,
+                                      shared_prompt=shared_prompt)
+        stats.merge(stats_chunk)
+    return stats
+
+
+def _zero_backward(model: torch.nn.Module, pad_id: int) -> None:
+    """Forward and backward with a zero loss: the collectives of a pass, a zero gradient.
+
+    A rank with nothing (more) to train joins DDP's all-reduce or FSDP's all-gathers and
+    reduce-scatters this way.
+    """
+    out = model(input_ids=torch.tensor([[pad_id]], device=device_of(model)), use_cache=False)
+    (out.logits.sum() * 0.0).backward()
+
+
+def _micro_step(
+    model: torch.nn.Module,
+    chunk: Sequence[Sample],
+    settings: LossSettings,
+    *,
+    pad_id: int,
+    denominator: float,
+    scale: float,
+    entropy_chunk_size: int,
+    with_entropy: bool,
+    ddp: torch.nn.Module | None,
+    shared_prompt: bool,
+) -> GradStats:
+    """Forward and backward of one micro-batch; its share of the mini-batch loss."""
+    stats = GradStats()
+    batch = collate(chunk, pad_id).to(device_of(model))
+    logits = response_logits(model, chunk, pad_id=pad_id, temperature=settings.temperature,
+                             shared_prompt=shared_prompt, ddp=ddp)
+    logp = alg.token_logprobs(logits, batch.response_ids)
+    r = batch.response_len
+    old = logp.detach().clone()
+    for j, s in enumerate(chunk):
+        if s.old_logprobs is not None:
+            old[j, : s.old_logprobs.numel()] = s.old_logprobs
+    adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype, device=logp.device)
+    tis = None
+    if settings.tis_cap is not None:
+        # Truncated importance sampling: the responses come from the rollout engine, whose
+        # distribution differs from the trainer's old policy (numerics, weights synced every
+        # k updates). Each token's loss is weighted by w = min(pi_old / pi_engine, C). w is
+        # positive and carries no gradient, so weighting the per-token advantage weights
+        # the clipped (and dual-clipped) surrogate itself: min(r A w, clip(r) A w) = w s.
+        tis = tis_weights(old, chunk, settings.tis_cap)
+        adv = adv[:, None] * tis
+    loss, pstats = alg.policy_loss(
+        logp,
+        old,
+        adv,
+        batch.loss_mask,
+        clip_low=settings.clip_low,
+        clip_high=settings.clip_high,
+        clip_c=settings.clip_c,
+        agg=settings.loss_agg,
+        num_tokens=denominator,
+        max_len=settings.max_len,
+    )
+    pg_loss = loss.detach()
+    if settings.beta > 0:
+        ref = pad_rows([s.ref_logprobs for s in chunk], r).to(logp.device)
+        kl = alg.kl_penalty(logp, ref, settings.kl_estimator)
+        kl_loss = alg.aggregate_loss(
+            kl, batch.loss_mask, settings.loss_agg, num_tokens=denominator, max_len=settings.max_len
+        )
+        loss = loss + settings.beta * kl_loss
+        stats.add("actor/kl_ref", alg.masked_mean(kl.detach(), batch.loss_mask).item(), batch.loss_mask.sum().item())
+    (loss * scale).backward()
+    n_tok = batch.loss_mask.sum().item()
+    stats.tokens += n_tok
+    stats.loss += loss.item()
+    stats.pg_loss += pg_loss.item()
+    for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "ppo_kl"):
+        stats.add(f"actor/{key}", float(pstats[key]), n_tok)
+    stats.add("actor/gen_prob", alg.gen_prob(logp.detach(), batch.loss_mask).item(), n_tok)
+    if tis is not None:
+        stats.add("actor/tis_weight", alg.masked_mean(tis, batch.loss_mask).item(), n_tok)
+    if with_entropy:
+        ent = alg.entropy_from_logits(logits.detach(), entropy_chunk_size)
+        stats.add("actor/entropy", alg.masked_mean(ent, batch.loss_mask).item(), n_tok)
+    return stats
+
+
+def tis_weights(old: torch.Tensor, chunk: Sequence[Sample], cap: float) -> torch.Tensor:
+    """``min(exp(old - sampling), cap)`` per response token ``[b, R]``; 1 where a sample has
+    no engine log-probs (or on padding)."""
+    w = torch.ones_like(old)
+    for j, s in enumerate(chunk):
+        if s.sampling_logprobs is not None:
+            k = s.sampling_logprobs.numel()
+            w[j, :k] = torch.exp(old[j, :k] - s.sampling_logprobs.to(old)).clamp(max=cap)
+    return w
+
+
+@dataclass
+class StepResult:
+    """One optimizer step: its statistics (summed over ranks) and whether it was applied."""
+
+    stats: GradStats
+    grad_norm: float
+    applied: bool
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[Sample],
+    settings: LossSettings,
+    *,
+    pad_id: int,
+    token_budget: int,
+    max_grad_norm: float = 1.0,
+    entropy_chunk_size: int = 1024,
+    with_entropy: bool = True,
+    ddp: torch.nn.Module | None = None,
+    shared_prompt: bool = True,
+) -> StepResult:
+    """One exact optimizer step on a mini-batch, on one process or across data-parallel ranks.
+
+    Every rank passes the whole mini-batch; each trains the share that balances token
+    counts across ranks. The loss denominator is the all-reduced global count, and the
+    loss is scaled by the world size because DDP and FSDP average gradients over ranks:
+    the summed gradient is the one a single process computes on the whole mini-batch.
+    ``model`` may be sharded with FSDP (``dapo.sharding``); then the gradient norm is
+    the global one over all shards. Non-finite gradients are not applied
+    (``applied=False``); the caller decides what to do.
+    """
+    info = current()
+    mine = [samples[i] for i in token_share([s.length for s in samples], info)]
+    (denominator,) = all_reduce_sum([loss_denominator(mine, settings)])
+    stats = accumulate_gradients(
+        model, mine, settings, pad_id=pad_id, token_budget=token_budget,
+        denominator=denominator, entropy_chunk_size=entropy_chunk_size,
+        with_entropy=with_entropy, scale=float(info.world_size), ddp=ddp if info.enabled else None,
+        shared_prompt=shared_prompt,
+    )
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = sharding.grad_norm(params, max_grad_norm)
+    if info.enabled:
+        stats.all_reduce()
+    applied = bool(torch.isfinite(norm)) and math.isfinite(stats.loss)
+    if applied:
+        sharding.reshard(model)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(stats, float(norm), applied)

@@ -1,0 +1,587 @@
+"""The rollout-step loop: sample, score, filter, advantages, update, log, save.
+
+The trainer is the one place that knows the order of the stages; each stage lives in a
+module of its own (``dapo.rollout``, ``dapo.rewards``, ``dynamic_sampling``, ``batch``,
+``forward`` and ``step``, ``dapo.metrics``, ``checkpoint``) and does not know the trainer.
+Read :meth:`Trainer.train_step` and :meth:`Trainer.run` top to bottom.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dapo.atomic import write_text_atomic
+from dapo.config import Config
+from dapo.data.prompts import PromptStream, encode_prompts, load_prompt_set
+from dapo.errors import TrainingError, VLLMEngineError, VLLMUnavailableError
+from dapo.evaluation.run import engine_accuracy
+from dapo.metrics import MetricsLogger, plot_dashboard
+from dapo.models import context_length, load_policy, load_tokenizer, resolve_model_path
+from dapo.parallel import distributed as D
+from dapo.parallel import sharding
+from dapo.parallel.data_parallel import wrap_data_parallel
+from dapo.rewards import RewardScorer, soft_overlong_punishment
+from dapo.rollout import Group, RolloutEngine, SamplingParams, close_engine, make_engine
+from dapo.seeding import mix_seed, seed_everything
+from dapo.training.batch import Sample, build_samples, group_metrics
+from dapo.training.checkpoint import (
+    full_state,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    step_dir,
+)
+from dapo.training.dynamic_sampling import DynamicSampler, ScoredGroup
+from dapo.training.forward import compute_logprobs, logprob_mismatch
+from dapo.training.step import (
+    LossSettings,
+    lr_at,
+    make_optimizer,
+    optimizer_step,
+    plan_updates,
+)
+
+
+class Trainer:
+    """Trains ``cfg.model`` with the configured algorithm; ``run()`` does the whole job,
+    ``train_step()`` one rollout step."""
+
+    def __init__(self, cfg: Config, log: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.dist = D.init_distributed()
+        if cfg.rollout.engine != "hf" and self.dist.world_size > 1:
+            raise TrainingError(
+                f"`rollout.engine` = {cfg.rollout.engine!r} runs in one process only; "
+                f"this run has {self.dist.world_size} ranks: use rollout.engine=hf with torchrun"
+            )
+        self.log = log if self.dist.is_main else (lambda _: None)  # only rank 0 speaks
+        self.out = Path(cfg.output_dir)
+        _check_output_dir(self.out)
+        seed_everything(cfg.seed)
+
+        self._load_model()
+        self._load_prompts()
+        self.engine: RolloutEngine = self._make_engine()
+        self.scorer = RewardScorer(
+            [(f.name, f.weight) for f in cfg.reward.functions] or None,
+            source_scorers=cfg.reward.source_scorers,
+            default_scorer=cfg.reward.default_scorer,
+            timeout_s=cfg.reward.timeout_s,
+            num_workers=cfg.reward.num_workers,
+        )
+        self.optimizer = make_optimizer(self.model, cfg.train)
+        self.sampler = DynamicSampler(
+            cfg.train.prompts_per_step,
+            enabled=cfg.algorithm.dynamic_sampling,
+            metric=cfg.algorithm.dynamic_sampling_metric,
+            max_rounds=cfg.algorithm.max_gen_rounds,
+        )
+        self.stream = PromptStream(len(self.train_records), cfg.seed, cfg.data.shuffle)
+        self.loss_settings = LossSettings.from_config(cfg)
+        self.step = 0
+        self.summary: dict[str, Any] = {}
+        self.reward_failures = 0
+        self.nonfinite_in_a_row = 0
+        self.samples_generated = 0  # every response generated, trained on or not
+        # A separate engine (vLLM) holds its own copy of the weights: they are pushed to it
+        # every `rollout.vllm_sync_every` optimizer updates, and its sampling log-probs are
+        # compared with (and can correct, `algorithm.tis_cap`) the trainer's.
+        self.separate_engine = cfg.rollout.engine != "hf"
+        self.engine_logprobs = self.separate_engine or cfg.algorithm.tis_cap is not None
+        self.updates_since_sync = 0
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    def _load_model(self) -> None:
+        """The policy, its tokenizer, the reference model (beta > 0) and data parallelism."""
+        cfg = self.cfg
+        model_path = resolve_model_path(cfg.model.name_or_path, log=self.log)
+        self.tokenizer = load_tokenizer(
+            cfg.model.tokenizer or model_path, trust_remote_code=cfg.model.trust_remote_code
+        )
+        self.model = load_policy(
+            model_path,
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
+        )
+        self.model.train()
+        if torch.cuda.is_available():  # one GPU per rank; the CPU path is the tested one
+            self.model.to(f"cuda:{self.dist.local_rank}")
+        self.ref_model = None
+        if cfg.algorithm.beta > 0:  # beta = 0 (DAPO) needs no reference model at all
+            # A plain copy on every rank, taken before the policy is sharded.
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.ddp = None
+        self.data_parallel = None
+        if self.dist.enabled:
+            self.data_parallel, self.ddp = wrap_data_parallel(
+                self.model, self.dist, cfg.train.data_parallel, self.log
+            )
+        ctx = context_length(self.model)
+        need = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
+        if ctx is not None and need > ctx:
+            raise TrainingError(
+                f"data.max_prompt_length ({cfg.data.max_prompt_length}) + "
+                f"rollout.max_completion_length ({cfg.rollout.max_completion_length}) = {need} "
+                f"exceeds the model's context of {ctx} positions; lower one of them"
+            )
+
+    def _load_prompts(self) -> None:
+        """Training and held-out prompts, rendered and tokenized; over-long ones dropped."""
+        cfg = self.cfg
+        self.train_records, self.train_ids, dropped = encode_prompts(
+            load_prompt_set(cfg.data, "train"), self.tokenizer, cfg.data.max_prompt_length
+        )
+        if dropped:
+            self.log(f"dropped {dropped} training prompts longer than data.max_prompt_length")
+        self.eval_records, self.eval_ids = [], []
+        if cfg.evaluate and cfg.data.eval is not None:
+            self.eval_records, self.eval_ids, _ = encode_prompts(
+                load_prompt_set(cfg.data, "eval"), self.tokenizer, cfg.data.max_prompt_length
+            )
+
+    def _make_engine(self) -> RolloutEngine:
+        r = self.cfg.rollout
+        try:
+            return make_engine(
+                r.engine,
+                self.model,
+                self.tokenizer,
+                batch_size=r.generation_batch_size,
+                max_model_len=self.cfg.data.max_prompt_length + r.max_completion_length,
+                seed=self.cfg.seed,
+                gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                sleep=r.vllm_sleep,
+            )
+        except (VLLMUnavailableError, VLLMEngineError) as exc:
+            raise TrainingError(str(exc)) from exc
+
+    # --- one rollout step -----------------------------------------------------------------
+
+    def train_step(self) -> tuple[dict[str, float], list[ScoredGroup]]:
+        """One rollout step on ``self.step``: its metrics and the groups it trained on."""
+        step = self.step
+        t0 = time.perf_counter()
+        groups, metrics = self.fill_batch(step)  # 1-3. sample, score, filter
+        t1 = time.perf_counter()
+        samples = self.build_samples(groups)  # 4. advantages and loss masks
+        metrics.update(self.update(samples, step))  # 5. update the policy
+        t2 = time.perf_counter()
+        tokens = sum(len(g.prompt_ids) * g.size + sum(map(len, g.response_ids)) for g in groups)
+        metrics["train/stale_groups"] = float(sum(g.step < step for g in groups))
+        metrics["perf/train_s"] = t2 - t1
+        metrics["perf/train_tokens_per_s"] = tokens / max(t2 - t1, 1e-9)
+        metrics["perf/step_s"] = t2 - t0
+        self.step += 1
+        return metrics, groups
+
+    def fill_batch(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
+        """Generate and score rounds of prompts until the batch is full (dynamic sampling);
+        the batch and the metrics of everything generated."""
+        generated: list[ScoredGroup] = []
+        timing = {"gen": 0.0, "score": 0.0}
+        rounds = 0
+
+        def produce(k: int) -> list[ScoredGroup]:
+            nonlocal rounds
+            idx = D.shard(self.stream.take(k), self.dist)  # this rank's share of the prompts
+            t0 = time.perf_counter()
+            groups = self.generate([self.train_ids[i] for i in idx], step, rounds)
+            t1 = time.perf_counter()
+            scored = self.score(groups, [self.train_records[i] for i in idx], step)
+            timing["gen"] += t1 - t0
+            timing["score"] += time.perf_counter() - t1
+            rounds += 1
+            # Every rank sees every group, in prompt order, so that dynamic-sampling
+            # decisions are the same on all ranks.
+            scored = D.unshard(D.all_gather_objects(scored))
+            generated.extend(scored)
+            return scored
+
+        batch, fill = self.sampler.fill(produce)
+        self.samples_generated += sum(g.size for g in generated)
+        tokens = sum(len(x) for g in generated for x in g.response_ids)
+        return batch, {
+            **group_metrics(generated),
+            "reward/failures": float(self.reward_failures),
+            "perf/gen_s": timing["gen"],
+            "perf/score_s": timing["score"],
+            "perf/rollout_tokens_per_s": tokens / max(timing["gen"], 1e-9),
+            "sampling/generated_samples_total": float(self.samples_generated),
+            **fill.as_metrics(),
+        }
+
+    def generate(self, prompt_ids: list[list[int]], step: int, round_no: int) -> list[Group]:
+        """Sample ``rollout.num_generations`` responses per prompt (seeded per step, round
+        and rank)."""
+        r = self.cfg.rollout
+        params = SamplingParams(
+            n=r.num_generations,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_completion_length,
+            seed=mix_seed(self.cfg.seed, step, round_no, self.dist.rank),
+        )
+        return self.engine.generate(prompt_ids, params)
+
+    def score(self, groups: list[Group], records: list[Any], step: int) -> list[ScoredGroup]:
+        """Correctness, plus the soft overlong punishment, for every response of every group."""
+        a, r = self.cfg.algorithm, self.cfg.rollout
+        texts = [g.decode(self.tokenizer) for g in groups]
+        rewards, correct, result = self.scorer.score_groups(
+            texts, [(rec.ground_truth, rec.data_source) for rec in records]
+        )
+        self.reward_failures += result.failures
+        factor = a.overlong_penalty_factor if a.overlong_penalty else 0.0
+        out = []
+        for g, rec, rew, cor in zip(groups, records, rewards, correct, strict=True):
+            penalty = [
+                factor * soft_overlong_punishment(len(x), r.max_completion_length, a.overlong_buffer)
+                for x in g.response_ids
+            ]
+            out.append(
+                ScoredGroup(
+                    prompt_ids=g.prompt_ids,
+                    response_ids=g.response_ids,
+                    sample_logprobs=g.logprobs,
+                    truncated=g.truncated,
+                    rewards=[x + p for x, p in zip(rew, penalty, strict=True)],
+                    correct=cor,
+                    penalty=penalty,
+                    record=rec,
+                    step=step,
+                )
+            )
+        return out
+
+    def build_samples(self, groups: list[ScoredGroup]) -> list[Sample]:
+        """Advantages (group-normalised) and loss masks (overlong filtering) of a batch."""
+        a, r = self.cfg.algorithm, self.cfg.rollout
+        return build_samples(
+            groups,
+            step=self.step,
+            advantage_scale=a.advantage_scale,
+            overlong_filter=a.overlong_filter,
+            keep_engine_logprobs=self.engine_logprobs,
+            exact_sampling_logprobs=r.top_p == 1.0 and r.top_k == 0,
+        )
+
+    def update(self, samples: list[Sample], step: int) -> dict[str, float]:
+        """Mini-batches x epochs of exact-normalised optimizer updates on the batch."""
+        lr = lr_at(step, self.cfg.train)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        t = self.cfg.train
+        plan = plan_updates(
+            len(samples), self.cfg.rollout.num_generations, t.prompts_per_step,
+            t.mini_batch_size, t.epochs, seed=mix_seed(self.cfg.seed, step, 99991),
+        )  # fmt: skip
+        sync = self._engine_before_update(len(plan))
+        mine = sorted({i for _, idx in plan for i in self._my_share(samples, idx)})
+        metrics = self._fill_logprobs(samples, mine, plan)
+        metrics.update(self._apply_updates(samples, plan, step))
+        metrics["actor/lr"] = lr
+        metrics["train/loss_tokens"] = float(sum(sum(s.loss_mask) for s in samples))
+        if sync:  # the engine samples the next batch with the weights just trained
+            t0 = time.perf_counter()
+            self.engine.load_weights(self.model.named_parameters())
+            self.updates_since_sync = 0
+            metrics["perf/weight_sync_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _engine_before_update(self, n_updates: int) -> bool:
+        """Count updates towards the next weight sync of a separate engine and put it to
+        sleep while the trainer trains; True when its weights are pushed after this step."""
+        if not self.separate_engine:
+            return False
+        self.updates_since_sync += n_updates
+        sync = self.updates_since_sync >= self.cfg.rollout.vllm_sync_every
+        engine_sleep = getattr(self.engine, "sleep", None)
+        if engine_sleep is not None and self.cfg.rollout.vllm_sleep:
+            # Level 2 drops the weights, which are replaced right after; a no-op where
+            # sleeping is not supported.
+            engine_sleep(level=2 if sync else 1)
+        return sync
+
+    def _fill_logprobs(
+        self, samples: list[Sample], mine: list[int], plan: list[tuple[int, list[int]]]
+    ) -> dict[str, float]:
+        """Old (ratio) and reference (KL) log-probs of the samples this rank trains."""
+        cfg, t = self.cfg, self.cfg.train
+        forward = dict(
+            pad_id=self.tokenizer.pad_token_id, temperature=cfg.rollout.temperature,
+            token_budget=t.micro_batch_tokens, shared_prompt=t.shared_prompt_forward,
+        )  # fmt: skip
+        metrics: dict[str, float] = {}
+        if len(plan) > 1 or self.engine_logprobs:
+            # The ratio is taken against the policy that produced the batch: this one, now.
+            # (With one update per rollout step it is the policy being trained: ratio 1.)
+            todo = [i for i in mine if samples[i].old_logprobs is None]
+            old = compute_logprobs(self.model, [samples[i] for i in todo], **forward)
+            for i, lp in zip(todo, old, strict=True):
+                samples[i].old_logprobs = lp
+            if self.engine_logprobs:  # compared with the engine's
+                metrics.update(logprob_mismatch([samples[i] for i in todo]))
+        if self.ref_model is not None:
+            ref = compute_logprobs(self.ref_model, [samples[i] for i in mine], **forward)
+            for i, lp in zip(mine, ref, strict=True):
+                samples[i].ref_logprobs = lp
+        return metrics
+
+    def _apply_updates(
+        self, samples: list[Sample], plan: list[tuple[int, list[int]]], step: int
+    ) -> dict[str, float]:
+        """Run the planned optimizer updates; skip non-finite ones, stop after too many."""
+        t = self.cfg.train
+        sums: dict[str, float] = {}
+        weight = 0.0
+        grad_norms, losses, pg_losses = [], [], []
+        skipped = 0
+        for epoch, idx in plan:
+            result = optimizer_step(
+                self.model, self.optimizer, [samples[i] for i in idx], self.loss_settings,
+                pad_id=self.tokenizer.pad_token_id, token_budget=t.micro_batch_tokens,
+                max_grad_norm=t.max_grad_norm, entropy_chunk_size=t.entropy_chunk_size,
+                with_entropy=epoch == 0, ddp=self.ddp, shared_prompt=t.shared_prompt_forward,
+            )  # fmt: skip
+            if not result.applied:  # skipped: the weights stay at the last good state
+                skipped += 1
+                self.nonfinite_in_a_row += 1
+                if self.nonfinite_in_a_row >= t.max_nonfinite_updates:
+                    self._stop_nonfinite(result, step, applied_any=bool(grad_norms))
+                continue
+            self.nonfinite_in_a_row = 0
+            grad_norms.append(result.grad_norm)
+            losses.append(result.stats.loss)
+            pg_losses.append(result.stats.pg_loss)
+            for k, v in result.stats.sums.items():
+                sums[k] = sums.get(k, 0.0) + v
+            weight += result.stats.tokens
+        metrics = {k: v / max(weight, 1.0) for k, v in sums.items()}
+        metrics.update(
+            {
+                "actor/pg_loss": _mean(pg_losses),
+                "actor/loss": _mean(losses),
+                "actor/grad_norm": _mean(grad_norms),
+                "actor/updates": float(len(grad_norms)),
+                "actor/skipped_updates": float(skipped),
+            }
+        )
+        return metrics
+
+    def _stop_nonfinite(self, result: Any, step: int, applied_any: bool) -> None:
+        """Save the last good state and stop: too many non-finite updates in a row."""
+        # With no update of this step applied, the weights are those of this step's
+        # checkpoint, if there is one: keep it (it also holds the data position and
+        # carry-over of the step boundary) rather than overwrite it.
+        existing = step_dir(self.out / "checkpoints", self.step)
+        path = existing if not applied_any and existing.is_dir() else self.save()
+        raise TrainingError(
+            f"{self.nonfinite_in_a_row} updates in a row had a non-finite loss "
+            f"or gradient (loss {result.stats.loss}, gradient norm {result.grad_norm}); "
+            f"stopped at rollout step {step}. The last good state is saved in "
+            f"{path}. Lower train.lr, check the reward values, or raise "
+            "train.max_nonfinite_updates."
+        )
+
+    def _my_share(self, samples: list[Sample], idx: list[int]) -> list[int]:
+        """The indices of a mini-batch that this rank trains (all of them on one process)."""
+        return [idx[j] for j in D.token_share([samples[i].length for i in idx], self.dist)]
+
+    # --- evaluation, state, checkpoints -----------------------------------------------------
+
+    def validate(self) -> dict[str, float]:
+        """Held-out accuracy (avg@``rollout.eval_num_generations``) over all ranks."""
+        r = self.cfg.rollout
+        params = SamplingParams(
+            n=r.eval_num_generations,
+            temperature=r.eval_temperature,
+            top_p=r.eval_top_p,
+            top_k=0,
+            max_tokens=r.max_completion_length,
+            seed=mix_seed(self.cfg.seed, 7, 7),
+        )
+        records = D.shard(self.eval_records, self.dist)
+        ids = D.shard(self.eval_ids, self.dist)
+        # Gathered here, not only in generate: a rank without eval prompts never generates.
+        with sharding.full_params(self.model):
+            ev = engine_accuracy(self.engine, self.tokenizer, records, ids, self.scorer, params)
+        correct, n = D.all_reduce_sum([ev["acc"] * ev["n"] if ev["n"] else 0.0, float(ev["n"])])
+        return {**ev, "acc": correct / max(n, 1.0), "n": int(n)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "stream": self.stream.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "summary": self.summary,
+            "reward_failures": self.reward_failures,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "samples_generated": self.samples_generated,
+            "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+            "config": self.cfg.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.stream.load_state_dict(state["stream"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.summary = dict(state["summary"])
+        self.reward_failures = state["reward_failures"]
+        self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
+        self.samples_generated = state.get("samples_generated", 0)
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+
+    def save(self) -> Path:
+        """Rank 0 writes the checkpoint; the others wait for it (with FSDP, after gathering
+        the full weights and optimizer state for it)."""
+        root = self.out / "checkpoints"
+        path = step_dir(root, self.step)
+        full = full_state(self.model, self.optimizer)
+        if self.dist.is_main:
+            path = save_checkpoint(
+                root, self.step, self.model, self.optimizer, self.state_dict(),
+                keep_last=self.cfg.checkpoint.keep_last, full=full,
+            )  # fmt: skip
+        D.barrier()
+        return path
+
+    def budget_spent(self) -> bool:
+        """``train.sample_budget`` responses have been generated (0: no budget)."""
+        budget = self.cfg.train.sample_budget
+        return bool(budget) and self.samples_generated >= budget
+
+    def close(self) -> None:
+        """Stop the reward workers and release the engine (``run`` does this itself)."""
+        self.scorer.close()
+        close_engine(self.engine)
+
+    # --- the whole run --------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Resume or start, evaluate, train ``train.steps`` rollout steps, evaluate, save."""
+        cfg = self.cfg
+        start = time.time()
+        try:
+            resumed_from = self._resume_or_start()
+        except BaseException:
+            self.close()  # run() owns the reward workers and engine: release them on every exit
+            raise
+        logger = MetricsLogger(
+            self.out,
+            total_steps=cfg.train.steps,
+            console=cfg.logging.console,
+            tensorboard=cfg.logging.tensorboard,
+            wandb=cfg.logging.wandb,
+            wandb_project=cfg.logging.wandb_project,
+            wandb_run_name=cfg.logging.run_name,
+            config=cfg.to_dict(),
+            resume_step=resumed_from or 0,  # drop lines a crashed run wrote after it
+            enabled=self.dist.is_main,  # only rank 0 writes logs
+        )
+        try:
+            if self.eval_records and "accuracy_before" not in self.summary:
+                ev = self.validate()
+                self.summary["accuracy_before"] = ev["acc"]
+                logger.message(f"held-out accuracy before training: {ev['acc']:.1%} ({ev['n']} samples)")
+            while self.step < cfg.train.steps and not self.budget_spent():
+                metrics, _ = self.train_step()
+                every = cfg.logging.eval_every
+                last = self.step >= cfg.train.steps or self.budget_spent()  # evaluated below
+                if self.eval_records and every and self.step % every == 0 and not last:
+                    metrics["val/acc"] = self.validate()["acc"]
+                logger.log(self.step, metrics)
+                if cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0:
+                    self.save()
+            if self.eval_records:
+                ev = self.validate()
+                self.summary["accuracy_after"] = ev["acc"]
+                logger.log(self.step, {"val/acc": ev["acc"]})
+            self._save_final()
+        finally:
+            logger.close()
+            self.close()
+        self._write_summary(start, resumed_from)
+        D.barrier()
+        return self.summary
+
+    def _resume_or_start(self) -> int | None:
+        """Load the newest checkpoint (``resume=true``) or refuse to overwrite one; write the
+        config. The step resumed from, or None."""
+        ckpt = latest_checkpoint(self.out / "checkpoints")
+        resumed_from = None
+        if self.cfg.resume:
+            if ckpt is None:
+                self.log(f"resume=true but no checkpoint in {self.out / 'checkpoints'}; starting fresh")
+            else:
+                self.load_state_dict(load_checkpoint(ckpt, self.model, self.optimizer))
+                self.engine.load_weights(self.model.named_parameters())  # the resumed policy
+                resumed_from = self.step
+                self.log(f"resumed from {ckpt} (step {self.step})")
+        elif ckpt is not None:
+            raise TrainingError(
+                f"{self.out} already holds checkpoints of an earlier run; continue it with "
+                "resume=true, or choose another output_dir (nothing was overwritten)"
+            )
+        if self.dist.is_main:
+            write_text_atomic(self.out / "config.yaml", self.cfg.to_yaml())
+        return resumed_from
+
+    def _save_final(self) -> None:
+        """A checkpoint of the last step (unless it exists) and the final model."""
+        last = latest_checkpoint(self.out / "checkpoints")
+        if last is None or last.name != step_dir(self.out / "checkpoints", self.step).name:
+            self.save()
+        if self.cfg.checkpoint.save_final_model:
+            weights = sharding.pretrained_state(self.model)  # all ranks gather with FSDP
+            if self.dist.is_main:
+                final = self.out / "final_model"
+                self.model.save_pretrained(final, state_dict=weights)
+                self.tokenizer.save_pretrained(final)
+
+    def _write_summary(self, start: float, resumed_from: int | None) -> None:
+        self.summary.update(
+            {
+                "steps": self.step,
+                "samples_generated": self.samples_generated,
+                "wall_seconds": round(time.time() - start, 1),
+                "preset": self.cfg.preset,
+                "resumed_from_step": resumed_from,
+            }
+        )
+        if not self.dist.is_main:
+            return
+        write_text_atomic(self.out / "summary.json", json.dumps(self.summary, indent=2, default=str))
+        try:
+            plot_dashboard(self.out)
+        except (ValueError, FileNotFoundError) as exc:
+            self.log(f"dashboard not written: {exc}")
+
+
+def _check_output_dir(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise TrainingError(
+            f"`output_dir` = {str(out)!r} is not writable ({exc.strerror}); choose another directory"
+        ) from exc
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+

@@ -1,0 +1,342 @@
+"""Tests for ``dapo.training.dynamic_sampling``: the dynamic sampler that fills a batch with mixed groups.
+
+The sampler is driven by a fake ``produce(k)`` that hands out synthetic
+:class:`ScoredGroup` objects with chosen correctness patterns and records everything it
+produced, so every expectation below (which groups qualify, how many were all correct,
+what must be carried over) is derived from the fake's own record, not from the sampler.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import random
+import re
+from collections.abc import Iterable
+
+import pytest
+
+from dapo.training.dynamic_sampling import DynamicSampler, DynamicSamplingError, ScoredGroup
+
+G = 4
+MIXED = (True, False, False, True)
+MIXED2 = (False, True, False, False)
+ALL_OK = (True,) * G
+ALL_BAD = (False,) * G
+
+_ids = itertools.count()
+
+
+def make_group(correct: Iterable[bool], rewards: Iterable[float] | None = None) -> ScoredGroup:
+    correct = list(correct)
+    rewards = [1.0 if c else 0.0 for c in correct] if rewards is None else list(rewards)
+    n = len(correct)
+    uid = next(_ids)
+    return ScoredGroup(
+        prompt_ids=[uid],
+        response_ids=[[2 + i] for i in range(n)],
+        sample_logprobs=[[-1.0] for _ in range(n)],
+        truncated=[False] * n,
+        rewards=rewards,
+        correct=correct,
+        record=uid,
+    )
+
+
+def mixed_acc(g: ScoredGroup) -> bool:
+    """Independent definition of 'has a learning signal' by accuracy."""
+    return 0 < sum(g.correct) < len(g.correct)
+
+
+class FakeProducer:
+    """``produce(k)``: k groups whose correctness patterns come from ``patterns``."""
+
+    def __init__(self, patterns: Iterable[tuple[bool, ...] | ScoredGroup]) -> None:
+        self.patterns = iter(patterns)
+        self.calls: list[int] = []
+        self.produced: list[ScoredGroup] = []
+
+    def __call__(self, k: int) -> list[ScoredGroup]:
+        self.calls.append(k)
+        out = []
+        for _ in range(k):
+            item = next(self.patterns)  # StopIteration here means the sampler over-asked
+            out.append(item if isinstance(item, ScoredGroup) else make_group(item))
+        self.produced.extend(out)
+        return out
+
+    def qualifying(self) -> list[ScoredGroup]:
+        return [g for g in self.produced if mixed_acc(g)]
+
+
+def same_objects(a: list[ScoredGroup], b: list[ScoredGroup]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+# --------------------------------------------------------------------------------------
+# One fill
+# --------------------------------------------------------------------------------------
+
+
+def test_fill_returns_target_mixed_groups_and_counts_uniform_ones():
+    # Low yield (2 of 7 qualify), so several rounds are needed.
+    cycle = [MIXED, ALL_OK, ALL_BAD, ALL_OK, MIXED2, ALL_BAD, ALL_OK]
+    producer = FakeProducer(itertools.cycle(cycle))
+    sampler = DynamicSampler(6, max_rounds=50)
+
+    batch, stats = sampler.fill(producer)
+
+    assert len(batch) == 6
+    assert all(mixed_acc(g) for g in batch)
+    produced = producer.produced
+    assert len(producer.calls) >= 2  # precondition: the test exercises more than one round
+    assert stats.rounds == len(producer.calls)
+    assert stats.generated_groups == len(produced)
+    assert stats.all_correct == sum(all(g.correct) for g in produced)
+    assert stats.all_wrong == sum(not any(g.correct) for g in produced)
+    assert stats.uniform_other == 0
+    assert stats.kept == 6
+    assert stats.carried_in == 0
+    # The batch is the first six qualifying groups in production order; the rest is carried.
+    qualifying = producer.qualifying()
+    assert same_objects(batch, qualifying[:6])
+    assert same_objects(sampler.carry, qualifying[6:])
+    assert stats.carried_out == len(qualifying) - 6
+
+    metrics = stats.as_metrics()
+    assert metrics["sampling/gen_rounds"] == len(producer.calls)
+    assert metrics["sampling/all_correct_frac"] == pytest.approx(
+        sum(all(g.correct) for g in produced) / len(produced)
+    )
+
+
+def test_surplus_is_carried_over_and_comes_first_next_call():
+    producer = FakeProducer(itertools.repeat(MIXED))
+    sampler = DynamicSampler(4)
+
+    batch1, stats1 = sampler.fill(producer)
+    first = list(producer.produced)
+    surplus = len(first) - 4
+    assert surplus > 0  # precondition: the first round over-generates (all groups qualify)
+    assert same_objects(batch1, first[:4])
+    assert same_objects(sampler.carry, first[4:])
+    assert stats1.carried_in == 0
+    assert stats1.carried_out == surplus
+
+    batch2, stats2 = sampler.fill(producer)
+    assert stats2.carried_in == surplus
+    assert same_objects(batch2[:surplus], first[4:])  # carried groups lead the batch
+    new = producer.produced[len(first) :]
+    assert same_objects(batch2[surplus:], new[: 4 - surplus])
+    assert same_objects(sampler.carry, new[4 - surplus :])
+    assert stats2.carried_out == len(sampler.carry)
+    assert len(batch2) == 4
+
+
+def test_large_carry_fills_batch_without_generating():
+    carried = [make_group(MIXED) for _ in range(9)]
+    sampler = DynamicSampler(4)
+    sampler.load_state_dict({"carry": carried, "keep_rate": 1.0})
+    producer = FakeProducer([])  # any call would raise StopIteration
+
+    batch, stats = sampler.fill(producer)
+
+    assert producer.calls == []
+    assert stats.rounds == 0
+    assert same_objects(batch, carried[:4])
+    assert same_objects(sampler.carry, carried[4:])
+    assert (stats.carried_in, stats.carried_out, stats.kept) == (4, 5, 4)
+
+
+def test_nothing_qualifying_is_dropped_across_calls():
+    rng = random.Random(0)
+    choices = [MIXED, MIXED2, ALL_OK, ALL_BAD, ALL_OK]
+    producer = FakeProducer(rng.choice(choices) for _ in itertools.count())
+    sampler = DynamicSampler(5, max_rounds=50)
+
+    used: list[ScoredGroup] = []
+    for _ in range(7):
+        batch, stats = sampler.fill(producer)
+        assert len(batch) == 5
+        assert all(mixed_acc(g) for g in batch)
+        assert stats.carried_out == len(sampler.carry)
+        used.extend(batch)
+
+    qualifying_ids = {id(g) for g in producer.qualifying()}
+    used_ids = [id(g) for g in used]
+    carry_ids = [id(g) for g in sampler.carry]
+    assert len(set(used_ids)) == len(used_ids)  # nothing trained on twice
+    assert not set(used_ids) & set(carry_ids)
+    assert set(used_ids) | set(carry_ids) == qualifying_ids
+    assert len(used) + len(sampler.carry) == len(qualifying_ids)
+
+
+# --------------------------------------------------------------------------------------
+# The round cap
+# --------------------------------------------------------------------------------------
+
+
+def test_round_cap_error_message_and_carry_kept():
+    old = make_group(MIXED2)  # carried in from an earlier step
+    # max_prompts_per_round=4 with target 4 makes every round ask for exactly 4 prompts, so
+    # 5 rounds generate 20 groups: 1 mixed, 15 all correct (75%), 4 all wrong (20%).
+    patterns = [MIXED] + [ALL_OK] * 15 + [ALL_BAD] * 4
+    producer = FakeProducer(patterns)
+    sampler = DynamicSampler(4, max_rounds=5, max_prompts_per_round=4)
+    sampler.load_state_dict({"carry": [old], "keep_rate": 1.0})
+
+    with pytest.raises(DynamicSamplingError) as info:
+        sampler.fill(producer)
+
+    assert producer.calls == [4] * 5  # precondition for the percentages below
+    msg = str(info.value)
+    assert re.search(r"\b5 (generation )?rounds\b", msg), msg
+    assert "75%" in msg and "20%" in msg, msg
+    assert "algorithm.max_gen_rounds" in msg
+    assert "rollout.num_generations" in msg
+    # The carried-in group and the one that qualified are kept, in that order.
+    assert same_objects(sampler.carry, [old, producer.produced[0]])
+
+    # The next step starts from them.
+    producer2 = FakeProducer(itertools.repeat(MIXED))
+    batch, stats = sampler.fill(producer2)
+    assert same_objects(batch[:2], [old, producer.produced[0]])
+    assert stats.carried_in == 2
+
+
+def test_round_cap_without_any_qualifying_group():
+    producer = FakeProducer(itertools.repeat(ALL_BAD))
+    sampler = DynamicSampler(3, max_rounds=2)
+    with pytest.raises(DynamicSamplingError) as info:
+        sampler.fill(producer)
+    assert len(producer.calls) == 2
+    msg = str(info.value)
+    assert "100%" in msg  # all wrong
+    assert re.search(r"(?<![\d.])0%", msg), msg  # none all correct
+    assert sampler.carry == []
+
+
+# --------------------------------------------------------------------------------------
+# Disabled, metrics, state
+# --------------------------------------------------------------------------------------
+
+
+def test_disabled_does_one_round_and_keeps_uniform_groups():
+    patterns = [ALL_OK, MIXED, ALL_BAD, ALL_BAD, MIXED2, ALL_OK, ALL_OK]
+    producer = FakeProducer(patterns)
+    sampler = DynamicSampler(7, enabled=False)
+
+    batch, stats = sampler.fill(producer)
+
+    assert producer.calls == [7]
+    assert same_objects(batch, producer.produced)
+    assert stats.rounds == 1
+    assert stats.generated_groups == 7
+    assert stats.kept == 7
+    assert stats.all_correct == 3
+    assert stats.all_wrong == 2
+
+
+def test_wasted_frac_counts_only_dropped_groups():
+    """Regression: wasted_frac used to equal uniform_groups even with dynamic sampling off,
+    where the uniform groups are trained on (with zero advantage), not wasted."""
+    patterns = [ALL_OK, MIXED, ALL_BAD, ALL_BAD, MIXED2, ALL_OK, ALL_OK]
+    _, off = DynamicSampler(7, enabled=False).fill(FakeProducer(patterns))
+    m = off.as_metrics()
+    assert m["sampling/uniform_groups"] == pytest.approx(5 / 7)
+    assert m["sampling/wasted_frac"] == 0.0
+
+    # On: the uniform groups are dropped; a qualifying surplus is carried over, not wasted.
+    producer = FakeProducer([ALL_OK, MIXED, ALL_BAD, MIXED2, MIXED, ALL_OK])
+    sampler = DynamicSampler(2, max_prompts_per_round=6)
+    _, on = sampler.fill(producer)
+    dropped = sum(len(set(g.correct)) == 1 for g in producer.produced)
+    assert on.carried_out == len(producer.produced) - dropped - 2 > 0
+    assert on.as_metrics()["sampling/wasted_frac"] == pytest.approx(dropped / len(producer.produced))
+
+
+def test_reward_metric_keeps_groups_with_equal_accuracy_but_different_rewards():
+    def groups():
+        # All correct, but one response is penalised (e.g. soft overlong punishment).
+        same_acc = make_group(ALL_OK, rewards=[1.0, 0.5, 1.0, 1.0])
+        # Mixed accuracy but identical rewards.
+        same_reward = make_group(MIXED, rewards=[0.5] * G)
+        plain = make_group(MIXED2)
+        return [same_acc, same_reward, plain]
+
+    by_reward = groups()
+    sampler = DynamicSampler(2, metric="reward", max_rounds=50)
+    batch, stats = sampler.fill(FakeProducer(itertools.chain(by_reward, itertools.repeat(MIXED2))))
+    assert any(g is by_reward[0] for g in batch)
+    assert not any(g is by_reward[1] for g in batch + sampler.carry)
+    assert stats.uniform_other == 1
+    assert stats.all_correct == 0
+
+    by_acc = groups()
+    sampler = DynamicSampler(2, metric="acc", max_rounds=50)
+    batch, stats = sampler.fill(FakeProducer(itertools.chain(by_acc, itertools.repeat(MIXED2))))
+    assert not any(g is by_acc[0] for g in batch + sampler.carry)
+    assert any(g is by_acc[1] for g in batch)
+    assert stats.all_correct == 1
+
+
+def test_state_dict_round_trip_keeps_the_carry():
+    producer = FakeProducer(itertools.repeat(MIXED))
+    s1 = DynamicSampler(4)
+    s1.fill(producer)
+    assert s1.carry  # precondition: there is something to carry
+    carry = list(s1.carry)
+    state = s1.state_dict()
+
+    s2 = DynamicSampler(4)
+    s2.load_state_dict(state)
+    assert same_objects(s2.carry, carry)
+    assert s2.keep_rate == s1.keep_rate
+
+    # Through pickle, as a checkpoint would store it.
+    s3 = DynamicSampler(4)
+    s3.load_state_dict(pickle.loads(pickle.dumps(state)))
+    assert s3.carry == carry
+    assert s3.keep_rate == s1.keep_rate
+    batch, stats = s3.fill(FakeProducer(itertools.repeat(MIXED2)))
+    assert batch[: len(carry)] == carry
+    assert stats.carried_in == len(carry)
+
+    # The saved state is a snapshot: the sampler moving on does not change it.
+    s1.fill(producer)
+    assert same_objects(state["carry"], carry)
+
+
+def test_carry_over_pickled_by_earlier_versions_still_loads(monkeypatch):
+    """Checkpoints written before the package restructure pickled the carry-over as
+    ``dapo.sampling.ScoredGroup`` (with an ``extra`` field, without ``penalty``)."""
+    import io
+    import sys
+    import types
+
+    import torch
+
+    from dapo.training import checkpoint
+
+    group = make_group(MIXED)
+    del group.__dict__["penalty"]
+    group.__dict__["extra"] = {}
+    old_module = types.ModuleType("dapo.sampling")
+    old_module.ScoredGroup = ScoredGroup
+    monkeypatch.setitem(sys.modules, "dapo.sampling", old_module)
+    monkeypatch.setattr(ScoredGroup, "__module__", "dapo.sampling")
+    buf = io.BytesIO()
+    torch.save({"sampler": {"carry": [group]}}, buf)
+    monkeypatch.undo()  # the old module is gone again, as after an upgrade
+    assert "dapo.sampling" not in sys.modules
+
+    buf.seek(0)
+    with pytest.raises(ModuleNotFoundError):
+        torch.load(buf, weights_only=False)
+    buf.seek(0)
+    (loaded,) = torch.load(buf, weights_only=False, pickle_module=checkpoint._legacy_pickle)[
+        "sampler"
+    ]["carry"]
+    assert isinstance(loaded, ScoredGroup)
+    assert loaded.correct == list(MIXED) and loaded.penalty == []
+    assert not hasattr(loaded, "extra")

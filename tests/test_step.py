@@ -1,0 +1,295 @@
+"""Exactness of one optimizer step's gradient under any micro-batch split."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from dapo.models.tiny import build_model, build_tokenizer
+from dapo.training.batch import Sample
+from dapo.training.forward import compute_logprobs, micro_batches, prompt_cache, response_logits
+from dapo.training.step import LossSettings, accumulate_gradients, loss_denominator
+
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    tok = build_tokenizer()
+    m = build_model(len(tok), seed=3).double()
+    m.train()
+    return m
+
+
+def make_samples(seed: int = 0) -> list[Sample]:
+    """Prompts and responses of very different lengths, some prompts with several responses
+    (groups, as in training: one prompt pass shared by the group); three responses masked as
+    truncated."""
+    rng = random.Random(seed)
+    layout = [(5, [40]), (12, [1]), (3, [17]), (9, [60]), (7, [2]), (4, [33]),
+              (6, [1, 25, 55, 8]), (11, [3, 3, 44])]  # (prompt length, its response lengths)
+    truncated = {3, 4, 8}
+    samples = []
+    for lp, lrs in layout:
+        prompt = [rng.randrange(3, 99) for _ in range(lp)]
+        for lr in lrs:
+            i = len(samples)
+            resp = [rng.randrange(3, 99) for _ in range(lr)]
+            mask = [0.0 if i in truncated else 1.0] * lr
+            adv = rng.choice([-1.3, -0.4, 0.7, 1.1])
+            samples.append(Sample(prompt, resp, adv, mask))
+    return samples
+
+
+def with_old_logprobs(samples: list[Sample], seed: int) -> list[Sample]:
+    """Old log-probs that differ from the policy's, so that ratios leave [0.8, 1.28]."""
+    gen = torch.Generator().manual_seed(seed)
+    for s in samples:
+        s.old_logprobs = -4.6 + 0.5 * torch.randn(len(s.response_ids), generator=gen, dtype=torch.float64)
+    return samples
+
+
+def grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+
+
+def reference_gradient(model: torch.nn.Module, samples: list[Sample], settings: LossSettings) -> torch.Tensor:
+    """The paper's token-level loss transcribed directly, one unpadded sequence at a time.
+
+    J = 1/sum_i |o_i| * sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i),
+    counting only the tokens that are not filtered out. With ``settings.tis_cap`` each
+    term is weighted by min(exp(old_it - sampling_it), tis_cap).
+    """
+    model.zero_grad(set_to_none=True)
+    total = sum(sum(s.loss_mask) for s in samples)
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1]
+        logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        objective = 0.0
+        for t in range(len(s.response_ids)):
+            if s.loss_mask[t] == 0:
+                continue
+            ratio = torch.exp(logp[t] - s.old_logprobs[t])
+            clipped = torch.clamp(ratio, 1 - settings.clip_low, 1 + settings.clip_high)
+            weight = 1.0
+            if settings.tis_cap is not None:
+                weight = min(math.exp(s.old_logprobs[t] - s.sampling_logprobs[t]), settings.tis_cap)
+            objective = objective + weight * torch.minimum(ratio * s.advantage, clipped * s.advantage)
+        if torch.is_tensor(objective):
+            (-objective / total).backward()
+    return grads(model)
+
+
+def step_gradient(model, samples, settings, budget, shared_prompt: bool = True) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(
+        model, samples, settings, pad_id=PAD, token_budget=budget,
+        denominator=loss_denominator(samples, settings), shared_prompt=shared_prompt,
+    )
+    return grads(model)
+
+
+def test_micro_batches_cover_every_sample_once_within_budget() -> None:
+    samples = make_samples()
+    chunks = micro_batches(samples, token_budget=120)
+    assert sorted(i for c in chunks for i in c) == list(range(len(samples)))
+    assert len(chunks) > 2
+    for c in chunks:
+        width = max(samples[i].length for i in c)
+        assert len(c) == 1 or width * len(c) <= 120
+
+
+def test_token_mean_gradient_is_exact_under_any_micro_batch_split(model) -> None:
+    settings = LossSettings(clip_low=0.2, clip_high=0.28, loss_agg="token-mean")
+    samples = with_old_logprobs(make_samples(), seed=1)
+    whole = step_gradient(model, samples, settings, budget=10**6)
+    ref = reference_gradient(model, samples, settings)
+    assert whole.abs().max() > 1e-4
+    torch.testing.assert_close(whole, ref, atol=1e-5, rtol=1e-5)
+    for budget in (70, 130, 250):
+        split = step_gradient(model, samples, settings, budget=budget)
+        assert len(micro_batches(samples, budget)) > 1
+        torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_per_micro_batch_normaliser_would_be_wrong(model) -> None:
+    """Dividing each micro-batch by its own token count (a known peer bug) changes the step."""
+    settings = LossSettings(loss_agg="token-mean")
+    samples = with_old_logprobs(make_samples(), seed=2)
+    exact = step_gradient(model, samples, settings, budget=10**6)
+    model.zero_grad(set_to_none=True)
+    for idx in micro_batches(samples, 130):
+        chunk = [samples[i] for i in idx]
+        accumulate_gradients(
+            model, chunk, settings, pad_id=PAD, token_budget=10**6,
+            denominator=max(loss_denominator(chunk, settings), 1.0),
+        )
+    assert not torch.allclose(grads(model), exact, atol=1e-5)
+
+
+def test_truncated_responses_do_not_count(model) -> None:
+    """Overlong filtering: a masked response changes neither the loss nor its denominator."""
+    settings = LossSettings(loss_agg="token-mean")
+    samples = with_old_logprobs(make_samples(), seed=3)
+    with_masked = step_gradient(model, samples, settings, budget=10**6)
+    kept = [s for s in samples if sum(s.loss_mask) > 0]
+    without = step_gradient(model, kept, settings, budget=10**6)
+    torch.testing.assert_close(with_masked, without, atol=1e-9, rtol=1e-7)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_sequence_modes_are_exact_under_micro_batching(model, agg) -> None:
+    settings = LossSettings(loss_agg=agg, max_len=64)
+    samples = with_old_logprobs(make_samples(), seed=4)
+    whole = step_gradient(model, samples, settings, budget=10**6)
+    split = step_gradient(model, samples, settings, budget=90)
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_ratio_one_when_no_old_logprobs(model) -> None:
+    """Without old log-probs the step is on-policy: the ratio is exactly 1, nothing clips."""
+    settings = LossSettings(loss_agg="token-mean")
+    samples = make_samples()
+    model.zero_grad(set_to_none=True)
+    stats = accumulate_gradients(
+        model, samples, settings, pad_id=PAD, token_budget=10**6,
+        denominator=loss_denominator(samples, settings),
+    )
+    means = stats.means()
+    assert means["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-9)
+    assert means["actor/clip_frac_high"] == 0.0 and means["actor/clip_frac_low"] == 0.0
+    assert 0 < means["actor/entropy"] <= torch.log(torch.tensor(99.0)).item() + 1e-6
+
+
+def test_truncated_importance_sampling_weights_each_token(model) -> None:
+    """tis_cap: each token's clipped surrogate is weighted by min(pi_old / pi_engine, C)."""
+    cap = 1.5
+    samples = with_old_logprobs(make_samples(), seed=5)
+    gen = torch.Generator().manual_seed(6)
+    for s in samples:
+        noise = 0.5 * torch.randn(len(s.response_ids), generator=gen, dtype=torch.float64)
+        s.sampling_logprobs = s.old_logprobs + noise
+    weights = torch.cat([torch.exp(s.old_logprobs - s.sampling_logprobs) for s in samples])
+    assert (weights > cap).any() and (weights < 0.8).any()  # precondition: capped and small
+    settings = LossSettings(loss_agg="token-mean", tis_cap=cap)
+    ref = reference_gradient(model, samples, settings)
+    plain = reference_gradient(model, samples, LossSettings(loss_agg="token-mean"))
+    assert not torch.allclose(ref, plain, atol=1e-5)
+    for budget in (10**6, 130):
+        torch.testing.assert_close(step_gradient(model, samples, settings, budget), ref,
+                                   atol=1e-5, rtol=1e-5)
+    # Engine log-probs equal to the trainer's: weight 1, the plain step.
+    for s in samples:
+        s.sampling_logprobs = s.old_logprobs.clone()
+    torch.testing.assert_close(step_gradient(model, samples, settings, 10**6), plain,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_micro_batches_keep_groups_together() -> None:
+    """The responses of one prompt share a micro-batch unless the group alone exceeds the budget."""
+    samples = make_samples()
+    group_of = [tuple(s.prompt_ids) for s in samples]
+    for budget in (70, 130, 250, 10**6):
+        for chunk in micro_batches(samples, budget):
+            for i in chunk:
+                members = [j for j in range(len(samples)) if group_of[j] == group_of[i]]
+                if max(samples[j].length for j in members) * len(members) <= budget:
+                    assert set(members) <= set(chunk)
+    # Budget 130: the 4-response group (244 padded tokens) is split, the 3-response one
+    # (longest 55 + 11 = 66, 198 tokens) too; at 250 both stay whole.
+    split = micro_batches(samples, 130)
+    assert sum(any(i in c for i in range(6, 10)) for c in split) > 1
+    whole = micro_batches(samples, 250)
+    assert sum(any(i in c for i in range(6, 10)) for c in whole) == 1
+
+
+def _count_prompt_passes(model: torch.nn.Module) -> tuple[list[int], object]:
+    """Batch sizes of the forwards run with a fresh cache (the shared prompt passes)."""
+    seen: list[int] = []
+
+    def hook(_module, _args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if cache is not None and cache.get_seq_length() == 0:
+            seen.append(kwargs["input_ids"].shape[0])
+
+    return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_shared_prompt_forward_equals_full_sequences(model) -> None:
+    """One prompt pass per distinct prompt gives the log-probs and gradients of forwarding
+    every sample as prompt + response: prompts of different lengths in one micro-batch,
+    groups split across micro-batches, responses of length 1."""
+    samples = with_old_logprobs(make_samples(), seed=7)
+    settings = LossSettings(loss_agg="token-mean", temperature=0.7)
+    seen, handle = _count_prompt_passes(model)
+    try:
+        for budget in (10**6, 250, 130, 70):
+            chunks = micro_batches(samples, budget)
+            seen.clear()
+            full = compute_logprobs(model, samples, pad_id=PAD, temperature=0.7,
+                                    token_budget=budget, shared_prompt=False)
+            assert not seen
+            shared = compute_logprobs(model, samples, pad_id=PAD, temperature=0.7,
+                                      token_budget=budget)
+            repeated = [c for c in chunks if len({tuple(samples[i].prompt_ids) for i in c}) < len(c)]
+            assert len(seen) == len(repeated) > 0  # the shared path did run
+            for a, b in zip(full, shared, strict=True):
+                torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+            g_full = step_gradient(model, samples, settings, budget, shared_prompt=False)
+            g_shared = step_gradient(model, samples, settings, budget)
+            assert g_full.abs().max() > 1e-4
+            torch.testing.assert_close(g_shared, g_full, atol=1e-5, rtol=1e-5)
+    finally:
+        handle.remove()
+    # A micro-batch of length-1 responses: response token 0 is predicted by the prompt pass
+    # alone, and two prompt lengths share it.
+    ones = [s for s in make_samples() if len(s.response_ids) <= 3]
+    assert len({len(s.prompt_ids) for s in ones}) > 1 and min(len(s.response_ids) for s in ones) == 1
+    for group in (ones, [s for s in ones if len(s.response_ids) == 1] * 2):
+        a = response_logits(model, group, pad_id=PAD, temperature=1.0, shared_prompt=False)
+        b = response_logits(model, group, pad_id=PAD, temperature=1.0)
+        assert a.shape == b.shape
+        for j, s in enumerate(group):  # padding positions predict nothing
+            r = len(s.response_ids)
+            torch.testing.assert_close(b[j, :r], a[j, :r], atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_forward_in_float32() -> None:
+    """In float32 the two paths differ only by summation order."""
+    m = build_model(len(build_tokenizer()), seed=5)
+    m.train()
+    samples = make_samples(seed=8)
+    a = compute_logprobs(m, samples, pad_id=PAD, temperature=1.0, token_budget=250,
+                         shared_prompt=False)
+    b = compute_logprobs(m, samples, pad_id=PAD, temperature=1.0, token_budget=250)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_cache_only_where_the_cache_is_exact(model) -> None:
+    """Gradient checkpointing (its layers drop the cache in training) and sliding-window
+    attention (the cache keeps only part of the past) fall back to full sequences, exactly."""
+    import copy
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    assert prompt_cache(model) is not None
+    checkpointed = copy.deepcopy(model)
+    checkpointed.gradient_checkpointing_enable()
+    assert prompt_cache(checkpointed) is None
+    assert prompt_cache(checkpointed.eval()) is not None
+    checkpointed.train()
+    settings = LossSettings(loss_agg="token-mean")
+    samples = with_old_logprobs(make_samples(), seed=9)
+    torch.testing.assert_close(step_gradient(checkpointed, samples, settings, 250),
+                               step_gradient(model, samples, settings, 250, shared_prompt=False),
+                               atol=1e-5, rtol=1e-5)
+    sliding = MistralForCausalLM(MistralConfig(
+        vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
+    ))
+    assert prompt_cache(sliding) is None
