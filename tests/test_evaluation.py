@@ -306,6 +306,45 @@ def test_cli_eval_options_and_default_output(
     assert "dropped 1 of 3" in capsys.readouterr().out
 
 
+def test_run_evaluation_closes_its_engine(
+    random_model: Path, eval_parquet: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The engine is closed when the evaluation ends, and when it fails half-way (a vLLM
+    engine holds memory and a process group until then)."""
+    from dapo.evaluation import run as eval_run
+
+    made: list = []
+
+    class Recording:
+        def __init__(self, inner, fail: bool) -> None:
+            self.inner, self.fail, self.closed = inner, fail, False
+
+        def generate(self, prompts, params):
+            if self.fail:
+                raise RuntimeError("engine died")
+            return self.inner.generate(prompts, params)
+
+        def close(self) -> None:
+            self.closed = True
+
+    real = eval_run._make_engine
+    for fail in (False, True):
+        monkeypatch.setattr(
+            eval_run, "_make_engine",
+            lambda *a, fail=fail: made.append(Recording(real(*a), fail)) or made[-1],
+        )  # fmt: skip
+        run = lambda: eval_run.run_evaluation(  # noqa: E731
+            str(random_model), str(eval_parquet), max_tokens=4,
+            output=tmp_path / "r.json", log=lambda _: None,
+        )  # fmt: skip
+        if fail:
+            with pytest.raises(RuntimeError, match="engine died"):
+                run()
+        else:
+            assert run()["problems"] == 3
+        assert made[-1].closed
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

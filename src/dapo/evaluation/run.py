@@ -44,7 +44,14 @@ from dapo.data.tasks import TASKS, is_builtin, load_task
 from dapo.errors import EvalError, VLLMEngineError, VLLMUnavailableError
 from dapo.evaluation.stats import mean_or_nan, summarize
 from dapo.rewards import RewardScorer, extract_answer, normalize_final_answer
-from dapo.rollout import ENGINES, Group, RolloutEngine, SamplingParams, make_engine
+from dapo.rollout import (
+    ENGINES,
+    Group,
+    RolloutEngine,
+    SamplingParams,
+    close_engine,
+    make_engine,
+)
 
 BUILTIN_DEFAULT_PROBLEMS = 500  # held-out builtin:addition problems when --max-problems is unset
 DEFAULT_MAX_TOKENS = 1024
@@ -408,6 +415,7 @@ def _generate_and_score(
             )
     finally:
         scorer.close()
+        close_engine(rollout)  # vLLM holds memory and a process group until closed
     return samples
 
 
