@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from dapo.errors import ModelError
-from dapo.models import tiny
 
+BUILTIN_MODEL = "builtin:tiny"  # built by dapo.models.tiny
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -32,11 +32,13 @@ def _is_local_path(name: str) -> bool:
 
 def resolve_model_path(name_or_path: str, log: Callable[[str], None] = print) -> str:
     """``builtin:tiny`` becomes the cached warmed-up model (built on first use)."""
-    if name_or_path == tiny.NAME:
+    if name_or_path == BUILTIN_MODEL:
+        from dapo.models import tiny  # the built-in task and warm-up, only when asked for
+
         return str(tiny.ensure_builtin_model(log=log))
     if name_or_path.startswith("builtin:"):
         raise ModelError(
-            f"`model.name_or_path` = {name_or_path!r}: the only built-in model is {tiny.NAME!r}"
+            f"`model.name_or_path` = {name_or_path!r}: the only built-in model is {BUILTIN_MODEL!r}"
         )
     path = Path(name_or_path).expanduser()
     if _is_local_path(name_or_path) and not path.exists():
@@ -44,7 +46,7 @@ def resolve_model_path(name_or_path: str, log: Callable[[str], None] = print) ->
             f"`model.name_or_path` = {name_or_path!r}: no such directory (resolved to "
             f"{path.absolute()}). Fix: give the directory of a saved model (config.json and "
             "weights, as written by save_pretrained), a hub id in the local cache, or "
-            f"{tiny.NAME!r}."
+            f"{BUILTIN_MODEL!r}."
         )
     if path.is_file():
         raise ModelError(

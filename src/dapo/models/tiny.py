@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from dapo.data.tasks.addition import sft_example
+from dapo.models.loading import BUILTIN_MODEL
 
-NAME = "builtin:tiny"
+NAME = BUILTIN_MODEL
 _VERSION = "v3"  # bump when the task, tokenizer, model or warm-up change
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
