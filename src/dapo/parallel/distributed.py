@@ -3,7 +3,7 @@
 Launch with ``torchrun --nproc_per_node N -m dapo train ...``; without torchrun everything
 here degrades to a single process. Ranks exchange small Python objects (scored groups,
 metric sums) with the object collectives, and gradients through DDP or FSDP2
-(``dapo.sharding``).
+(``dapo.parallel.sharding``).
 """
 
 from __future__ import annotations

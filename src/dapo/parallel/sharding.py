@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - older torch: DDP only
     FSDPModule = None  # type: ignore[assignment,misc]
     fully_shard = None  # type: ignore[assignment]
 
+
 def is_fsdp(model: nn.Module) -> bool:
     """Whether ``model`` is sharded with ``fully_shard``."""
     return FSDPModule is not None and isinstance(model, FSDPModule)

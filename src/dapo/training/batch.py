@@ -78,10 +78,6 @@ def group_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
     """Rewards, accuracy, length shaping and lengths over every response of ``groups``."""
     rewards = [x for g in groups for x in g.rewards]
     lengths = [float(len(x)) for g in groups for x in g.response_ids]
-
-    def mean(xs: list[float]) -> float:
-        return sum(xs) / len(xs) if xs else 0.0
-
     return {
         "reward/mean": mean(rewards),
         "reward/std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
@@ -92,3 +88,8 @@ def group_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
         "response_length/max": max(lengths, default=0.0),
         "response_length/clip_ratio": mean([float(x) for g in groups for x in g.truncated]),
     }
+
+
+def mean(xs: list[float]) -> float:
+    """The mean of ``xs``; 0.0 for none (a metric of an empty step)."""
+    return sum(xs) / len(xs) if xs else 0.0

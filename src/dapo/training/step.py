@@ -339,7 +339,7 @@ def optimizer_step(
     counts across ranks. The loss denominator is the all-reduced global count, and the
     loss is scaled by the world size because DDP and FSDP average gradients over ranks:
     the summed gradient is the one a single process computes on the whole mini-batch.
-    ``model`` may be sharded with FSDP (``dapo.sharding``); then the gradient norm is
+    ``model`` may be sharded with FSDP (``dapo.parallel.sharding``); then the gradient norm is
     the global one over all shards. Non-finite gradients are not applied
     (``applied=False``); the caller decides what to do.
     """

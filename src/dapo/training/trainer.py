@@ -32,7 +32,7 @@ from dapo.parallel.data_parallel import wrap_data_parallel
 from dapo.rewards import RewardScorer, soft_overlong_punishment
 from dapo.rollout import Group, RolloutEngine, SamplingParams, close_engine, make_engine
 from dapo.seeding import mix_seed, seed_everything
-from dapo.training.batch import Sample, build_samples, group_metrics
+from dapo.training.batch import Sample, build_samples, group_metrics, mean
 from dapo.training.checkpoint import (
     full_state,
     latest_checkpoint,
@@ -371,9 +371,9 @@ class Trainer:
         metrics = {k: v / max(weight, 1.0) for k, v in sums.items()}
         metrics.update(
             {
-                "actor/pg_loss": _mean(pg_losses),
-                "actor/loss": _mean(losses),
-                "actor/grad_norm": _mean(grad_norms),
+                "actor/pg_loss": mean(pg_losses),
+                "actor/loss": mean(losses),
+                "actor/grad_norm": mean(grad_norms),
                 "actor/updates": float(len(grad_norms)),
                 "actor/skipped_updates": float(skipped),
             }
@@ -580,8 +580,4 @@ def _check_output_dir(out: Path) -> None:
         raise TrainingError(
             f"`output_dir` = {str(out)!r} is not writable ({exc.strerror}); choose another directory"
         ) from exc
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0
 
