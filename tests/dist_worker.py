@@ -3,7 +3,8 @@
 Modes:
   step DP OUT       one optimizer step on a fixed mini-batch with DP (ddp or fsdp; single:
                     no wrapper); rank 0 saves the parameters and each rank's share of them
-  dynamic MODEL OUT a short training run with uniform groups; each rank records what it trained
+  dynamic MODEL OUT REWARD [OVERRIDES...]
+                    a short training run with uniform groups; each rank records what it trained
 """
 
 from __future__ import annotations
@@ -146,25 +147,27 @@ def main() -> None:
             "train.prompts_per_step=4", "train.mini_batch_size=2", "rollout.num_generations=4",
             "rollout.max_completion_length=12", "algorithm.overlong_buffer=4", "evaluate=false",
             "logging.tensorboard=false", "logging.console=false", "checkpoint.save_every=0",
-            f"reward.functions=[{{name: '{rewards}:by_answer_class'}}]",
+            f"reward.functions=[{{name: '{rewards}'}}]", *sys.argv[5:],
         ])
         trainer = Trainer(cfg, log=lambda _: None)
         seen: list[dict] = []
-        original = trainer.build_samples
+        original_build, original_share = trainer.build_samples, trainer._my_share
 
         def record(groups):
-            samples = original(groups)
-            g = groups[0].size
-            trained = sorted({i for k in range(0, len(samples), g * cfg.train.mini_batch_size)
-                              for i in trainer._my_share(samples, list(range(k, k + g * cfg.train.mini_batch_size)))})
             seen.append({
                 "step": trainer.step,
                 "groups": [list(map(bool, x.correct)) for x in groups],
-                "trained_rows": trained,
+                "trained_rows": [],
                 "uids": [x.record.uid for x in groups],
             })
-            return samples
+            return original_build(groups)
 
+        def share(samples, idx):  # the rows of each planned update that this rank trains
+            mine = original_share(samples, idx)
+            seen[-1]["trained_rows"] = sorted(set(seen[-1]["trained_rows"]) | set(mine))
+            return mine
+
+        trainer._my_share = share
         trainer.build_samples = record
         trainer.run()
         (out / f"rank{info.rank}.json").write_text(json.dumps(seen))

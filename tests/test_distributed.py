@@ -149,18 +149,30 @@ def test_fsdp_where_it_does_not_work_is_a_clear_error(monkeypatch: pytest.Monkey
     )
 
 
-def test_dynamic_sampling_is_global_across_ranks(random_tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("reward", "extra"),
+    [("by_answer_class", ()), ("rarely_mixed", ("algorithm.max_gen_rounds=1",))],
+    ids=["full", "round-cap-short"],
+)
+def test_dynamic_sampling_is_global_across_ranks(
+    reward: str, extra: tuple[str, ...], random_tiny_model: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "run"
-    rewards = HERE / "trainer_rewards.py"
-    torchrun(str(HERE / "dist_worker.py"), "dynamic", str(random_tiny_model), str(out), str(rewards), cwd=tmp_path)
+    rewards = f"{HERE / 'trainer_rewards.py'}:{reward}"
+    torchrun(str(HERE / "dist_worker.py"), "dynamic", str(random_tiny_model), str(out), rewards,
+             *extra, cwd=tmp_path)  # fmt: skip
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert len(ranks[0]) == len(ranks[1]) == 3
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [int(m.get("sampling/trained_groups", 4)) for m in metrics]
+    assert len(ranks[0]) == len(ranks[1]) == sum(n > 0 for n in trained)
+    if extra:  # the round cap cut some batches short, the same way on both ranks
+        assert any(0 < n < 4 for n in trained), trained
     for a, b in zip(*ranks, strict=True):
         assert a["uids"] == b["uids"]  # every rank agrees on the batch
         for correct in a["groups"]:
             assert 0 < sum(correct) < len(correct)  # no uniform group trains
         # Together the ranks train every row exactly once.
-        assert sorted(a["trained_rows"] + b["trained_rows"]) == list(range(4 * 4))
+        assert sorted(a["trained_rows"] + b["trained_rows"]) == list(range(4 * len(a["uids"])))
         assert a["trained_rows"] and b["trained_rows"]
 
 

@@ -8,10 +8,11 @@ import random
 import pytest
 import torch
 
+from dapo.errors import TrainingError
 from dapo.models.tiny import build_model, build_tokenizer
 from dapo.training.batch import Sample
 from dapo.training.forward import compute_logprobs, micro_batches, prompt_cache, response_logits
-from dapo.training.step import LossSettings, accumulate_gradients, loss_denominator
+from dapo.training.step import LossSettings, accumulate_gradients, loss_denominator, plan_updates
 
 PAD = 0
 
@@ -293,3 +294,47 @@ def test_prompt_cache_only_where_the_cache_is_exact(model) -> None:
         num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
     ))
     assert prompt_cache(sliding) is None
+
+
+# --------------------------------------------------------------------------------------
+# The update plan: full and short batches
+# --------------------------------------------------------------------------------------
+
+
+def test_a_full_batch_is_cut_into_equal_mini_batches() -> None:
+    g, n, mbs, epochs, seed = 3, 12, 4, 2, 17
+    plan = plan_updates(n * g, g, n, mbs, epochs, seed=seed)
+    # Transcription of the rule: per epoch one seeded permutation of the groups, cut into
+    # prompts_per_step / mini_batch_size slices of mini_batch_size groups.
+    gen = torch.Generator().manual_seed(seed)
+    expected = []
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=gen).tolist()
+        for m in range(n // mbs):
+            expected.append((epoch, [k * g + j for k in order[m * mbs : (m + 1) * mbs] for j in range(g)]))
+    assert plan == expected
+
+
+@pytest.mark.parametrize(
+    ("groups", "prompts_per_step", "mbs", "sizes"),
+    [(29, 32, 16, [15, 14]), (17, 32, 16, [9, 8]), (3, 32, 8, [3]), (10, 16, 4, [4, 3, 3]), (1, 4, 4, [1])],
+)
+def test_a_short_batch_gets_ceil_n_over_mini_batch_updates_of_near_equal_size(
+    groups: int, prompts_per_step: int, mbs: int, sizes: list[int]
+) -> None:
+    g, epochs = 2, 2
+    plan = plan_updates(groups * g, g, prompts_per_step, mbs, epochs, seed=5)
+    assert len(plan) == epochs * math.ceil(groups / mbs)
+    for epoch in range(epochs):
+        updates = [idx for e, idx in plan if e == epoch]
+        assert [len(idx) // g for idx in updates] == sizes
+        rows = [i for idx in updates for i in idx]
+        assert sorted(rows) == list(range(groups * g))  # every response once per epoch
+        for idx in updates:  # whole groups, each response of a group in order
+            gids = [i // g for i in idx[::g]]
+            assert idx == [k * g + j for k in gids for j in range(g)]
+
+
+def test_more_groups_than_the_batch_is_an_error() -> None:
+    with pytest.raises(TrainingError, match="exceed train.prompts_per_step=4"):
+        plan_updates(5 * 2, 2, 4, 2, 1, seed=0)

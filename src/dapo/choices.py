@@ -14,6 +14,7 @@ from typing import Literal, get_args
 AdvantageScale = Literal["group", "batch", "none"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3"]
+RoundCap = Literal["train", "stop"]
 
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)  # algorithm.advantage_scale
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAgg)  # algorithm.loss_agg
@@ -23,3 +24,4 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # model.dtype
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # train.lr_schedule
 DATA_PARALLEL_MODES: tuple[str, ...] = ("auto", "fsdp", "ddp")  # train.data_parallel
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("acc", "reward")  # algorithm.dynamic_sampling_metric
+ROUND_CAP_ACTIONS: tuple[str, ...] = get_args(RoundCap)  # algorithm.round_cap

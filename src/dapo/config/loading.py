@@ -306,6 +306,7 @@ def validate(cfg: Config) -> None:
         _check(a.clip_c > 1, "algorithm.clip_c", a.clip_c, "dual clip needs a value > 1 (e.g. 3.0) or null")
     _check(a.beta >= 0, "algorithm.beta", a.beta, "use 0 (no KL, DAPO) or a positive coefficient")
     _check(a.max_gen_rounds >= 1, "algorithm.max_gen_rounds", a.max_gen_rounds, "use at least 1")
+    _check(a.max_empty_steps >= 1, "algorithm.max_empty_steps", a.max_empty_steps, "use at least 1")
     _check(a.overlong_buffer >= 0, "algorithm.overlong_buffer", a.overlong_buffer, "use a value >= 0")
     _check(
         a.overlong_buffer < r.max_completion_length,

@@ -30,6 +30,7 @@ from dapo.choices import (
     KL_KINDS,
     LOSS_AGG_MODES,
     LR_SCHEDULES,
+    ROUND_CAP_ACTIONS,
 )
 from dapo.config.presets import PRESETS
 
@@ -304,8 +305,21 @@ class AlgorithmConfig:
     )
     max_gen_rounds: int = opt(
         8,
-        "Generation rounds dynamic sampling may take in one rollout step to fill the batch "
-        "before it stops with an error (groups already kept are not lost).",
+        "Generation rounds dynamic sampling may take in one rollout step to fill the batch; "
+        "algorithm.round_cap says what happens when they do not fill it.",
+    )
+    round_cap: str = opt(
+        "train",
+        "When algorithm.max_gen_rounds rounds leave the batch short: train on the groups "
+        "with a learning signal found so far (fewer updates, see train.mini_batch_size; no "
+        "update when there are none) with a warning, or stop the run with an error (the "
+        "groups found are kept for resume=true; the reference recipe stops).",
+        choices=ROUND_CAP_ACTIONS,
+    )
+    max_empty_steps: int = opt(
+        3,
+        "With algorithm.round_cap=train: this many rollout steps in a row without any group "
+        "with a learning signal (their updates skipped) stop the run.",
     )
     overlong_filter: bool = opt(
         True,
@@ -351,7 +365,9 @@ class TrainConfig:
         16,
         "Prompts per optimizer update; must divide train.prompts_per_step, and "
         "prompts_per_step / mini_batch_size is the number of updates per rollout step. "
-        "The DAPO paper: 512 / 32 prompts (512 responses) = 16 updates.",
+        "The DAPO paper: 512 / 32 prompts (512 responses) = 16 updates. A short batch of "
+        "n prompts (algorithm.round_cap=train) gets ceil(n / mini_batch_size) updates of "
+        "near-equal size.",
     )
     epochs: int = opt(1, "Passes over each rollout batch (PPO epochs).")
     micro_batch_tokens: int = opt(

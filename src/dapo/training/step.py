@@ -75,16 +75,31 @@ def plan_updates(
     *, seed: int,
 ) -> list[tuple[int, list[int]]]:  # fmt: skip
     """``(epoch, sample indices)`` of every optimizer update of a rollout step: whole groups,
-    shuffled per epoch (seeded), cut into mini-batches of ``mini_batch_size`` prompts."""
+    shuffled per epoch (seeded), cut into mini-batches of ``mini_batch_size`` prompts.
+
+    A full batch (``prompts_per_step`` groups) makes ``prompts_per_step / mini_batch_size``
+    updates per epoch. A short batch of ``n`` groups (the round cap with
+    ``algorithm.round_cap=train``) makes ``ceil(n / mini_batch_size)`` updates whose sizes
+    differ by at most one group (29 groups with mini-batches of 16: 15 + 14, not 16 + 13),
+    so no update is a sliver and no sample is used more often than in a full batch. Each
+    update is still normalised by its own global token count.
+    """
     n_groups, rest = divmod(n_samples, group_size)
     if rest:
         raise TrainingError(f"{n_samples} samples do not make groups of {group_size} responses")
+    if n_groups > prompts_per_step:
+        raise TrainingError(f"{n_groups} groups exceed train.prompts_per_step={prompts_per_step}")
+    n_updates = -(-n_groups // mini_batch_size)  # = prompts_per_step // mini_batch_size if full
+    base, extra = divmod(n_groups, max(n_updates, 1))
+    sizes = [base + (m < extra) for m in range(n_updates)]
     gen = torch.Generator().manual_seed(seed)
     plan = []
     for epoch in range(epochs):
         order = torch.randperm(n_groups, generator=gen).tolist()
-        for m in range(prompts_per_step // mini_batch_size):
-            gids = order[m * mini_batch_size : (m + 1) * mini_batch_size]
+        start = 0
+        for size in sizes:
+            gids = order[start : start + size]
+            start += size
             plan.append((epoch, [g * group_size + j for g in gids for j in range(group_size)]))
     return plan
 

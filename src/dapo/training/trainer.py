@@ -13,6 +13,7 @@ import json
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,12 @@ import torch
 from dapo.atomic import write_text_atomic
 from dapo.config import Config
 from dapo.data.prompts import PromptStream, encode_prompts, load_prompt_set
-from dapo.errors import TrainingError, VLLMEngineError, VLLMUnavailableError
+from dapo.errors import (
+    DynamicSamplingWarning,
+    TrainingError,
+    VLLMEngineError,
+    VLLMUnavailableError,
+)
 from dapo.evaluation.run import engine_accuracy
 from dapo.metrics import MetricsLogger, plot_dashboard
 from dapo.models import context_length, load_policy, load_tokenizer, resolve_model_path
@@ -84,6 +90,8 @@ class Trainer:
             enabled=cfg.algorithm.dynamic_sampling,
             metric=cfg.algorithm.dynamic_sampling_metric,
             max_rounds=cfg.algorithm.max_gen_rounds,
+            round_cap=cfg.algorithm.round_cap,
+            max_empty_steps=cfg.algorithm.max_empty_steps,
         )
         self.stream = PromptStream(len(self.train_records), cfg.seed, cfg.data.shuffle)
         self.loss_settings = LossSettings.from_config(cfg)
@@ -174,8 +182,11 @@ class Trainer:
         t0 = time.perf_counter()
         groups, metrics = self.fill_batch(step)  # 1-3. sample, score, filter
         t1 = time.perf_counter()
-        samples = self.build_samples(groups)  # 4. advantages and loss masks
-        metrics.update(self.update(samples, step))  # 5. update the policy
+        if groups:  # none: no group with a learning signal at the round cap, no update
+            samples = self.build_samples(groups)  # 4. advantages and loss masks
+            metrics.update(self.update(samples, step))  # 5. update the policy
+        else:
+            metrics["actor/updates"] = 0.0
         t2 = time.perf_counter()
         tokens = sum(len(g.prompt_ids) * g.size + sum(map(len, g.response_ids)) for g in groups)
         metrics["train/stale_groups"] = float(sum(g.step < step for g in groups))
@@ -209,6 +220,8 @@ class Trainer:
             return scored
 
         batch, fill = self.sampler.fill(produce)
+        if fill.note and self.dist.is_main:  # the round cap: a short batch or no update
+            warnings.warn(f"rollout step {step}: {fill.note}", DynamicSamplingWarning, stacklevel=2)
         self.samples_generated += sum(g.size for g in generated)
         tokens = sum(len(x) for g in generated for x in g.response_ids)
         return batch, {
