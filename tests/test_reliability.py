@@ -774,6 +774,7 @@ def bad_inputs(random_tiny_model, tmp_path_factory) -> Path:
         "config.yaml": "train:\n  lr: [1e-6\n",
         "list.yaml": "- train.lr=1e-6\n",
         "not_a_dir": "a file",
+        "fake.gguf": "not a gguf file",
     }
     for name, text in files.items():
         (d / name).write_text(text)
@@ -786,6 +787,17 @@ def bad_inputs(random_tiny_model, tmp_path_factory) -> Path:
     shutil.copytree(random_tiny_model, noweights)
     (noweights / "model.safetensors").unlink()
     (d / "has_checkpoints" / "checkpoints" / "step_000001").mkdir(parents=True)
+    (d / "header_only.gguf").write_bytes(b"GGUF" + bytes(20))
+    try:  # a GGUF file of an architecture transformers cannot read (metadata only)
+        import gguf
+
+        w = gguf.GGUFWriter(d / "rwkv.gguf", "rwkv6")
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    except ImportError:
+        pass  # its case skips
     return d
 
 
@@ -854,6 +866,15 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
         ["model.name_or_path=DIR/not_a_dir"],
         ["`model.name_or_path`", "is a file"],
     ),
+    "gguf-not-gguf": (["model.name_or_path=DIR/fake.gguf"], ["not a GGUF file", "download it again"]),
+    "gguf-not-installed": (
+        ["model.name_or_path=DIR/header_only.gguf"],
+        ["`gguf` package", "pip install 'dapo[gguf]'"],
+    ),
+    "gguf-unsupported-architecture": (
+        ["model.name_or_path=DIR/rwkv.gguf"],
+        ["'rwkv6'", "cannot be read by transformers", "config.json"],
+    ),
     "model-without-tokenizer": (
         ["model.name_or_path=DIR/model_without_tokenizer"],
         ["has no tokenizer", "`model.tokenizer`"],
@@ -917,6 +938,12 @@ def test_bad_input_gives_the_documented_error(
         from dapo.rollout import vllm_engine
 
         monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    if case == "gguf-not-installed":
+        from dapo.models import gguf as dapo_gguf
+
+        monkeypatch.setattr(dapo_gguf, "gguf_available", lambda: False)
+    if case == "gguf-unsupported-architecture":
+        pytest.importorskip("gguf", reason="the gguf extra is not installed")
     args, fragments = BAD_INPUTS[case]
     args = [a.replace("DIR", str(bad_inputs)).replace("HERE", str(HERE)) for a in args]
     base = [

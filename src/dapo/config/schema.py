@@ -60,8 +60,10 @@ class ModelConfig:
 
     name_or_path: str = opt(
         "builtin:tiny",
-        "The policy: a local directory, a Hugging Face hub id, or builtin:tiny (a ~1M-parameter Llama "
-        "warmed up on column addition, trains on a CPU). The DAPO paper trains Qwen2.5-32B base.",
+        "The policy: a local directory, a Hugging Face hub id, a .gguf file (dequantised to "
+        "transformers format once, cached in the dapo cache), or builtin:tiny (a ~1M-parameter "
+        "Llama warmed up on column addition, trains on a CPU). The DAPO paper trains "
+        "Qwen2.5-32B base.",
     )
     tokenizer: str | None = opt(
         None, "Tokenizer directory or hub id; null: the one of model.name_or_path."
