@@ -43,7 +43,7 @@ def test_bench_engines_counts_generated_tokens(tmp_path, monkeypatch):
         "--repeats", "1", "--threads", "1", "--json", str(out),
     ])
     assert json.loads(out.read_text())["results"] == report["results"]
-    assert {r["engine"] for r in report["results"]} >= {"hf"}
+    assert {r["engine"] for r in report["results"]} >= {"hf", "generate"}
     for row in report["results"]:
         # 2 prompts x 2 responses of at most 8 tokens each.
         assert 4 <= row["tokens"] <= 2 * 2 * 8
