@@ -4,6 +4,7 @@ the length filter, and the seeded endless stream of training prompts."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 from dapo.config import DataConfig
@@ -127,15 +128,32 @@ class PromptStream:
             random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
         return order
 
+    @property
+    def position(self) -> int:
+        """Draws made so far, over all epochs: the stream position of the next draw."""
+        return self.epoch * self.n + self.pos
+
+    def _next(self) -> int:
+        if self.pos == self.n:
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._order = self._make_order()
+        index = self._order[self.pos]
+        self.pos += 1
+        return index
+
     def take(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if self.pos == self.n:
-                self.epoch, self.pos = self.epoch + 1, 0
-                self._order = self._make_order()
-            out.append(self._order[self.pos])
-            self.pos += 1
-        return out
+        return [self._next() for _ in range(k)]
+
+    def take_skipping(self, k: int, skip: Callable[[int, int], bool]) -> tuple[list[int], list[int]]:
+        """The next ``k`` prompts for which ``skip(index, position)`` is false, and the ones
+        passed over on the way (each draw is consumed either way)."""
+        taken: list[int] = []
+        skipped: list[int] = []
+        while len(taken) < k:
+            position = self.position
+            index = self._next()
+            (skipped if skip(index, position) else taken).append(index)
+        return taken, skipped
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "pos": self.pos}
