@@ -8,8 +8,19 @@ waste. The script reads the per-step sampling metrics of DAPO runs (``--runs``, 
 ablation ladder's ``runs/ablation/dapo/seed*``) or trains one itself, prints the waste by
 quarter of training, and plots it against training progress.
 
+Three more modes measure what choosing prompts before generation can save
+(``algorithm.skip_uniform_prompts``, ``data.curriculum``; docs/benchmarks.md section 7):
+``--outcomes`` records every group of a run and measures whether uniform groups were
+predictable (revisits, persistence, classes, the oracle bound of any skip rule);
+``--compare`` trains whole default runs with and without them for several seeds and
+compares responses generated per response trained, held-out accuracy and time;
+``--simulate`` runs the skip rule on prompts of fixed pass rates (no model).
+
     python benchmarks/bench_ds_waste.py --runs runs/ablation/dapo/seed0 runs/ablation/dapo/seed1
     python benchmarks/bench_ds_waste.py --steps 60          # trains a DAPO run first
+    python benchmarks/bench_ds_waste.py --outcomes --steps 150 seed=0
+    python benchmarks/bench_ds_waste.py --compare off,skip,easy_first --seeds 0,1,2 --steps 150
+    python benchmarks/bench_ds_waste.py --simulate
 """
 
 from __future__ import annotations
@@ -19,10 +30,18 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
+from _prompt_outcomes import (  # benchmarks/_prompt_outcomes.py
+    outcome_analysis,
+    outcome_report,
+    record_outcomes,
+    simulation_report,
+    simulation_table,
+)
 from _report import provenance, write_report  # benchmarks/_report.py (run as a script)
 
 
@@ -148,152 +167,98 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# --- which groups are uniform, and could a rule have seen them coming? (--outcomes) -----
+# --- skipping and curriculum against plain dynamic sampling (--compare) ------------------
+
+VARIANTS = {  # what --compare can run: name -> overrides on top of the default run
+    "off": [],
+    "skip": ["algorithm.skip_uniform_prompts=true"],
+    "easy_first": ["data.curriculum=easy_first", "data.difficulty_key=carries"],
+}
 
 
-def record_outcomes(overrides: list[str], class_key: str | None) -> list[dict[str, Any]]:
-    """Train in this process and record every generated group: its rollout step, prompt uid,
-    class (the record's ``class_key`` field), correct responses and group size."""
-    from dapo.config import load_config
-    from dapo.training.trainer import Trainer
-
-    cfg = load_config(None, overrides)
-    rows: list[dict[str, Any]] = []
-
-    class Recording(Trainer):
-        def score(self, groups, records, step):  # type: ignore[no-untyped-def]
-            scored = super().score(groups, records, step)
-            for g in scored:
-                rows.append({
-                    "step": step, "uid": g.record.uid, "size": g.size, "correct": sum(g.correct),
-                    "class": g.record.extra.get(class_key) if class_key else None,
-                })  # fmt: skip
-            return scored
-
-    trainer = Recording(cfg, log=lambda _: None)
-    try:
-        while trainer.step < cfg.train.steps:
-            trainer.train_step()
-    finally:
-        trainer.close()
-    return rows
+def train_variant(args: argparse.Namespace, variant: str, seed: int) -> Path:
+    """A whole `dapo train` run (evaluation before and after included) of one variant."""
+    out = Path(args.runs_dir) / variant / f"seed{seed}"
+    if not (out / "summary.json").exists():
+        cmd = [
+            sys.executable, "-m", "dapo", "train", f"output_dir={out}", f"seed={seed}",
+            f"model.name_or_path={args.model}", f"train.steps={args.steps}",
+            "logging.console=false", "logging.tensorboard=false", "checkpoint.save_every=0",
+            "checkpoint.save_final_model=false", *VARIANTS[variant], *args.extra,
+        ]  # fmt: skip
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        (out / "process_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
+    return out
 
 
-def _uniform(row: dict[str, Any]) -> bool:
-    return row["correct"] in (0, row["size"])
-
-
-def mixture_of_pass_rates(counts: list[int], size: int, grid: int = 101, iters: int = 3000) -> list[float]:
-    """Weights on p = 0, 1/(grid-1), ..., 1 of the per-prompt pass rates that best explain
-    the histogram of correct responses per group (binomial mixture, nonparametric maximum
-    likelihood by EM)."""
-    ps = [i / (grid - 1) for i in range(grid)]
-    hist = [counts.count(k) / len(counts) for k in range(size + 1)]
-    lik = [[math.comb(size, k) * p**k * (1 - p) ** (size - k) for p in ps] for k in range(size + 1)]
-    w = [1 / grid] * grid
-    for _ in range(iters):
-        mix = [sum(lk[j] * w[j] for j in range(grid)) for lk in lik]
-        w = [w[j] * sum(hist[k] * lik[k][j] / mix[k] for k in range(size + 1) if mix[k] > 0) for j in range(grid)]
-    return w
-
-
-def oracle_skip_bound(weights: list[float], size: int, cap: float) -> dict[str, float]:
-    """The lowest share of uniform groups among those generated that any rule skipping
-    prompts before generation can reach, knowing every prompt's pass rate p exactly, when
-    no prompt may be skipped with a probability above ``cap`` (the best such rule skips,
-    with probability ``cap``, the prompts whose chance of a uniform group is highest)."""
-    grid = len(weights)
-    u = [(j / (grid - 1)) ** size + (1 - j / (grid - 1)) ** size for j in range(grid)]
-    best = {"uniform_share": sum(w * x for w, x in zip(weights, u, strict=True)), "skipped": 0.0}
-    for threshold in sorted(set(u), reverse=True):
-        kept = [w * (1 - cap if x >= threshold else 1) for w, x in zip(weights, u, strict=True)]
-        if sum(kept) <= 0:
-            continue
-        share = sum(k * x for k, x in zip(kept, u, strict=True)) / sum(kept)
-        if share < best["uniform_share"]:
-            best = {"uniform_share": share, "skipped": 1 - sum(kept)}
-    best["generated_per_trained"] = 1 / (1 - best["uniform_share"])
-    return best
-
-
-def outcome_analysis(rows: list[dict[str, Any]], caps: tuple[float, ...] = (0.5, 0.8, 0.9, 0.95)) -> dict[str, Any]:
-    """Over the whole run and its last third: how often a prompt comes back, whether its last
-    group predicts the next, the uniform shares by class, and the oracle bound."""
-    last = max(r["step"] for r in rows) + 1
-    late_from = 2 * last // 3
-    seen: dict[str, dict[str, Any]] = {}
-    repeats = {"all": [0, 0], "late": [0, 0]}
-    after: dict[str, list[int]] = {"uniform": [0, 0], "mixed": [0, 0]}  # [groups, uniform]
-    for r in rows:
-        spans = ["all", "late"] if r["step"] >= late_from else ["all"]
-        prev = seen.get(r["uid"])
-        for span in spans:
-            repeats[span][0] += 1
-            repeats[span][1] += prev is not None
-        if prev is not None and r["step"] >= late_from:
-            kind = after["uniform" if _uniform(prev) else "mixed"]
-            kind[0] += 1
-            kind[1] += _uniform(r)
-        seen[r["uid"]] = r
-    late = [r for r in rows if r["step"] >= late_from]
-    classes: dict[str, dict[str, float]] = {}
-    for c in sorted({str(r["class"]) for r in late}):
-        sel = [r for r in late if str(r["class"]) == c]
-        classes[c] = {
-            "share": len(sel) / len(late),
-            "all_correct": sum(r["correct"] == r["size"] for r in sel) / len(sel),
-            "all_wrong": sum(r["correct"] == 0 for r in sel) / len(sel),
-        }
-    size = late[0]["size"]
-    counts = [r["correct"] for r in late]
-    weights = mixture_of_pass_rates(counts, size)
+def run_figures(run: Path) -> dict[str, float]:
+    """Responses generated per response trained (whole run, last third), waste, skip rate,
+    held-out accuracy and times of a finished run."""
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    trained = cfg["train"]["prompts_per_step"] * cfg["rollout"]["num_generations"]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "sampling/generated_groups" in r]
+    steps = per_step(run)
+    late = steps[2 * len(steps) // 3 :]
+    late_rows = rows[2 * len(rows) // 3 :]
+    summary = json.loads((run / "summary.json").read_text())
+    seconds = run / "process_seconds.txt"
     return {
-        "steps": last,
-        "late_from_step": late_from,
-        "groups": len(rows),
-        "distinct_prompts": len(seen),
-        "revisit_share": repeats["all"][1] / repeats["all"][0],
-        "revisit_share_late": repeats["late"][1] / repeats["late"][0],
-        "uniform_share_late": sum(map(_uniform, late)) / len(late),
-        "uniform_after_uniform_late": after["uniform"][1] / max(1, after["uniform"][0]),
-        "uniform_after_mixed_late": after["mixed"][1] / max(1, after["mixed"][0]),
-        "revisits_late": {k: v[0] for k, v in after.items()},
-        "correct_histogram_late": [counts.count(k) / len(counts) for k in range(size + 1)],
-        "by_class_late": classes,
-        "pass_rate_mixture_late": {f"{j / (len(weights) - 1):.2f}": w for j, w in enumerate(weights) if w > 1e-4},
-        "oracle": {str(cap): oracle_skip_bound(weights, size, cap) for cap in caps},
+        "generated_per_trained": sum(s["generated"] for s in steps) / (trained * len(steps)),
+        "generated_per_trained_late": sum(s["generated"] for s in late) / (trained * len(late)),
+        "wasted_share": analyse({"run": steps})["runs"]["run"]["total"]["wasted_share"],
+        "skip_rate_late": sum(r.get("sampling/skip_rate", 0.0) for r in late_rows) / len(late_rows),
+        "accuracy_before": summary.get("accuracy_before", math.nan),
+        "accuracy_after": summary.get("accuracy_after", math.nan),
+        "train_seconds": sum(r["perf/step_s"] for r in rows),
+        "run_seconds": summary["wall_seconds"],
+        "process_seconds": float(seconds.read_text()) if seconds.exists() else math.nan,
     }
 
 
-def _bins(mixture: dict[str, float]) -> dict[str, float]:
-    edges = [("< 0.1", 0.0, 0.1), ("0.1-0.7", 0.1, 0.7), ("0.7-0.95", 0.7, 0.95), (">= 0.95", 0.95, 1.01)]
-    return {name: sum(w for p, w in mixture.items() if lo <= float(p) < hi) for name, lo, hi in edges}
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return mean, math.sqrt(var)
 
 
-def outcome_report(a: dict[str, Any]) -> str:
-    lines = [
-        f"{a['groups']} groups over {a['steps']} rollout steps, {a['distinct_prompts']} distinct prompts; "
-        f"last third = steps {a['late_from_step']}-{a['steps'] - 1}",
-        f"groups whose prompt was generated before: {a['revisit_share']:.1%} (last third {a['revisit_share_late']:.1%})",
-        f"uniform groups in the last third: {a['uniform_share_late']:.1%}; among revisits, after a uniform "
-        f"group {a['uniform_after_uniform_late']:.1%} (n={a['revisits_late']['uniform']}), after a mixed group "
-        f"{a['uniform_after_mixed_late']:.1%} (n={a['revisits_late']['mixed']})",
-        "correct responses per group, last third: "
-        + " ".join(f"{k}:{v:.1%}" for k, v in enumerate(a["correct_histogram_late"])),
-        "pass rates that explain it (share of prompts): "
-        + ", ".join(f"p {name}: {w:.1%}" for name, w in _bins(a["pass_rate_mixture_late"]).items()),
-        "",
-        "| class | share of groups | all correct | all wrong |",
-        "|---|---|---|---|",
+def compare_table(result: dict[str, Any]) -> str:
+    cols = [
+        ("generated_per_trained_late", "generated / trained, last third", "{:.3f}"),
+        ("generated_per_trained", "generated / trained, whole run", "{:.3f}"),
+        ("wasted_share", "wasted", "{:.1%}"),
+        ("skip_rate_late", "draws skipped, last third", "{:.1%}"),
+        ("accuracy_after", "held-out accuracy after", "{:.1%}"),
+        ("train_seconds", "training s", "{:.0f}"),
+        ("process_seconds", "whole `dapo train` s", "{:.0f}"),
     ]
-    for c, v in a["by_class_late"].items():
-        lines.append(f"| {c} | {v['share']:.1%} | {v['all_correct']:.1%} | {v['all_wrong']:.1%} |")
-    lines += ["", "| skip cap | oracle: uniform share | generated / trained | prompts skipped |", "|---|---|---|---|"]
-    for cap, o in a["oracle"].items():
-        lines.append(
-            f"| {cap} | {o['uniform_share']:.1%} | {o['generated_per_trained']:.2f} | {o['skipped']:.0%} |"
-        )
+    lines = ["| variant | seeds | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    for variant, runs in result["variants"].items():
+        cells = []
+        for key, _, fmt in cols:
+            mean, std = _mean_std([r[key] for r in runs.values()])
+            cells.append(f"{fmt.format(mean)} ± {fmt.format(std)}")
+        lines.append(f"| {variant} | {len(runs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def compare_main(args: argparse.Namespace) -> dict[str, Any]:
+    variants = args.compare.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--compare: unknown variants {unknown}; choose from {list(VARIANTS)}")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    result: dict[str, Any] = {"steps": args.steps, "extra": args.extra, "variants": {}}
+    for seed in seeds:  # seed-major: a variant's runs spread over the whole measurement
+        for variant in variants:
+            run = train_variant(args, variant, seed)
+            result["variants"].setdefault(variant, {})[f"seed{seed}"] = run_figures(run)
+    result["overrides"] = {v: VARIANTS[v] for v in variants}
+    result.update(provenance())
+    print(compare_table(result))
+    write_report(args.output, result)
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -310,10 +275,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "uniform groups were (revisits, persistence, classes, the oracle bound of any skip rule)",
     )  # fmt: skip
     parser.add_argument("--class-key", default="carries", help="--outcomes: record field that classes prompts")
+    parser.add_argument(
+        "--compare", default=None,
+        help=f"train whole runs of these variants (comma-separated: {', '.join(VARIANTS)}) for "
+        "each of --seeds and compare generation per trained response, accuracy and time",
+    )  # fmt: skip
+    parser.add_argument("--seeds", default="0,1,2", help="--compare: seeds, comma-separated")
+    parser.add_argument(
+        "--simulate", action="store_true",
+        help="simulate the skip rule on prompts whose pass rates never change (seconds, no model)",
+    )  # fmt: skip
     parser.add_argument("extra", nargs="*", help="key.path=value overrides for the run it trains")
     args = parser.parse_args(argv)
     if args.outcomes:
         return outcomes_main(args)
+    if args.compare:
+        return compare_main(args)
+    if args.simulate:
+        result = {"simulation": simulation_table(), **provenance()}
+        print(simulation_report(result["simulation"]))
+        write_report(args.output, result)
+        return result
     dirs = [Path(r) for r in args.runs] or [train(args)]
     runs = {}
     for d in dirs:
@@ -335,10 +317,10 @@ def outcomes_main(args: argparse.Namespace) -> dict[str, Any]:
         "checkpoint.save_every=0", "checkpoint.save_final_model=false", *args.extra,
     ]  # fmt: skip
     rows = record_outcomes(overrides, args.class_key)
-    result = {"outcomes": outcome_analysis(rows), "overrides": overrides, "rows": rows, **provenance()}
+    result = {"outcomes": outcome_analysis(rows), "overrides": overrides, **provenance()}
     print(outcome_report(result["outcomes"]))
     write_report(args.output, result)
-    return result
+    return {**result, "rows": rows}  # every group's outcome, for a caller to analyse further
 
 
 if __name__ == "__main__":
