@@ -25,3 +25,4 @@ LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # train.lr_schedule
 DATA_PARALLEL_MODES: tuple[str, ...] = ("auto", "fsdp", "ddp")  # train.data_parallel
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("acc", "reward")  # algorithm.dynamic_sampling_metric
 ROUND_CAP_ACTIONS: tuple[str, ...] = get_args(RoundCap)  # algorithm.round_cap
+CURRICULA: tuple[str, ...] = ("none", "easy_first")  # data.curriculum: dapo.data.curriculum
