@@ -941,6 +941,66 @@ def _matches(documented: str, actual: str) -> bool:
     return re.fullmatch(pattern, actual, flags=re.S) is not None
 
 
+def _documented_round_cap_messages() -> list[str]:
+    """The messages of the round-cap rows of "Problems while training" in docs/errors.md."""
+    rows = []
+    for line in ERRORS_DOC.read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) == 4 and "dynamic sampling" in cells[2]:
+            rows.append(html.unescape(cells[2].strip("`")))
+    return rows
+
+
+def _matches_with_placeholders(documented: str, actual: str) -> bool:
+    """The documented message with its placeholders: a lone capital letter (S, R, H, ...)
+    stands for a number, `(...)`, `...` and `[the advice above]` for any text."""
+    pattern = re.escape(documented)
+    for placeholder in (r"\(\.\.\.\)", r"\.\.\.", r"\[the\ advice\ above\]"):
+        pattern = pattern.replace(placeholder, ".*?")
+    pattern = re.sub(r"\b[A-Z]\b", r"\\d+", pattern)
+    return re.fullmatch(pattern, actual, flags=re.S) is not None
+
+
+def test_round_cap_messages_are_the_documented_ones():
+    """Both round_cap settings, a step without signal and the stop after max_empty_steps
+    give the messages of docs/errors.md (the trainer warns with "rollout step S: " + note)."""
+    from dapo.errors import DynamicSamplingError
+    from dapo.training.dynamic_sampling import DynamicSampler, ScoredGroup
+
+    def group(correct: list[bool]) -> ScoredGroup:
+        n = len(correct)
+        return ScoredGroup([1], [[2]] * n, [[0.0]] * n, [False] * n, [float(c) for c in correct], correct)
+
+    def produce_one_mixed(k: int) -> list[ScoredGroup]:
+        return [group([True, False])] + [group([False, False]) for _ in range(k - 1)]
+
+    def produce_all_wrong(k: int) -> list[ScoredGroup]:
+        return [group([False, False]) for _ in range(k)]
+
+    documented = _documented_round_cap_messages()
+    assert len(documented) == 4, documented
+    short_doc, skipped_doc, stopped_doc, stop_doc = documented
+
+    def sampler(cap: str) -> DynamicSampler:
+        return DynamicSampler(4, max_rounds=2, round_cap=cap, max_empty_steps=2)
+
+    train = sampler("train")
+    batch, stats = train.fill(produce_one_mixed)
+    assert 0 < len(batch) < 4 and stats.short
+    assert _matches_with_placeholders(short_doc, f"rollout step 3: {stats.note}"), (short_doc, stats.note)
+    batch, stats = train.fill(produce_all_wrong)
+    assert batch == [] and stats.short
+    assert _matches_with_placeholders(skipped_doc, f"rollout step 4: {stats.note}"), (skipped_doc, stats.note)
+    with pytest.raises(DynamicSamplingError) as stopped:
+        train.fill(produce_all_wrong)
+    assert _matches_with_placeholders(stopped_doc, str(stopped.value)), (stopped_doc, str(stopped.value))
+    with pytest.raises(DynamicSamplingError) as stop:
+        sampler("stop").fill(produce_one_mixed)
+    assert _matches_with_placeholders(stop_doc, str(stop.value)), (stop_doc, str(stop.value))
+    # The placeholders stand for numbers and elided text only: the wrong setting's message fails.
+    assert not _matches_with_placeholders(stop_doc, f"rollout step 3: {stats.note}")
+
+
 def test_every_bad_input_is_documented():
     assert set(_documented()) == set(BAD_INPUTS)
 
