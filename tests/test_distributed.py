@@ -135,6 +135,32 @@ def test_fsdp_generation_and_logprob_passes_match_a_plain_model(two_rank_steps: 
     assert two_rank_steps["fsdp"]["no_grad_passes_match"] == [True, True]
 
 
+def test_fsdp_bf16_mixed_gathers_bf16_and_keeps_float32_shards(two_rank_steps: dict) -> None:
+    """FSDP2's MixedPrecisionPolicy: the layers compute with bf16 copies of the parameters,
+    the shards (and so AdamW's state) stay float32, and the gradient (reduced in float32)
+    is the single-process float32 one within bf16 rounding."""
+    dist_worker = _dist_worker()
+    mixed = two_rank_steps["fsdp"]["mixed"]
+    assert mixed["computed"] == {torch.bfloat16} and mixed["stored"] == {torch.float32}
+    torch.set_num_threads(1)
+    from dapo.models.tiny import build_model, build_tokenizer
+    from dapo.training.step import LossSettings, accumulate_gradients, loss_denominator
+
+    model = build_model(len(build_tokenizer()), seed=3)  # float32, one process
+    model.train()
+    batch = dist_worker.fixed_batch()
+    for s in batch:
+        s.old_logprobs = s.old_logprobs.float()
+    settings = LossSettings()
+    accumulate_gradients(model, batch, settings, pad_id=0, token_budget=70,
+                         denominator=loss_denominator(batch, settings))
+    ref = {n: p.grad for n, p in model.named_parameters()}
+    assert ref.keys() == mixed["grads"].keys()
+    num = sum(float((mixed["grads"][n] - g).square().sum()) for n, g in ref.items()) ** 0.5
+    den = sum(float(g.square().sum()) for g in ref.values()) ** 0.5
+    assert 0 < num / den < 3e-2
+
+
 def test_fsdp_where_it_does_not_work_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from dapo.errors import TrainingError
     from dapo.parallel import sharding

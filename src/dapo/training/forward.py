@@ -10,6 +10,7 @@ import torch
 
 from dapo import algorithms as alg
 from dapo.models.inputs import device_of, left_pad, right_pad
+from dapo.models.precision import autocast
 from dapo.parallel import sharding
 from dapo.parallel.distributed import all_reduce_sum
 from dapo.training.batch import Sample
@@ -95,6 +96,21 @@ def response_logits(
     ``model`` itself: its gradient reaches the same parameters in the same backward, which
     DDP (``find_unused_parameters`` off) reduces once.
     """
+    with autocast(model):
+        logits = _response_logits(model, samples, pad_id=pad_id, shared_prompt=shared_prompt,
+                                  ddp=ddp)
+    logits = logits.float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _response_logits(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    *,
+    pad_id: int,
+    shared_prompt: bool,
+    ddp: torch.nn.Module | None,
+) -> torch.Tensor:
     first_pass = ddp if ddp is not None else model
     owner: dict[tuple[int, ...], int] = {}
     index = [owner.setdefault(tuple(s.prompt_ids), len(owner)) for s in samples]
@@ -126,8 +142,7 @@ def response_logits(
             pos = prompt_mask.sum(-1)[index, None] + torch.arange(r - 1)
             rest = _forward(model, device, resp_ids, attn, pos, past_key_values=cache, use_cache=True)
             logits = torch.cat([logits, rest.logits], 1)
-    logits = logits.float()
-    return logits / temperature if temperature != 1.0 else logits
+    return logits
 
 
 def _forward(

@@ -21,6 +21,7 @@ from dapo import algorithms as alg
 from dapo.choices import LossAgg
 from dapo.errors import TrainingError
 from dapo.models.inputs import device_of
+from dapo.models.precision import autocast
 from dapo.parallel import sharding
 from dapo.parallel.distributed import all_reduce_max, all_reduce_sum, current, token_share
 from dapo.training.batch import Sample
@@ -224,8 +225,9 @@ def _zero_backward(model: torch.nn.Module, pad_id: int) -> None:
     A rank with nothing (more) to train joins DDP's all-reduce or FSDP's all-gathers and
     reduce-scatters this way.
     """
-    out = model(input_ids=torch.tensor([[pad_id]], device=device_of(model)), use_cache=False)
-    (out.logits.sum() * 0.0).backward()
+    with autocast(model):
+        out = model(input_ids=torch.tensor([[pad_id]], device=device_of(model)), use_cache=False)
+    (out.logits.float().sum() * 0.0).backward()
 
 
 def _micro_step(
@@ -252,6 +254,8 @@ def _micro_step(
     for j, s in enumerate(chunk):
         if s.old_logprobs is not None:
             old[j, : s.old_logprobs.numel()] = s.old_logprobs
+        else:  # ratio 1: this forward is the old policy (kept to compare with the engine's)
+            s.old_logprobs = old[j, : len(s.response_ids)].clone()
     adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype, device=logp.device)
     tis = None
     if settings.tis_cap is not None:
