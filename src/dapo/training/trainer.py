@@ -341,6 +341,7 @@ class Trainer:
         forward = dict(
             pad_id=self.tokenizer.pad_token_id, temperature=cfg.rollout.temperature,
             token_budget=t.micro_batch_tokens, shared_prompt=t.shared_prompt_forward,
+            logits_chunk_size=t.logits_chunk_size,
         )  # fmt: skip
         metrics: dict[str, float] = {}
         if len(plan) > 1 or self.engine_logprobs:
@@ -371,7 +372,7 @@ class Trainer:
             result = optimizer_step(
                 self.model, self.optimizer, [samples[i] for i in idx], self.loss_settings,
                 pad_id=self.tokenizer.pad_token_id, token_budget=t.micro_batch_tokens,
-                max_grad_norm=t.max_grad_norm, entropy_chunk_size=t.logits_chunk_size,
+                max_grad_norm=t.max_grad_norm, logits_chunk_size=t.logits_chunk_size,
                 with_entropy=epoch == 0, ddp=self.ddp, shared_prompt=t.shared_prompt_forward,
             )  # fmt: skip
             if not result.applied:  # skipped: the weights stay at the last good state
