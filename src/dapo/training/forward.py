@@ -18,7 +18,7 @@ from dapo.parallel.distributed import all_reduce_sum
 from dapo.training.batch import Sample
 
 if TYPE_CHECKING:
-    from transformers import Cache
+    from dapo.training.kv_cache import SharedPromptCache
 
 
 @dataclass
@@ -45,14 +45,15 @@ def collate(samples: Sequence[Sample], pad_id: int) -> Collated:
     return Collated(resp, mask, r)
 
 
-def prompt_cache(model: torch.nn.Module) -> Cache | None:
+def prompt_cache(model: torch.nn.Module) -> SharedPromptCache | None:
     """An empty key/value cache to forward ``model``'s prompts into, or None if the model cannot
     continue exactly from one (then every sample is forwarded as prompt + response).
 
     The condition: a decoder-only transformers model that takes a ``DynamicCache`` whose layers
     all keep every past key and value (full attention; not sliding-window, chunked or linear
-    attention layers, which keep only part of the past), and no gradient checkpointing while
-    training (checkpointed layers drop the cache).
+    attention layers, which keep only part of the past), and not transformers' own gradient
+    checkpointing while training (its layers drop the cache; dapo's,
+    ``model.gradient_checkpointing``, keeps it: see :mod:`dapo.training.kv_cache`).
     """
     config = getattr(model, "config", None)
     supports = getattr(model, "_supports_default_dynamic_cache", None)
@@ -63,12 +64,13 @@ def prompt_cache(model: torch.nn.Module) -> Cache | None:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    cache = DynamicCache(config=config)
-    layers = getattr(cache, "layers", [])
+    from dapo.training.kv_cache import SharedPromptCache
+
+    layers = getattr(DynamicCache(config=config), "layers", [])
     depth = getattr(config.get_text_config(decoder=True), "num_hidden_layers", len(layers))
     if len(layers) != depth or any(type(layer) is not DynamicLayer for layer in layers):
         return None
-    return cache
+    return SharedPromptCache.empty(depth)
 
 
 # Config fields of heads that scale or cap the logits after the output layer (Gemma 2's
@@ -228,8 +230,7 @@ def _response_outputs(
         rows = torch.tensor(index, device=device)
         logits = out.logits[:, -1:].index_select(0, rows)  # predicts response token 0
         if r > 1:  # tokens 1..R-1, from response positions 0..R-2 (the last is no input)
-            cache = out.past_key_values
-            cache.reorder_cache(rows)  # index_select of each layer's keys and values
+            cache = cache.expand(rows)  # index_select of each layer's keys and values
             resp_ids, resp_mask = right_pad([s.response_ids for s in samples], r - 1, pad_id)
             attn = torch.cat([prompt_mask[index], resp_mask], 1)
             pos = prompt_mask.sum(-1)[index, None] + torch.arange(r - 1)
