@@ -66,8 +66,9 @@ def one_step(data_parallel: str, checkpoints: Path | None = None) -> dict:
     """One optimizer step; the full parameters and optimizer state after it (on rank 0
     under FSDP) and the number of parameter elements this rank holds.
 
-    With ``checkpoints`` the state is also saved there as a checkpoint and loaded back into
-    a fresh model and optimizer: ``reload_error`` is the largest difference.
+    With ``checkpoints`` the state is also saved there as a checkpoint (FSDP: sharded, each
+    rank writes its part) and loaded back into a fresh model and optimizer: ``reload_error``
+    is the largest difference.
     """
     from torch.distributed.tensor import DTensor
 
@@ -85,9 +86,8 @@ def one_step(data_parallel: str, checkpoints: Path | None = None) -> dict:
     full = full_state(model, opt)
     out = {"params": full.weights, "optimizer": full.optimizer, "local_numel": local,
            "grad_norm": result.grad_norm}
-    if checkpoints is not None:
-        if D.current().is_main:
-            save_checkpoint(checkpoints, 1, model, opt, {"step": 1}, full=full)
+    if checkpoints is not None:  # every rank saves (FSDP: its own shards)
+        save_checkpoint(checkpoints, 1, model, opt, {"step": 1})
         D.barrier()
         fresh, _, fresh_opt = _model_and_optimizer(data_parallel)
         assert load_checkpoint(checkpoints / "step_000001", fresh, fresh_opt) == {"step": 1}

@@ -10,9 +10,9 @@ in every forward and backward, so the ranks must run the same sequence of passes
   gathers the parameters once and keeps them whole until it ends;
 - training micro-batches are padded to the same count on every rank (``dapo.training.step``).
 
-Checkpoints hold full tensors in the single-process format (:func:`full_model_state`,
-:func:`full_optimizer_state` and their loaders), so one process, DDP and FSDP runs can
-resume from each other's checkpoints.
+FSDP checkpoints are written in shards by every rank (``dapo.training.checkpoint``); the
+full (gathered) state dicts here serve the final ``save_pretrained`` export
+(:func:`pretrained_state`) and loading a single-process checkpoint into a sharded model.
 """
 
 from __future__ import annotations

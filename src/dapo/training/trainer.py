@@ -40,7 +40,6 @@ from dapo.rollout import Group, RolloutEngine, SamplingParams, close_engine, mak
 from dapo.seeding import mix_seed, seed_everything
 from dapo.training.batch import Sample, build_samples, group_metrics, mean
 from dapo.training.checkpoint import (
-    full_state,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -465,16 +464,11 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"])
 
     def save(self) -> Path:
-        """Rank 0 writes the checkpoint; the others wait for it (with FSDP, after gathering
-        the full weights and optimizer state for it)."""
-        root = self.out / "checkpoints"
-        path = step_dir(root, self.step)
-        full = full_state(self.model, self.optimizer)
-        if self.dist.is_main:
-            path = save_checkpoint(
-                root, self.step, self.model, self.optimizer, self.state_dict(),
-                keep_last=self.cfg.checkpoint.keep_last, full=full,
-            )  # fmt: skip
+        """Every rank saves: with FSDP each writes its shards, else rank 0 writes it all."""
+        path = save_checkpoint(
+            self.out / "checkpoints", self.step, self.model, self.optimizer, self.state_dict(),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )  # fmt: skip
         D.barrier()
         return path
 
