@@ -179,7 +179,8 @@ def accumulate_gradients(
     ``denominator`` is :func:`loss_denominator` of the whole mini-batch (over all ranks),
     so the gradient does not depend on how ``samples`` are split. ``scale`` multiplies the
     loss (the world size, when the gradient reduction averages over ranks). Samples
-    without ``old_logprobs`` use the current policy's (detached), i.e. ratio 1.
+    without ``old_logprobs`` use the current policy's (detached), i.e. ratio 1, and keep them
+    as their ``old_logprobs`` (the trainer compares them with the engine's).
 
     With ``ddp`` (the DistributedDataParallel wrapper of ``model``) each micro-batch runs one
     forward through it (see :func:`~dapo.training.forward.response_logits`) and only the last micro-batch's
