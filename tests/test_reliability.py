@@ -820,6 +820,24 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
         ["checkpoint.keep_last=0"],
         ["`checkpoint.keep_last` = 0", "at least 1"],
     ),
+    "gspo-token-mean": (
+        ["algorithm.policy_loss=gspo"],
+        ["`algorithm.loss_agg` = 'token-mean'", "seq-mean-token-mean"],
+    ),
+    "dual-clip-not-ppo": (
+        ["preset=cispo", "algorithm.clip_c=3"],
+        ["`algorithm.clip_c` = 3.0", "policy_loss=cispo"],
+    ),
+    "entropy-control-not-ppo": (
+        ["preset=gspo", "algorithm.entropy_control=kl_cov"],
+        ["`algorithm.entropy_control` = 'kl_cov'", "policy_loss=ppo"],
+    ),
+    "is-cap-below-1": (["algorithm.is_cap=0.5"], ["`algorithm.is_cap` = 0.5", ">= 1"]),
+    "tis-cap-renamed": (["algorithm.tis_cap=2"], ["`algorithm.tis_cap`", "`algorithm.is_cap`"]),
+    "lora-target-missing": (
+        ["model.lora.rank=4", "model.lora.target_modules=[q_prj]"],
+        ["`model.lora.target_modules`", "'q_prj'", "q_proj"],
+    ),
     "vllm-not-installed": (["rollout.engine=vllm"], ["vLLM is not installed", "pip install 'dapo[vllm]'"]),
     "config-file-missing": (["DIR/missing.yaml"], ["config file not found", "DIR/missing.yaml"]),
     "config-file-not-yaml": (["DIR/config.yaml"], ["DIR/config.yaml", "not valid YAML"]),

@@ -14,10 +14,18 @@ from typing import Literal, get_args
 AdvantageScale = Literal["group", "batch", "none"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3"]
+PolicyLoss = Literal["ppo", "gspo", "cispo"]
+ISLevel = Literal["token", "sequence"]
+ISMode = Literal["truncate", "mask"]
+EntropyControl = Literal["none", "clip_cov", "kl_cov"]
 
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)  # algorithm.advantage_scale
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAgg)  # algorithm.loss_agg
 KL_KINDS: tuple[str, ...] = get_args(KLKind)  # algorithm.kl_estimator
+POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)  # algorithm.policy_loss
+IS_LEVELS: tuple[str, ...] = get_args(ISLevel)  # algorithm.is_level
+IS_MODES: tuple[str, ...] = get_args(ISMode)  # algorithm.is_mode
+ENTROPY_CONTROLS: tuple[str, ...] = get_args(EntropyControl)  # algorithm.entropy_control
 ENGINES: tuple[str, ...] = ("hf", "vllm")  # rollout.engine: dapo.rollout.make_engine
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # model.dtype
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # train.lr_schedule

@@ -10,6 +10,8 @@ If writing fails (a full disk, lost permissions), the temporary directory is rem
 
 Tensors are stored whole whatever the sharding (one process, DDP or FSDP), in the format
 of ``model.state_dict()`` and ``optimizer.state_dict()``, so any of them resumes any other.
+A model with frozen parameters (LoRA) checkpoints its trainable ones only: the adapters,
+their optimizer state and the trainer state; the frozen base comes from the model path.
 """
 
 from __future__ import annotations
@@ -133,7 +135,20 @@ class FullState:
 def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> FullState:
     """The state to checkpoint. For an FSDP model every rank must call this (it gathers the
     shards); rank 0 gets the state, the others empty dicts."""
-    return FullState(full_model_state(model), full_optimizer_state(model, optimizer))
+    weights = full_model_state(model)
+    names = trainable_names(model)
+    if names is not None:  # LoRA: the adapters only
+        weights = {k: v for k, v in weights.items() if k in names}
+    return FullState(weights, full_optimizer_state(model, optimizer))
+
+
+def trainable_names(model: torch.nn.Module) -> set[str] | None:
+    """The names a checkpoint holds when ``model`` has frozen parameters (LoRA): its trainable
+    parameters; None when everything trains (the whole state dict is checkpointed)."""
+    params = list(model.named_parameters())
+    if all(p.requires_grad for _, p in params):
+        return None
+    return {n for n, p in params if p.requires_grad}
 
 
 def save_checkpoint(
@@ -254,17 +269,20 @@ def load_checkpoint(
         )
     weights = _read(path / "model.safetensors", lambda p: load_file(str(p)))
     sharded = is_fsdp(model)
-    if sharded:  # every rank holds the full tensors and keeps its shards of them
-        expected = set(model.state_dict())
+    names = trainable_names(model)
+    if sharded or names is not None:  # FSDP: every rank holds the full tensors
+        expected = set(model.state_dict()) if names is None else names
         missing = sorted(expected - set(weights))
         unexpected = sorted(set(weights) - expected)
+        if not sharded and not (missing or unexpected):
+            model.load_state_dict(weights, strict=False)
     else:
         missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [m for m in missing if not _is_tied(model, m)]
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {path} does not match the model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}; was it written for another model.name_or_path?"
+            f"unexpected {unexpected[:5]}; was it written for another model.name_or_path or model.lora setting?"
         )
     if sharded:
         load_full_model_state(model, weights)
