@@ -47,6 +47,17 @@ def test_balance_by_tokens_spreads_the_load() -> None:
     assert abs(loads[0] - loads[1]) <= 4
 
 
+def _small_run(model: Path, out: Path) -> list[str]:
+    """``-m dapo train`` arguments of a 4-prompt run with a checkpoint every step."""
+    return [
+        "-m", "dapo", "train", f"model.name_or_path={model}", f"output_dir={out}",
+        "train.prompts_per_step=4", "train.mini_batch_size=2", "rollout.num_generations=4",
+        "rollout.max_completion_length=12", "algorithm.overlong_buffer=4",
+        "algorithm.dynamic_sampling=false", "logging.tensorboard=false",
+        "checkpoint.save_every=1", "train.micro_batch_tokens=60",
+    ]  # fmt: skip
+
+
 def _dist_worker():
     sys.path.insert(0, str(HERE))
     try:
@@ -151,7 +162,8 @@ def test_lora_step_on_two_ranks_equals_one_process(mode: str, tmp_path: Path) ->
     single = dist_worker.one_step("single", lora_rank=4)
     assert set(single["params"]) == set(two_ranks["params"])
     assert single["params"] and all(".lora_" in n for n in single["params"])
-    initial = dict(dist_worker._model_and_optimizer("single", lora_rank=4)[0].named_parameters())
+    initial = {n: p.detach() for n, p in
+               dist_worker._model_and_optimizer("single", lora_rank=4)[0].named_parameters()}
     for name, value in single["params"].items():
         torch.testing.assert_close(two_ranks["params"][name], value, atol=1e-6, rtol=0)
     assert max(float((v - initial[n]).abs().max()) for n, v in single["params"].items()) > 1e-4
@@ -169,11 +181,7 @@ def test_two_rank_lora_run_resumes_and_exports_merged(
 ) -> None:
     out = tmp_path / "run"
     common = [
-        "-m", "dapo", "train", f"model.name_or_path={random_tiny_model}", f"output_dir={out}",
-        "train.prompts_per_step=4", "train.mini_batch_size=2", "rollout.num_generations=4",
-        "rollout.max_completion_length=12", "algorithm.overlong_buffer=4",
-        "algorithm.dynamic_sampling=false", "logging.tensorboard=false", "evaluate=false",
-        "checkpoint.save_every=1", "train.micro_batch_tokens=60", f"train.data_parallel={mode}",
+        *_small_run(random_tiny_model, out), "evaluate=false", f"train.data_parallel={mode}",
         "model.lora.rank=4", "train.lr=1e-2",
         "algorithm.beta=0.01",  # the reference: the base, adapters disabled (FSDP gathers it)
     ]
@@ -252,11 +260,7 @@ def test_two_rank_run_resumes_from_its_checkpoint(
 ) -> None:
     out = tmp_path / "run"
     common = [
-        "-m", "dapo", "train", f"model.name_or_path={random_tiny_model}", f"output_dir={out}",
-        "train.prompts_per_step=4", "train.mini_batch_size=2", "rollout.num_generations=4",
-        "rollout.max_completion_length=12", "algorithm.overlong_buffer=4",
-        "algorithm.dynamic_sampling=false", "logging.tensorboard=false",
-        "checkpoint.save_every=1", "train.micro_batch_tokens=60",
+        *_small_run(random_tiny_model, out),
         # A reference model (kept whole under FSDP) and one eval prompt: rank 1 has none.
         "algorithm.beta=0.01", "evaluate=true", "data.max_eval_prompts=1",
     ]
