@@ -428,11 +428,11 @@ def inject_nan(monkeypatch, trainer: Trainer, nan_at: set[tuple[int, int]]) -> d
     they were at the latest NaN update: the last good state when training stops there."""
     import dapo.training.step
 
-    real_loss = dapo.training.step.alg.policy_loss
+    real_loss = dapo.training.step.alg.compute_loss
     calls: dict[int, int] = {}
     weights_at_nan: dict[str, torch.Tensor] = {}
 
-    def policy_loss(*args, **kwargs):
+    def compute_loss(*args, **kwargs):
         step = trainer.step
         k = calls[step] = calls.get(step, -1) + 1
         loss, stats = real_loss(*args, **kwargs)
@@ -443,7 +443,7 @@ def inject_nan(monkeypatch, trainer: Trainer, nan_at: set[tuple[int, int]]) -> d
             loss = loss * float("nan")
         return loss, stats
 
-    monkeypatch.setattr(dapo.training.step.alg, "policy_loss", policy_loss)
+    monkeypatch.setattr(dapo.training.step.alg, "compute_loss", compute_loss)
     return weights_at_nan
 
 
@@ -452,7 +452,7 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_with_last_good_state(
 ):
     import dapo.training.step
 
-    real_loss = dapo.training.step.alg.policy_loss
+    real_loss = dapo.training.step.alg.compute_loss
     out = tmp_path / "run"
     trainer = Trainer(
         load_config(overrides=base_overrides(random_tiny_model, train_file, out, *NAN_EXTRA)),
@@ -480,7 +480,7 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_with_last_good_state(
         torch.equal(weights[n], t) for n, t in last_good.items() if n in weights
     )
     # The saved state resumes (the cause gone) to the end.
-    monkeypatch.setattr(dapo.training.step.alg, "policy_loss", real_loss)
+    monkeypatch.setattr(dapo.training.step.alg, "compute_loss", real_loss)
     overrides = base_overrides(random_tiny_model, train_file, out, *NAN_EXTRA, "resume=true")
     assert Trainer(load_config(overrides=overrides), log=quiet).run()["steps"] == 4
 
@@ -837,6 +837,22 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
     "lora-target-missing": (
         ["model.lora.rank=4", "model.lora.target_modules=[q_prj]"],
         ["`model.lora.target_modules`", "'q_prj'", "q_proj"],
+    ),
+    "skip-cap-one": (
+        ["algorithm.skip_uniform_prompts=true", "algorithm.skip_max_prob=1"],
+        ["`algorithm.skip_max_prob` = 1.0", "[0, 1)"],
+    ),
+    "skip-key-missing": (
+        ["algorithm.skip_uniform_prompts=true", "algorithm.skip_key=problem_id"],
+        ["algorithm.skip_key='problem_id'", "no such field", "['reward_model']"],
+    ),
+    "difficulty-key-without-curriculum": (
+        ["data.difficulty_key=level"],
+        ["`data.difficulty_key` = 'level'", "data.curriculum=easy_first"],
+    ),
+    "difficulty-not-a-number": (
+        ["data.curriculum=easy_first", "data.difficulty_key=reward_model"],
+        ["data.difficulty_key='reward_model'", "not a finite number"],
     ),
     "vllm-not-installed": (["rollout.engine=vllm"], ["vLLM is not installed", "pip install 'dapo[vllm]'"]),
     "config-file-missing": (["DIR/missing.yaml"], ["config file not found", "DIR/missing.yaml"]),

@@ -31,3 +31,4 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # model.dtype
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # train.lr_schedule
 DATA_PARALLEL_MODES: tuple[str, ...] = ("auto", "fsdp", "ddp")  # train.data_parallel
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("acc", "reward")  # algorithm.dynamic_sampling_metric
+CURRICULA: tuple[str, ...] = ("none", "easy_first")  # data.curriculum: dapo.data.curriculum
