@@ -83,8 +83,9 @@ def one_step(data_parallel: str, checkpoints: Path | None = None, lora_rank: int
     """One optimizer step; the full parameters and optimizer state after it (on rank 0
     under FSDP) and the number of parameter elements this rank holds.
 
-    With ``checkpoints`` the state is also saved there as a checkpoint and loaded back into
-    a fresh model and optimizer: ``reload_error`` is the largest difference.
+    With ``checkpoints`` the state is also saved there as a checkpoint (FSDP: sharded, each
+    rank writes its part) and loaded back into a fresh model and optimizer: ``reload_error``
+    is the largest difference.
     """
     from torch.distributed.tensor import DTensor
 
@@ -103,9 +104,8 @@ def one_step(data_parallel: str, checkpoints: Path | None = None, lora_rank: int
     full = full_state(model, opt)
     out = {"params": full.weights, "optimizer": full.optimizer, "local_numel": local,
            "grad_norm": result.grad_norm}
-    if checkpoints is not None:
-        if D.current().is_main:
-            save_checkpoint(checkpoints, 1, model, opt, {"step": 1}, full=full)
+    if checkpoints is not None:  # every rank saves (FSDP: its own shards)
+        save_checkpoint(checkpoints, 1, model, opt, {"step": 1})
         D.barrier()
         fresh, _, fresh_opt = _model_and_optimizer(data_parallel, lora_rank)
         assert load_checkpoint(checkpoints / "step_000001", fresh, fresh_opt) == {"step": 1}
@@ -158,6 +158,46 @@ def variant_step(data_parallel: str, name: str) -> dict:
     assert result.applied
     return {"params": full_state(model, opt).weights, "selection": result.selection,
             "grad_norm": result.grad_norm, "loss": result.stats.loss}
+
+
+def mixed_precision_grads(data_parallel: str) -> dict:
+    """The full gradient of one bf16-mixed step on the fixed batch (the seed-3 builtin model
+    in float32; FSDP with bf16 parameters and float32 reduction), the dtypes the sharded
+    parameters are stored in and the dtypes a layer computes with."""
+    from torch.distributed.tensor import DTensor
+
+    from dapo.models.precision import mixed_precision_dtype, set_precision
+    from dapo.models.tiny import build_model, build_tokenizer
+    from dapo.parallel import sharding
+    from dapo.training.step import LossSettings, optimizer_step
+
+    torch.set_num_threads(1)
+    model = set_precision(build_model(len(build_tokenizer()), seed=3), "bf16-mixed")
+    model.train()
+    if data_parallel == "fsdp":
+        sharding.shard_model(model, D.current(), param_dtype=mixed_precision_dtype(model))
+    computed: set[torch.dtype] = set()
+    layer = model.model.layers[0].mlp.down_proj
+    handle = layer.register_forward_pre_hook(lambda m, a: computed.add(m.weight.dtype))
+    captured: dict[str, torch.Tensor] = {}
+
+    class Capture:  # stands in for the optimizer: keeps the (clipped) gradient
+        def step(self) -> None:
+            for name, p in model.named_parameters():
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                captured[name] = g.detach().clone()
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            model.zero_grad(set_to_none=set_to_none)
+
+    batch = fixed_batch()
+    for s in batch:
+        s.old_logprobs = s.old_logprobs.float()
+    optimizer_step(model, Capture(), batch, LossSettings(), pad_id=0,
+                   token_budget=TOKEN_BUDGET["fsdp"], max_grad_norm=0.0)
+    handle.remove()
+    stored = {p.dtype for p in model.parameters()}
+    return {"grads": captured, "stored": stored, "computed": computed}
 
 
 def no_grad_passes_match(data_parallel: str) -> bool:
@@ -226,6 +266,8 @@ def main() -> None:
         dp = sys.argv[2]
         match = D.all_gather_objects(no_grad_passes_match(dp))
         out = one_step(dp, Path(sys.argv[3]).parent / f"checkpoints-{dp}")
+        if dp == "fsdp":
+            out["mixed"] = mixed_precision_grads(dp)
         local = D.all_gather_objects(out["local_numel"])
         if info.is_main:
             torch.save({**out, "local_numel": local, "no_grad_passes_match": match}, sys.argv[3])

@@ -178,3 +178,71 @@ def test_reference_policy_is_the_base_model_with_adapters_disabled(random_tiny_m
     torch.testing.assert_close(samples[0].ref_logprobs, want[0], atol=1e-6, rtol=1e-6)
     assert not torch.allclose(policy[0], want[0], atol=1e-3)  # the adapters are back on
     trainer.close()
+
+
+@pytest.mark.parametrize("targets", [("all-linear",), ("q_proj", "lm_head")])
+def test_training_log_probs_of_a_lora_model_equal_the_whole_logits_path(targets) -> None:
+    """all-linear leaves the output layer a plain nn.Linear: the chunked head path
+    (dapo.logprobs) runs. A LoRA-wrapped output layer is no plain nn.Linear: the whole logits
+    are computed. Either way the values and the adapters' gradients are those of the whole
+    logits, and an adapted output layer's adapters get their gradient."""
+    from dapo import algorithms as alg
+    from dapo.training.batch import Sample
+    from dapo.training.forward import collate, output_head, response_logits, response_logprobs
+
+    model, _ = lora_model(targets=targets)
+    perturb_adapters(model)
+    model.train()
+    assert (output_head(model) is model.lm_head) == (targets == ("all-linear",))
+    batch = [Sample([5, 6, 7], [8, 9, 10, 11], 1.0, [1.0] * 4),
+             Sample([5, 6, 7], [12, 13], -1.0, [1.0] * 2),
+             Sample([14, 15], [16, 17, 18], 0.5, [1.0] * 3)]  # fmt: skip
+    mask = collate(batch, 0).loss_mask.double()
+    gen = torch.Generator().manual_seed(1)
+    cl = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    ce = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    adapters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        logp, ent = fn()
+        ((logp * cl * mask).sum() + (ent * ce * mask).sum()).backward()
+        return logp.detach() * mask, ent.detach() * mask, {n: p.grad.clone() for n, p in adapters}
+
+    def whole():
+        logits = response_logits(model, batch, pad_id=0, temperature=0.7).double()
+        ids = collate(batch, 0).response_ids
+        return alg.token_logprobs(logits, ids), alg.token_entropy(logits)
+
+    ref = run(whole)
+    got = run(lambda: response_logprobs(model, batch, pad_id=0, temperature=0.7, chunk_size=5))
+    torch.testing.assert_close(got[0], ref[0].to(got[0].dtype), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], ref[1].to(got[1].dtype), atol=1e-5, rtol=1e-5)
+    for name, g in ref[2].items():
+        torch.testing.assert_close(got[2][name], g, atol=1e-5 * float(g.abs().max()), rtol=1e-4)
+    if "lm_head" in targets:
+        assert any("lm_head.lora_" in n and float(g.abs().max()) > 0 for n, g in got[2].items())
+
+
+def test_lora_with_gradient_checkpointing_gives_the_same_adapter_gradients() -> None:
+    """dapo's checkpointed decoder layers (model.gradient_checkpointing) around peft's
+    adapters, with frozen inputs (embeddings): the adapters' gradients are unchanged."""
+    from dapo.models.checkpointing import checkpoint_layers
+    from dapo.training.batch import Sample
+    from dapo.training.forward import response_logprobs
+
+    batch = [Sample([5, 6, 7], [8, 9, 10, 11], 1.0, [1.0] * 4),
+             Sample([5, 6, 7], [12, 13], -1.0, [1.0] * 2)]  # fmt: skip
+    grads = []
+    for checkpointed in (False, True):
+        model, _ = lora_model()
+        perturb_adapters(model)
+        if checkpointed:
+            assert checkpoint_layers(model) > 0
+        model.train()
+        logp, ent = response_logprobs(model, batch, pad_id=0, temperature=1.0)
+        (logp.sum() + 0.1 * ent.sum()).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert all(g is not None and float(g.abs().max()) > 0 for g in grads[0].values())
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-12, rtol=1e-9)

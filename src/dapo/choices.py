@@ -27,7 +27,8 @@ IS_LEVELS: tuple[str, ...] = get_args(ISLevel)  # algorithm.is_level
 IS_MODES: tuple[str, ...] = get_args(ISMode)  # algorithm.is_mode
 ENTROPY_CONTROLS: tuple[str, ...] = get_args(EntropyControl)  # algorithm.entropy_control
 ENGINES: tuple[str, ...] = ("hf", "vllm")  # rollout.engine: dapo.rollout.make_engine
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # model.dtype
+# train.precision: dapo.models.precision (auto resolves to one of the others at start-up)
+PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16-mixed", "bf16")
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # train.lr_schedule
 DATA_PARALLEL_MODES: tuple[str, ...] = ("auto", "fsdp", "ddp")  # train.data_parallel
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("acc", "reward")  # algorithm.dynamic_sampling_metric

@@ -51,6 +51,13 @@ _ALIASES = {
     "clip_cov_lb": "algorithm.clip_cov_low",
     "clip_cov_ub": "algorithm.clip_cov_high",
     "ppo_kl_coef": "algorithm.kl_cov_coef",
+    # Precision is a training setting (weights, autocast and optimizer state together).
+    "dtype": "train.precision",
+    "torch_dtype": "train.precision",
+    "bf16": "train.precision",
+    "fp16": "train.precision",
+    "mixed_precision": "train.precision",
+    "entropy_chunk_size": "train.logits_chunk_size",
 }
 
 
@@ -436,7 +443,7 @@ def validate(cfg: Config) -> None:
     _check(0 <= t.adam_beta2 < 1, "train.adam_beta2", t.adam_beta2, "use a value in [0, 1)")
     _check(t.sample_budget >= 0, "train.sample_budget", t.sample_budget, "use 0 (no budget) or a count of responses")
     _check(t.max_nonfinite_updates >= 1, "train.max_nonfinite_updates", t.max_nonfinite_updates, "use at least 1")
-    _check(t.entropy_chunk_size >= 1, "train.entropy_chunk_size", t.entropy_chunk_size, "use at least 1")
+    _check(t.logits_chunk_size >= 1, "train.logits_chunk_size", t.logits_chunk_size, "use at least 1")
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "use a positive number of seconds")
     _check(cfg.reward.num_workers >= 0, "reward.num_workers", cfg.reward.num_workers, "use 0 (in-process) or more workers")
     _check(cfg.checkpoint.save_every >= 0, "checkpoint.save_every", cfg.checkpoint.save_every, "use 0 (final only) or a positive step count")

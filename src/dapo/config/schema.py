@@ -25,7 +25,6 @@ from dapo.choices import (
     ADVANTAGE_SCALES,
     CURRICULA,
     DATA_PARALLEL_MODES,
-    DTYPES,
     DYNAMIC_SAMPLING_METRICS,
     ENGINES,
     ENTROPY_CONTROLS,
@@ -35,6 +34,7 @@ from dapo.choices import (
     LOSS_AGG_MODES,
     LR_SCHEDULES,
     POLICY_LOSSES,
+    PRECISIONS,
 )
 from dapo.config.presets import PRESETS
 
@@ -91,12 +91,6 @@ class ModelConfig:
     tokenizer: str | None = opt(
         None, "Tokenizer directory or hub id; null: the one of model.name_or_path."
     )
-    dtype: str = opt(
-        "float32",
-        "Dtype the policy (and the reference model, beta > 0) is loaded and trained in. "
-        "float32 is the safe choice on a CPU; bfloat16 halves the memory on a GPU.",
-        choices=DTYPES,
-    )
     trust_remote_code: bool = opt(
         False,
         "Run the model's own Python code from its repository (transformers' "
@@ -104,8 +98,9 @@ class ModelConfig:
     )
     gradient_checkpointing: bool = opt(
         False,
-        "Recompute activations during the backward pass instead of keeping them: less "
-        "memory, more compute per update.",
+        "Recompute each decoder layer's activations during the backward pass instead of "
+        "keeping them: activation memory of one layer instead of all, about a third more "
+        "compute per update. Works with train.shared_prompt_forward.",
     )
     lora: LoraConfig = opt(help="LoRA adapters; model.lora.rank > 0 turns them on.",
                            factory=LoraConfig)
@@ -526,10 +521,23 @@ class TrainConfig:
         "Clip the global gradient norm of each update to this; 0 disables it. The DAPO "
         "reference scripts use 1.0.",
     )
-    entropy_chunk_size: int = opt(
+    precision: str = opt(
+        "auto",
+        "Numeric precision of the policy. fp32: weights, gradients and AdamW state in float32 "
+        "(16 bytes per parameter). bf16-mixed: the same float32 states, forward and backward "
+        "in bfloat16 (torch autocast; FSDP: bf16 parameters, float32 gradient reduction), "
+        "about half the activation memory and much faster on GPUs. bf16: weights and AdamW "
+        "state in bfloat16 (~8 bytes per parameter); updates smaller than ~1/256 of a "
+        "weight round away, so small learning rates (the paper's 1e-6) barely train. auto: "
+        "bf16-mixed on CUDA, fp32 on CPU. Log-probs, ratios, loss and entropy are float32 "
+        "in every mode; generation runs in the forward's precision.",
+        choices=PRECISIONS,
+    )
+    logits_chunk_size: int = opt(
         1024,
-        "Positions per chunk when computing the logged policy entropy; bounds the memory "
-        "of the full-vocabulary probabilities.",
+        "Response positions per chunk when the output layer, log-softmax and entropy are "
+        "computed (and recomputed in backward): the float32 logits exist for one chunk of "
+        "positions x vocabulary at a time, never for the whole micro-batch.",
     )
     max_nonfinite_updates: int = opt(
         3,

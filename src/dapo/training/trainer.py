@@ -9,7 +9,6 @@ Read :meth:`Trainer.train_step` and :meth:`Trainer.run` top to bottom.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import random
@@ -27,6 +26,13 @@ from dapo.errors import TrainingError, VLLMEngineError, VLLMUnavailableError
 from dapo.evaluation.run import engine_accuracy
 from dapo.metrics import MetricsLogger, plot_dashboard
 from dapo.models import context_length, load_policy, load_tokenizer, lora, resolve_model_path
+from dapo.models.precision import (
+    bf16_rounding_warning,
+    load_dtype,
+    reference_copy,
+    resolve_precision,
+    set_precision,
+)
 from dapo.parallel import distributed as D
 from dapo.parallel import sharding
 from dapo.parallel.data_parallel import wrap_data_parallel
@@ -35,7 +41,6 @@ from dapo.rollout import Group, RolloutEngine, SamplingParams, close_engine, mak
 from dapo.seeding import mix_seed, seed_everything
 from dapo.training.batch import Sample, build_samples, group_metrics, mean
 from dapo.training.checkpoint import (
-    full_state,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -101,6 +106,9 @@ class Trainer:
         self.reward_failures = 0
         self.nonfinite_in_a_row = 0
         self.samples_generated = 0  # every response generated, trained on or not
+        # Below float32 the transformers engine's incremental decoding and the training
+        # forward round differently: its log-probs are kept and compared too (no extra pass).
+        self.keep_engine_logprobs = self.engine_logprobs or self.precision != "fp32"
         self.updates_since_sync = 0
 
     # --- set-up ---------------------------------------------------------------------------
@@ -112,12 +120,18 @@ class Trainer:
         self.tokenizer = load_tokenizer(
             cfg.model.tokenizer or model_path, trust_remote_code=cfg.model.trust_remote_code
         )
+        self.precision = resolve_precision(cfg.train.precision, torch.cuda.is_available())
+        auto = " (auto: CUDA)" if torch.cuda.is_available() else " (auto: no CUDA)"
+        self.log(f"precision: {self.precision}{auto if cfg.train.precision == 'auto' else ''}")
+        if self.precision == "bf16":
+            self.log(bf16_rounding_warning(cfg.train.lr))
         self.model = load_policy(
             model_path,
-            dtype=cfg.model.dtype,
+            dtype=load_dtype(self.precision),
             trust_remote_code=cfg.model.trust_remote_code,
             gradient_checkpointing=cfg.model.gradient_checkpointing,
         )
+        set_precision(self.model, self.precision)
         self.peft = None  # the peft handle of a LoRA policy (model.lora.rank > 0)
         if cfg.model.lora.rank > 0:
             self.peft = lora.apply_lora(self.model, cfg.model.lora)
@@ -134,7 +148,7 @@ class Trainer:
         if cfg.algorithm.beta > 0 and self.peft is None:  # beta = 0 (DAPO): no reference
             # A plain copy on every rank, taken before the policy is sharded. (With LoRA the
             # reference is the base model: the policy with its adapters disabled.)
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.ref_model = reference_copy(self.model)
         self.ddp = None
         self.data_parallel = None
         if self.dist.enabled:
@@ -298,7 +312,7 @@ class Trainer:
             step=self.step,
             advantage_scale=a.advantage_scale,
             overlong_filter=a.overlong_filter,
-            keep_engine_logprobs=self.engine_logprobs,
+            keep_engine_logprobs=self.keep_engine_logprobs,
             exact_sampling_logprobs=r.top_p == 1.0 and r.top_k == 0,
         )
 
@@ -314,9 +328,13 @@ class Trainer:
         )  # fmt: skip
         sync = self._engine_before_update(len(plan))
         mine = sorted({i for _, idx in plan for i in self._my_share(samples, idx)})
+        fresh = [samples[i] for i in mine if samples[i].old_logprobs is None]
         metrics = self._fill_logprobs(samples, mine, plan)
         metrics.update(attach_is_weights([samples[i] for i in mine], self.loss_settings))
         metrics.update(self._apply_updates(samples, plan, step))
+        if self.keep_engine_logprobs and "rollout/logprob_mismatch" not in metrics:
+            # One update per step: the training forward itself gave the old log-probs.
+            metrics.update(logprob_mismatch(fresh))
         metrics["actor/lr"] = lr
         metrics["train/loss_tokens"] = float(sum(sum(s.loss_mask) for s in samples))
         if sync:  # the engine samples the next batch with the weights just trained
@@ -356,6 +374,7 @@ class Trainer:
         forward = dict(
             pad_id=self.tokenizer.pad_token_id, temperature=cfg.rollout.temperature,
             token_budget=t.micro_batch_tokens, shared_prompt=t.shared_prompt_forward,
+            logits_chunk_size=t.logits_chunk_size,
         )  # fmt: skip
         metrics: dict[str, float] = {}
         if len(plan) > 1 or self.engine_logprobs or cfg.algorithm.entropy_control != "none":
@@ -366,7 +385,7 @@ class Trainer:
             old = compute_logprobs(self.model, [samples[i] for i in todo], **forward)
             for i, lp in zip(todo, old, strict=True):
                 samples[i].old_logprobs = lp
-            if self.engine_logprobs:  # compared with the engine's
+            if self.keep_engine_logprobs:  # compared with the engine's
                 metrics.update(logprob_mismatch([samples[i] for i in todo]))
         if cfg.algorithm.beta > 0:
             # The reference policy: the initial model, or LoRA's base (adapters disabled).
@@ -392,7 +411,7 @@ class Trainer:
             result = optimizer_step(
                 self.model, self.optimizer, [samples[i] for i in idx], self.loss_settings,
                 pad_id=self.tokenizer.pad_token_id, token_budget=t.micro_batch_tokens,
-                max_grad_norm=t.max_grad_norm, entropy_chunk_size=t.entropy_chunk_size,
+                max_grad_norm=t.max_grad_norm, logits_chunk_size=t.logits_chunk_size,
                 with_entropy=epoch == 0, ddp=self.ddp, shared_prompt=t.shared_prompt_forward,
                 seed=mix_seed(self.cfg.seed, step, n, 7919),
             )  # fmt: skip
@@ -493,16 +512,11 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"])
 
     def save(self) -> Path:
-        """Rank 0 writes the checkpoint; the others wait for it (with FSDP, after gathering
-        the full weights and optimizer state for it)."""
-        root = self.out / "checkpoints"
-        path = step_dir(root, self.step)
-        full = full_state(self.model, self.optimizer)
-        if self.dist.is_main:
-            path = save_checkpoint(
-                root, self.step, self.model, self.optimizer, self.state_dict(),
-                keep_last=self.cfg.checkpoint.keep_last, full=full,
-            )  # fmt: skip
+        """Every rank saves: with FSDP each writes its shards, else rank 0 writes it all."""
+        path = save_checkpoint(
+            self.out / "checkpoints", self.step, self.model, self.optimizer, self.state_dict(),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )  # fmt: skip
         D.barrier()
         return path
 
