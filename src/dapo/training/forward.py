@@ -155,9 +155,7 @@ def response_logprobs(
     else:
         logits = out[valid].float()
         logits = logits / temperature if temperature != 1.0 else logits
-        logp = alg.token_logprobs(logits, targets)
-        log_p = torch.log_softmax(logits, -1)
-        entropy = -(log_p.exp() * log_p).sum(-1)
+        logp, entropy = alg.token_logprobs(logits, targets), alg.token_entropy(logits)
     full = torch.zeros(valid.shape, dtype=torch.float32, device=device)
     return full.masked_scatter(valid, logp), full.masked_scatter(valid, entropy)
 
