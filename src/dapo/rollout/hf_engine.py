@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from dapo.models.inputs import device_of, left_pad
-from dapo.models.precision import autocast
+from dapo.models.precision import autocast, float32_logits
 from dapo.parallel.sharding import full_params
 from dapo.rollout.base import Group, SamplingParams
 
@@ -73,7 +73,8 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with full_params(self.model), autocast(self.model):  # the trainer's precision
+            # The trainer's precision: its autocast, and float32 logits from bf16 products.
+            with full_params(self.model), autocast(self.model), float32_logits(self.model):
                 for start in range(0, len(prompts), per_call):
                     groups.extend(self._generate(prompts[start : start + per_call], params, gen))
         finally:
