@@ -4,6 +4,8 @@ Modes:
   step DP OUT       one optimizer step on a fixed mini-batch with DP (ddp or fsdp; single:
                     no wrapper); rank 0 saves the parameters and each rank's share of them
   dynamic MODEL OUT a short training run with uniform groups; each rank records what it trained
+  skip MODEL OUT REWARDS DATA  a run with algorithm.skip_uniform_prompts; each rank records the
+                    prompts it drew, skipped and generated, and its prompt history
 """
 
 from __future__ import annotations
@@ -165,6 +167,41 @@ def no_grad_passes_match(data_parallel: str) -> bool:
     return same and all(torch.equal(a, b) for a, b in zip(*logps, strict=True))
 
 
+def skip_run(model: str, out: str, rewards: str, data: str, rank: int) -> None:
+    from dapo.config import load_config
+    from dapo.training.trainer import Trainer
+
+    cfg = load_config(overrides=[
+        f"model.name_or_path={model}", f"output_dir={out}", f"data.train={data}",
+        "data.answer_key=answer", "train.steps=6", "train.prompts_per_step=4",
+        "train.mini_batch_size=2", "rollout.num_generations=4", "rollout.max_completion_length=8",
+        "algorithm.overlong_buffer=2", "evaluate=false", "logging.tensorboard=false",
+        "logging.console=false", "checkpoint.save_every=0", "checkpoint.save_final_model=false",
+        f"reward.functions=[{{name: '{rewards}:by_answer_class'}}]",
+        "algorithm.skip_uniform_prompts=true",
+    ])
+    trainer = Trainer(cfg, log=lambda _: None)
+    seen: dict = {"taken": [], "skipped": [], "generated": []}
+    next_prompts, generate = trainer.prompts.next, trainer.engine.generate
+
+    def record_prompts(k, skipped):
+        before = len(skipped)
+        taken = next_prompts(k, skipped)
+        seen["taken"] += taken
+        seen["skipped"] += skipped[before:]
+        return taken
+
+    def record_generate(prompt_ids, params):
+        seen["generated"] += [list(p) for p in prompt_ids]
+        return generate(prompt_ids, params)
+
+    trainer.prompts.next, trainer.engine.generate = record_prompts, record_generate
+    trainer.run()
+    seen["taken_ids"] = [trainer.train_ids[i] for i in seen["taken"]]
+    seen["history"] = trainer.prompts.history.state_dict()
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(seen))
+
+
 def main() -> None:
     mode = sys.argv[1]
     info = D.init_distributed()
@@ -210,6 +247,8 @@ def main() -> None:
         trainer.build_samples = record
         trainer.run()
         (out / f"rank{info.rank}.json").write_text(json.dumps(seen))
+    elif mode == "skip":
+        skip_run(*sys.argv[2:6], rank=info.rank)
     D.destroy()
 
 

@@ -218,6 +218,24 @@ def test_dynamic_sampling_is_global_across_ranks(random_tiny_model: Path, tmp_pa
         assert a["trained_rows"] and b["trained_rows"]
 
 
+def test_prompt_skipping_decides_the_same_on_every_rank(random_tiny_model: Path, tmp_path: Path) -> None:
+    """algorithm.skip_uniform_prompts under 2 ranks: both hold the same history and skip
+    the same draws; together they generate exactly the prompts not skipped."""
+    data = tmp_path / "train.jsonl"  # answers 3..14: a third always right, a third always wrong
+    data.write_text("".join(json.dumps({"prompt": f"Add {i}+3.\n", "answer": str(i + 3)}) + "\n"
+                            for i in range(12)))  # fmt: skip
+    out = tmp_path / "run"
+    rewards = HERE / "trainer_rewards.py"
+    torchrun(str(HERE / "dist_worker.py"), "skip", str(random_tiny_model), str(out), str(rewards),
+             str(data), cwd=tmp_path)  # fmt: skip
+    a, b = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert a["skipped"] and a["skipped"] == b["skipped"]
+    assert a["taken"] == b["taken"] and a["history"] == b["history"]
+    # Each rank generated its share; together, every prompt drawn and not skipped, once.
+    assert a["generated"] and b["generated"]
+    assert sorted(a["generated"] + b["generated"]) == sorted(a["taken_ids"])
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_rank_run_resumes_from_its_checkpoint(
     mode: str, random_tiny_model: Path, tmp_path: Path

@@ -24,3 +24,4 @@ PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16-mixed", "bf16")
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # train.lr_schedule
 DATA_PARALLEL_MODES: tuple[str, ...] = ("auto", "fsdp", "ddp")  # train.data_parallel
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("acc", "reward")  # algorithm.dynamic_sampling_metric
+CURRICULA: tuple[str, ...] = ("none", "easy_first")  # data.curriculum: dapo.data.curriculum

@@ -23,6 +23,7 @@ import yaml
 
 from dapo.choices import (
     ADVANTAGE_SCALES,
+    CURRICULA,
     DATA_PARALLEL_MODES,
     DYNAMIC_SAMPLING_METRICS,
     ENGINES,
@@ -123,6 +124,31 @@ class DataConfig:
     )
     shuffle: bool = opt(
         True, "Visit the training prompts in a random order drawn from `seed`; false: file order."
+    )
+    curriculum: str = opt(
+        "none",
+        "Order of the training prompts. none: a shuffled pass per epoch. easy_first: "
+        "competence-paced (Platanios et al. 2019): at rollout step s prompts are drawn from "
+        "the easiest share c(s) of the data, c growing like a square root from "
+        "data.curriculum_start to 1 over data.curriculum_steps; difficulty from "
+        "data.difficulty_key, else the pass rate measured so far.",
+        choices=CURRICULA,
+    )
+    difficulty_key: str | None = opt(
+        None,
+        "data.curriculum=easy_first: field holding each prompt's difficulty as a number, "
+        "higher = harder (dots reach nested fields; builtin:addition has `carries`); null: "
+        "1 - the pass rate measured during training (prompts not generated yet count as average).",
+    )
+    curriculum_steps: int = opt(
+        0,
+        "data.curriculum=easy_first: rollout steps until every prompt is in the pool; 0: half "
+        "of train.steps.",
+    )
+    curriculum_start: float = opt(
+        0.2,
+        "data.curriculum=easy_first: the share of the prompts (the easiest) in the pool at "
+        "step 0, in (0, 1].",
     )
 
 
@@ -302,6 +328,26 @@ class AlgorithmConfig:
         "Generation rounds dynamic sampling may take in one rollout step to fill the batch "
         "before it stops with an error (groups already kept are not lost).",
     )
+    skip_uniform_prompts: bool = opt(
+        False,
+        "Before generation, skip a prompt whose latest n groups were all uniform (all "
+        "correct or all wrong) with probability skip_max_prob * (1 - 2^-n), so that "
+        "generation goes where dynamic sampling keeps it. Pays off where a prompt's "
+        "difficulty persists (data the model always or never solves, over several epochs); "
+        "changes which prompts are generated, never the loss.",
+    )
+    skip_max_prob: float = opt(
+        0.9,
+        "skip_uniform_prompts: the cap on a prompt's skip probability, in [0, 1): every "
+        "prompt is still generated now and then (exploration).",
+    )
+    skip_key: str | None = opt(
+        None,
+        "Field whose value keys the prompts' outcome history (of skip_uniform_prompts and of "
+        "data.curriculum by measured pass rate), so that rows sharing it share a history "
+        "(e.g. a problem id shared by paraphrases; dots reach nested fields); null: each "
+        "distinct prompt has its own.",
+    )
     overlong_filter: bool = opt(
         True,
         "Overlong filtering (DAPO): mask out the loss of truncated responses (no "
@@ -449,8 +495,8 @@ class CheckpointConfig:
     save_every: int = opt(
         20,
         "Save a resumable checkpoint (policy, optimizer, prompt position, dynamic sampling "
-        "carry-over, random state) every N "
-        "rollout steps; 0 saves only at the end.",
+        "carry-over, prompt outcome history, random state) every N rollout steps; 0 saves "
+        "only at the end.",
     )
     keep_last: int = opt(2, "Step checkpoints to keep; older ones are deleted.")
     save_final_model: bool = opt(

@@ -20,7 +20,7 @@ import torch
 
 from dapo.atomic import write_text_atomic
 from dapo.config import Config
-from dapo.data.prompts import PromptStream, encode_prompts, load_prompt_set
+from dapo.data.prompts import encode_prompts, load_prompt_set
 from dapo.errors import TrainingError, VLLMEngineError, VLLMUnavailableError
 from dapo.evaluation.run import engine_accuracy
 from dapo.metrics import MetricsLogger, plot_dashboard
@@ -47,6 +47,7 @@ from dapo.training.checkpoint import (
 )
 from dapo.training.dynamic_sampling import DynamicSampler, ScoredGroup
 from dapo.training.forward import compute_logprobs, logprob_mismatch
+from dapo.training.prompt_selection import PromptSelector
 from dapo.training.step import (
     LossSettings,
     lr_at,
@@ -90,7 +91,8 @@ class Trainer:
             metric=cfg.algorithm.dynamic_sampling_metric,
             max_rounds=cfg.algorithm.max_gen_rounds,
         )
-        self.stream = PromptStream(len(self.train_records), cfg.seed, cfg.data.shuffle)
+        # The prompt stream, with algorithm.skip_uniform_prompts and data.curriculum.
+        self.prompts = PromptSelector(cfg, self.train_records)
         self.loss_settings = LossSettings.from_config(cfg)
         self.step = 0
         self.summary: dict[str, Any] = {}
@@ -203,12 +205,15 @@ class Trainer:
         """Generate and score rounds of prompts until the batch is full (dynamic sampling);
         the batch and the metrics of everything generated."""
         generated: list[ScoredGroup] = []
+        skipped: list[int] = []
         timing = {"gen": 0.0, "score": 0.0}
         rounds = 0
+        self.prompts.start_step(step)
 
         def produce(k: int) -> list[ScoredGroup]:
             nonlocal rounds
-            idx = D.shard(self.stream.take(k), self.dist)  # this rank's share of the prompts
+            taken = self.prompts.next(k, skipped)
+            idx = D.shard(taken, self.dist)  # this rank's share of the prompts
             t0 = time.perf_counter()
             groups = self.generate([self.train_ids[i] for i in idx], step, rounds)
             t1 = time.perf_counter()
@@ -220,12 +225,18 @@ class Trainer:
             # decisions are the same on all ranks.
             scored = D.unshard(D.all_gather_objects(scored))
             generated.extend(scored)
+            self.prompts.record(taken, [g.correct for g in scored])
             return scored
 
         batch, fill = self.sampler.fill(produce)
         self.samples_generated += sum(g.size for g in generated)
         tokens = sum(len(x) for g in generated for x in g.response_ids)
+        skips = {} if not self.prompts.skip else {
+            "sampling/skipped_prompts": float(len(skipped)),
+            "sampling/skip_rate": len(skipped) / max(1, len(skipped) + len(generated)),
+        }  # fmt: skip
         return batch, {
+            **skips,
             **group_metrics(generated),
             "reward/failures": float(self.reward_failures),
             "perf/gen_s": timing["gen"],
@@ -442,7 +453,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
-            "stream": self.stream.state_dict(),
+            **self.prompts.state_dict(),  # "stream" and "history"
             "sampler": self.sampler.state_dict(),
             "summary": self.summary,
             "reward_failures": self.reward_failures,
@@ -454,7 +465,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
-        self.stream.load_state_dict(state["stream"])
+        self.prompts.load_state_dict(state)
         self.sampler.load_state_dict(state["sampler"])
         self.summary = dict(state["summary"])
         self.reward_failures = state["reward_failures"]
