@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dapo.models.inputs import device_of, left_pad
-from dapo.models.precision import autocast
+from dapo.models.precision import autocast, float32_logits
 from dapo.parallel.sharding import full_params
 from dapo.rollout.base import Group, SamplingParams
 
@@ -169,8 +169,13 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            # autocast: the trainer's precision
-            with full_params(self.model), autocast(self.model), _grouped_kv_attention(self.model):
+            # The trainer's precision: its autocast, and float32 logits from bf16 products.
+            with (
+                full_params(self.model),
+                autocast(self.model),
+                float32_logits(self.model),
+                _grouped_kv_attention(self.model),
+            ):
                 for start in range(0, len(prompts), per_call):
                     groups.extend(self._generate(prompts[start : start + per_call], params, gen))
         finally:
