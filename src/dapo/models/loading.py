@@ -1,4 +1,4 @@
-"""Loading the policy and its tokenizer from a local path, a hub id, or ``builtin:tiny``."""
+"""Loading the policy and its tokenizer from a local path, a hub id, or a built-in model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 
 from dapo.errors import ModelError
 
-BUILTIN_MODEL = "builtin:tiny"  # built by dapo.models.tiny
+BUILTIN_MODEL = "builtin:tiny"  # the default; built by dapo.models.tiny
+BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-chain")  # warmed up on builtin:addition, :chain
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,14 +32,16 @@ def _is_local_path(name: str) -> bool:
 
 
 def resolve_model_path(name_or_path: str, log: Callable[[str], None] = print) -> str:
-    """``builtin:tiny`` becomes the cached warmed-up model (built on first use)."""
-    if name_or_path == BUILTIN_MODEL:
-        from dapo.models import tiny  # the built-in task and warm-up, only when asked for
+    """A built-in model (``builtin:tiny``) becomes the cached warmed-up model (built on
+    first use)."""
+    if name_or_path in BUILTIN_MODELS:
+        from dapo.models import tiny  # the built-in tasks and warm-up, only when asked for
 
-        return str(tiny.ensure_builtin_model(log=log))
+        return str(tiny.ensure_builtin_model(name_or_path, log=log))
     if name_or_path.startswith("builtin:"):
         raise ModelError(
-            f"`model.name_or_path` = {name_or_path!r}: the only built-in model is {BUILTIN_MODEL!r}"
+            f"`model.name_or_path` = {name_or_path!r}: the built-in models are "
+            f"{', '.join(BUILTIN_MODELS)}"
         )
     path = Path(name_or_path).expanduser()
     if _is_local_path(name_or_path) and not path.exists():

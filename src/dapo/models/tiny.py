@@ -1,7 +1,9 @@
-"""``builtin:tiny``: a character tokenizer and a ~1M-parameter Llama the project warms up itself.
+"""The built-in models: a character tokenizer and a ~1M-parameter Llama the project warms up.
 
-Nothing is downloaded. The model is trained briefly (supervised, loss on the response only)
-on noisy worked solutions of the built-in addition task and cached.
+Nothing is downloaded. Each built-in model is the same small Llama trained briefly
+(supervised, loss on the response only) on noisy worked solutions of one built-in task, and
+cached: ``builtin:tiny`` on ``builtin:addition`` (the default run), ``builtin:tiny-chain`` on
+``builtin:chain`` (the ablation ladder's task).
 """
 
 from __future__ import annotations
@@ -13,21 +15,35 @@ import random
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dapo.data.tasks.addition import sft_example
-from dapo.models.loading import BUILTIN_MODEL
+from dapo.data.tasks import addition, chain
+from dapo.models.loading import BUILTIN_MODEL, BUILTIN_MODELS
 
-NAME = BUILTIN_MODEL
-_VERSION = "v3"  # bump when the task, tokenizer, model or warm-up change
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one built-in model is warmed up."""
+
+    sft_example: Callable[[random.Random], tuple[str, str]]  # (prompt, noisy worked solution)
+    version: str  # bump when the task, tokenizer, model or warm-up change
+    steps: int  # supervised steps of WARMUP_BATCH examples
+    minutes: str  # the warm-up's time on 2 CPU cores, for the log
+
+
+RECIPES = {
+    BUILTIN_MODEL: Recipe(addition.sft_example, "v3", steps=300, minutes="about 2 minutes"),
+    "builtin:tiny-chain": Recipe(chain.sft_example, "v1", steps=300, minutes="about 3 minutes"),
+}
+assert set(RECIPES) == set(BUILTIN_MODELS)
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 _CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 
-# Warm-up settings: chosen so that set-up takes about 2 minutes on 2 CPU cores.
-WARMUP_STEPS = 300
+# Warm-up settings shared by the built-in models.
 WARMUP_BATCH = 64
 WARMUP_LR = 3e-3
 
@@ -78,13 +94,14 @@ def build_model(vocab_size: int, seed: int = 0):
 # --- the warm-up ---------------------------------------------------------------------------
 
 
-def cache_dir() -> Path:
-    """Where the warmed-up model lives (``$DAPO_CACHE`` or ``~/.cache/dapo``)."""
+def cache_dir(name: str = BUILTIN_MODEL) -> Path:
+    """Where a warmed-up model lives (``$DAPO_CACHE`` or ``~/.cache/dapo``), e.g.
+    ``builtin-tiny-v3`` for ``builtin:tiny``."""
     root = Path(os.environ.get("DAPO_CACHE", Path.home() / ".cache" / "dapo"))
-    return root / f"builtin-tiny-{_VERSION}"
+    return root / f"{name.replace(':', '-')}-{RECIPES[name].version}"
 
 
-def _sft_batch(tok, rng: random.Random, size: int) -> tuple[torch.Tensor, ...]:
+def _sft_batch(tok, sft_example, rng: random.Random, size: int) -> tuple[torch.Tensor, ...]:
     ids, labels = [], []
     for _ in range(size):
         prompt, solution = sft_example(rng)
@@ -106,15 +123,19 @@ def _sft_batch(tok, rng: random.Random, size: int) -> tuple[torch.Tensor, ...]:
 
 def warm_up(
     out_dir: Path,
-    steps: int = WARMUP_STEPS,
+    name: str = BUILTIN_MODEL,
+    steps: int | None = None,
     seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> Path:
-    """Build the tiny model, train it on noisy worked solutions, save it to ``out_dir``.
+    """Build the tiny model, train it on the noisy worked solutions of ``name``'s task for
+    ``steps`` (default: the recipe's), save it to ``out_dir``.
 
     The loss is masked to the response: with the prompt in the loss the model spends its
     capacity on the (constant) instructions and barely learns to add.
     """
+    recipe = RECIPES[name]
+    steps = recipe.steps if steps is None else steps
     tok = build_tokenizer()
     model = build_model(len(tok), seed=seed)
     model.train()
@@ -125,7 +146,7 @@ def warm_up(
     rng = random.Random(seed)
     start = time.time()
     for step in range(steps):
-        input_ids, attn, labels = _sft_batch(tok, rng, WARMUP_BATCH)
+        input_ids, attn, labels = _sft_batch(tok, recipe.sft_example, rng, WARMUP_BATCH)
         loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -140,7 +161,7 @@ def warm_up(
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "builtin.json").write_text(
-        json.dumps({"version": _VERSION, "steps": steps, "seed": seed, "seconds": time.time() - start})
+        json.dumps({"name": name, "version": recipe.version, "steps": steps, "seed": seed, "seconds": time.time() - start})
     )
     if out_dir.exists():  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
@@ -149,15 +170,17 @@ def warm_up(
     return out_dir
 
 
-def ensure_builtin_model(log: Callable[[str], None] = print) -> Path:
-    """Path of the warmed-up ``builtin:tiny``, building it on first use (about 2 minutes)."""
-    path = cache_dir()
+def ensure_builtin_model(
+    name: str = BUILTIN_MODEL, log: Callable[[str], None] = print
+) -> Path:
+    """Path of the warmed-up built-in model ``name``, building it on first use."""
+    path = cache_dir(name)
     if (path / "builtin.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"building builtin:tiny (first use; cached in {path}) ...")
+    log(f"building {name} (first use, {RECIPES[name].minutes}; cached in {path}) ...")
     torch_threads = torch.get_num_threads()
     try:
-        return warm_up(path, log=log)
+        return warm_up(path, name, log=log)
     finally:
         torch.set_num_threads(torch_threads)

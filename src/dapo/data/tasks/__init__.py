@@ -6,9 +6,9 @@
 from __future__ import annotations
 
 from dapo.data.records import PromptRecord
-from dapo.data.tasks import addition
+from dapo.data.tasks import addition, chain
 
-TASKS = {addition.NAME: addition.addition_records}
+TASKS = {addition.NAME: addition.addition_records, chain.NAME: chain.chain_records}
 
 
 def is_builtin(source: str | None) -> bool:
