@@ -75,11 +75,14 @@ def _eval(argv: list[str]) -> int:
         description=_EVAL_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", help="local model directory, hub id, or builtin:tiny")
+    parser.add_argument(
+        "model", help="local model directory, hub id, or builtin:tiny / builtin:tiny-long"
+    )
     parser.add_argument(
         "--data",
         required=True,
-        help="evaluation set: .parquet / .jsonl / .json / dir, or builtin:addition",
+        help="evaluation set: .parquet / .jsonl / .json / dir, builtin:addition or "
+        "builtin:long_addition",
     )
     parser.add_argument(
         "--k",
@@ -105,7 +108,7 @@ def _eval(argv: list[str]) -> int:
         "--max-problems",
         type=int,
         default=None,
-        help="evaluate the first N problems (default: all; 500 for builtin:addition)",
+        help="evaluate the first N problems (default: all; 500 for a builtin task)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=256, help="sequences generated together")

@@ -11,7 +11,8 @@ import torch
 from dapo.errors import ModelError
 
 BUILTIN_MODEL = "builtin:tiny"  # the default; built by dapo.models.tiny
-BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-chain")  # warmed up on builtin:addition, :chain
+# Warmed up on builtin:addition and builtin:long_addition.
+BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-long")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
