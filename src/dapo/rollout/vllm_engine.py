@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from dapo.errors import VLLMEngineError, VLLMUnavailableError
+from dapo.models.precision import compute_dtype
 from dapo.rollout.base import Group, SamplingParams
 from dapo.seeding import mix_seed
 
@@ -152,9 +153,10 @@ class VLLMEngine:
         self.on_cpu = bool(current_platform.is_cpu())
         config = model.config
         self.tied_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        dtype = next(model.parameters()).dtype
+        dtype = compute_dtype(model)  # bf16-mixed: vLLM samples in bf16, as the trainer computes
         if dtype not in _DTYPE_NAMES:
             raise VLLMEngineError(f"the policy's dtype {dtype} is not one vLLM runs")
+        self.dtype = dtype
         if max_model_len is None:
             max_model_len = getattr(config, "max_position_embeddings", None)
             if max_model_len is None:
@@ -217,7 +219,7 @@ class VLLMEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the policy's tensors (checkpoint names, e.g. ``model.named_parameters()``)
         into the running engine, in place."""
-        weights = [(name, t.detach()) for name, t in named_tensors]
+        weights = [(name, t.detach().to(self.dtype)) for name, t in named_tensors]
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
