@@ -20,7 +20,7 @@ training signals (entropy, clip fractions, length, truncation, uniform groups), 
 ladder shows against the paper's claims, and writes the figures to JSON and the curves of
 every signal per rung to one PNG per comparison.
 
-    python benchmarks/bench_ablation.py --jobs 2                # 6 rungs x 3 seeds, both (~60 min)
+    python benchmarks/bench_ablation.py --jobs 2                # 6 rungs x 3 seeds, both (~50 min)
     python benchmarks/bench_ablation.py --presets grpo,dapo --seeds 0 --modes steps
 
 Runs go to ``--runs-dir``; a run whose ``summary.json`` exists is not repeated, so an
@@ -94,14 +94,16 @@ def train_run(preset: str, seed: int, mode: str, args: argparse.Namespace, threa
     if out.exists():  # an interrupted run: start it again from scratch
         for p in sorted(out.rglob("*"), reverse=True):
             p.unlink() if p.is_file() else p.rmdir()
-    budget = args.steps * args.prompts * args.generations if mode == "budget" else 0
+    # A run without dynamic sampling serves both comparisons: no budget, its steps end it.
+    budget = args.steps * args.prompts * args.generations
+    budget = budget if mode == "budget" and uses_dynamic_sampling(preset) else 0
     cmd = [
         sys.executable, "-m", "dapo", "train", f"preset={preset}", f"seed={seed}",
         f"output_dir={out}", f"model.name_or_path={args.model}",
         f"data.train={args.task}", f"data.eval={args.task}",
         f"train.steps={args.steps}", f"train.sample_budget={budget}",
         f"train.prompts_per_step={args.prompts}",
-        f"train.lr={args.lr}",
+        f"train.lr={args.lr}", f"rollout.temperature={args.temperature}",
         f"train.mini_batch_size={args.prompts // args.updates_per_step}",
         f"rollout.num_generations={args.generations}",
         f"rollout.max_completion_length={args.max_length}",
@@ -203,8 +205,10 @@ def summarize_mode(curves: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def separated(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """True when the seeds of ``b`` all beat, or all lose to, every seed of ``a`` (the
-    min-max ranges do not overlap): a difference beyond the seed spread."""
+    """True when, over two or more seeds, the seeds of ``b`` all beat, or all lose to, every
+    seed of ``a`` (the min-max ranges do not overlap): a difference beyond the seed spread."""
+    if min(len(a["final_acc"]), len(b["final_acc"])) < 2:
+        return False  # one seed has no spread to compare with
     return b["final_acc_min"] > a["final_acc_max"] or b["final_acc_max"] < a["final_acc_min"]
 
 
@@ -373,6 +377,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate")
     parser.add_argument(
+        "--temperature", type=float, default=1.0,
+        help="rollout.temperature of the training rollouts (the loss uses it too); held-out "
+        "avg@k samples at rollout.eval_temperature",
+    )
+    parser.add_argument(
         "--max-length", type=int, default=84,
         help="response limit L_max in tokens; every clean long_addition solution fits, "
         "rambling ones do not",
@@ -408,6 +417,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.time()
     jobs = {(p, s, m): run_dir(args, p, s, m) for m in modes for p in presets for s in seeds}
     unique = list({d: job for job, d in jobs.items()}.values())  # a shared run trains once
+    done = sum((run_dir(args, *job) / "summary.json").exists() for job in unique)
+    print(f"{len(unique)} runs ({done} already done), {args.jobs} at a time, {threads} thread(s) each")
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(lambda job: train_run(*job, args, threads), unique))
 

@@ -1,20 +1,23 @@
 """What a built-in task gives RL to work with, measured on a warmed-up model.
 
-Samples ``--generations`` responses (temperature 1, as in training) to each of
-``--problems`` held-out problems with a response limit of ``--max-length`` tokens and reports:
+Samples ``--generations`` responses (at ``--temperature``, 1 by default as in the paper;
+``rollout.temperature`` in training) to each of ``--problems`` held-out problems with a
+response limit of ``--max-length`` tokens and reports:
 
 - accuracy (avg@G) overall and per difficulty level (digits of the longer operand, carries);
 - response lengths: mean and percentiles, the mean per level, and the ratio of the longest
   level's mean to the shortest's (how much lengths vary between problems);
 - the truncated share (no EOS within the limit);
-- token entropy at temperature 1 (nats, from a forward pass over the sampled responses): the
-  mean over response tokens, at line starts (where the solution chooses what to do next),
-  and the share of tokens whose entropy exceeds 0.5 nats (real decision points);
+- token entropy at that temperature (nats, from a forward pass over the sampled responses,
+  logits divided by the temperature as in the training loss): the mean over response
+  tokens, at line starts (where the solution chooses what to do next), and the share of
+  tokens whose entropy exceeds 0.5 nats (real decision points);
 - the share of groups whose G responses are all right or all wrong (what dynamic sampling drops);
 - how often the responses drop a carry, slip, jump to the answer before the last column (a
   shortcut), or repeat a line, and how often a shortcut is right.
 
     python benchmarks/measure_task.py                                  # builtin:tiny-long
+    python benchmarks/measure_task.py --problems 200 --temperature 1.3 --limits 64,72
     python benchmarks/measure_task.py --model runs/x/final_model --max-length 80
     python benchmarks/measure_task.py --task builtin:addition --model builtin:tiny --max-length 64
 """
@@ -34,6 +37,7 @@ from _report import provenance, write_report  # benchmarks/_report.py (run as a 
 from dapo.algorithms import entropy_from_logits
 from dapo.data.prompts import encode_prompts
 from dapo.data.tasks import load_task
+from dapo.data.tasks.addition import count_carries
 from dapo.models import load_policy, load_tokenizer, resolve_model_path
 from dapo.models.inputs import right_pad
 from dapo.rewards import dapo_math_score
@@ -43,21 +47,11 @@ from dapo.rollout.hf_engine import HFEngine
 COLUMN = re.compile(r"(\d)\+(\d)(\+1)?=(\d+), \d+")
 
 
-def carries(a: int, b: int) -> int:
-    """Carries in the column addition of ``a`` and ``b``."""
-    n, carry = 0, 0
-    while a or b:
-        carry = int(a % 10 + b % 10 + carry >= 10)
-        n += carry
-        a, b = a // 10, b // 10
-    return n
-
-
 def level(record: Any) -> str:
     """The difficulty level of a built-in addition problem: digits of the longer operand,
     carries."""
     a, b = record.extra["a"], record.extra["b"]
-    return f"{len(str(max(a, b)))}d {carries(a, b)}c"
+    return f"{len(str(max(a, b)))}d {count_carries(a, b)}c"
 
 
 def column_behaviour(text: str, a: int, b: int) -> dict[str, int]:
@@ -94,11 +88,14 @@ def column_behaviour(text: str, a: int, b: int) -> dict[str, int]:
 
 
 @torch.no_grad()
-def entropies(model, prompt: list[int], responses: list[list[int]], pad: int) -> list[list[float]]:
-    """Entropy (nats) of the next-token distribution at every response position."""
+def entropies(
+    model, prompt: list[int], responses: list[list[int]], pad: int, temperature: float = 1.0
+) -> list[list[float]]:
+    """Entropy (nats) of the next-token distribution (at ``temperature``) at every response
+    position."""
     rows = [prompt + r for r in responses]
     ids, mask = right_pad(rows, max(map(len, rows)), pad)
-    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    logits = model(input_ids=ids, attention_mask=mask).logits.float() / temperature
     ent = entropy_from_logits(logits)
     p = len(prompt)
     return [ent[i, p - 1 : p - 1 + len(r)].tolist() for i, r in enumerate(responses)]
@@ -110,7 +107,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     model = load_policy(path).eval()
     records, prompt_ids, _ = encode_prompts(load_task(args.task, "test", args.problems), tok, 512)
     engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id, batch_size=256)
-    params = SamplingParams(n=args.generations, max_tokens=args.max_length, seed=args.seed)
+    params = SamplingParams(
+        n=args.generations, temperature=args.temperature, max_tokens=args.max_length, seed=args.seed
+    )
     t0 = time.time()
     groups = engine.generate(prompt_ids, params)
     gen_s = time.time() - t0
@@ -125,7 +124,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         right = [dapo_math_score(t, record.ground_truth) > 0 for t in texts]
         uniform["right"] += all(right)
         uniform["wrong"] += not any(right)
-        ents = entropies(model, group.prompt_ids, group.response_ids, tok.pad_token_id)
+        ents = entropies(
+            model, group.prompt_ids, group.response_ids, tok.pad_token_id, args.temperature
+        )
         for ids, text, ok, cut, ent in zip(
             group.response_ids, texts, right, group.truncated, ents, strict=True
         ):
@@ -155,12 +156,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "problems": len(records),
         "generations": args.generations,
         "max_length": args.max_length,
+        "temperature": args.temperature,
         "accuracy": statistics.fmean(map(float, (a for lv in by_level.values() for a in lv["acc"]))),
         "length_mean": statistics.fmean(lengths),
         "length_p10_p50_p90": [qs[0], qs[4], qs[8]],
         "length_max": max(lengths),
         "level_length_ratio": max(means) / min(means),
         "truncated_frac": sum(truncated) / n,
+        "longer_than": {str(lim): sum(x > lim for x in lengths) / n for lim in args.limits},
         "entropy_mean": statistics.fmean(ent_all),
         "entropy_line_start_mean": statistics.fmean(ent_start),
         "entropy_above_0.5_frac": sum(e > 0.5 for e in ent_all) / len(ent_all),
@@ -183,13 +186,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def report(r: dict[str, Any]) -> str:
     lines = [
         f"{r['model']} on {r['task']}: {r['problems']} held-out problems x {r['generations']} "
-        f"responses, limit {r['max_length']} tokens",
+        f"responses, limit {r['max_length']} tokens, temperature {r['temperature']}",
         f"  accuracy (avg@{r['generations']}) {r['accuracy']:.1%}; groups all right "
         f"{r['all_right_groups']:.1%}, all wrong {r['all_wrong_groups']:.1%}",
         f"  length mean {r['length_mean']:.1f}, p10/p50/p90 "
         + "/".join(f"{x:.0f}" for x in r["length_p10_p50_p90"])
         + f", max {r['length_max']}; longest/shortest level mean {r['level_length_ratio']:.1f}x; "
-        f"truncated {r['truncated_frac']:.1%}",
+        f"truncated {r['truncated_frac']:.1%}"
+        + "".join(f"; longer than {k}: {v:.1%}" for k, v in r["longer_than"].items()),
         f"  entropy {r['entropy_mean']:.3f} nats/token, {r['entropy_line_start_mean']:.3f} at line "
         f"starts; {r['entropy_above_0.5_frac']:.1%} of tokens above 0.5 nats",
     ]
@@ -217,10 +221,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--problems", type=int, default=300)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=84)
+    parser.add_argument(
+        "--limits", default="",
+        help="comma-separated lengths: report the share of responses longer than each (sample "
+        "with a larger --max-length to see what a tighter limit would truncate)",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=1.0,
+        help="sampling temperature (training's rollout.temperature); entropy is measured at it",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--output", default=None, help="JSON report (default: none)")
     args = parser.parse_args(argv)
+    args.limits = [int(x) for x in args.limits.split(",") if x.strip()]
     if args.threads:
         torch.set_num_threads(args.threads)
     result = measure(args) | provenance()

@@ -39,7 +39,7 @@ def test_ladder_runs_both_comparisons_and_reports_what_its_runs_measured(
         "--generations", "4", "--updates-per-step", "2", "--eval-every", "2", "--eval-prompts", "6",
         "--eval-k", "2", "--model", str(random_tiny_model), "--runs-dir", str(runs),
         "--output", str(out), "--plot", str(prefix),
-        "--max-length", "10", "--overlong-buffer", "4", "--lr", "1e-4",
+        "--max-length", "10", "--overlong-buffer", "4", "--lr", "1e-4", "--temperature", "1.25",
         f"reward.functions=[{{name: '{REWARDS}:by_answer_class'}}]",
     ]  # fmt: skip
     result = bench.main(args)
@@ -49,6 +49,7 @@ def test_ladder_runs_both_comparisons_and_reports_what_its_runs_measured(
         assert Path(f"{prefix}_{mode}.png").stat().st_size > 0
     assert "equal gradient steps" in printed and "equal generation budget" in printed
     assert "naive GRPO" in printed and "+ dynamic sampling (DAPO)" in printed
+    assert "6 runs (0 already done)" in printed
 
     # Naive GRPO trains once per seed for both comparisons; DAPO twice.
     assert sorted(p.name for p in (runs / "grpo").iterdir() if p.is_dir()) == ["seed0", "seed1"]
@@ -74,6 +75,7 @@ def test_ladder_runs_both_comparisons_and_reports_what_its_runs_measured(
     cfg = yaml.safe_load((runs / "dapo" / "seed0-budget" / "config.yaml").read_text())
     assert cfg["train"]["sample_budget"] == budget and cfg["train"]["mini_batch_size"] == 1
     assert cfg["rollout"]["eval_num_generations"] == 2 and cfg["train"]["lr"] == 1e-4
+    assert cfg["rollout"]["temperature"] == 1.25 and cfg["rollout"]["eval_temperature"] == 1.0
     assert cfg["data"]["train"] == cfg["data"]["eval"] == "builtin:long_addition"
     assert cfg["rollout"]["max_completion_length"] == 10 and cfg["algorithm"]["overlong_buffer"] == 4
     cfg = yaml.safe_load((runs / "grpo" / "seed0" / "config.yaml").read_text())
@@ -120,6 +122,7 @@ def test_ladder_runs_both_comparisons_and_reports_what_its_runs_measured(
     stamp = (runs / "grpo" / "seed0" / "summary.json").stat().st_mtime_ns
     bench.main(args)
     assert (runs / "grpo" / "seed0" / "summary.json").stat().st_mtime_ns == stamp
+    assert "6 runs (6 already done)" in capsys.readouterr().out
 
 
 def test_bad_arguments_are_refused(bench, capsys):

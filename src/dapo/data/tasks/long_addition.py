@@ -34,7 +34,7 @@ model of this size did not learn in that time.) Each property is there for one m
   training, so the overlong filter and the soft punishment have something to act on.
 
 Scored by the same ``dapo_math`` scorer as real math data: the response must end with
-``Answer: <sum>``. ``docs/benchmarks.md`` (section 3) says how each property was measured
+``Answer: <sum>``. ``docs/benchmarks.md`` (section 8) says how each property was measured
 (``benchmarks/measure_task.py``).
 """
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 import random
 
 from dapo.data.records import PromptRecord
-from dapo.data.tasks.addition import _prompt, _split_of
+from dapo.data.tasks.addition import _prompt, _split_of, sum_records
 
 NAME = "builtin:long_addition"
 DATA_SOURCE = "builtin_long_addition"
@@ -117,22 +117,7 @@ def long_addition_records(
     Problems are drawn from the task distribution (repeats allowed), so training and
     held-out accuracy measure the same thing.
     """
-    if split not in ("train", "test"):
-        raise ValueError(f"{NAME} has splits 'train' and 'test', not {split!r}")
-    rng = random.Random(f"{seed}-{split}")
-    out: list[PromptRecord] = []
-    for _ in range(n):
-        a, b = _sample_split(rng, split)
-        out.append(
-            PromptRecord(
-                prompt=_prompt(a, b),
-                ground_truth=str(a + b),
-                data_source=DATA_SOURCE,
-                uid=f"long-{a}-{b}",
-                extra={"a": a, "b": b},
-            )
-        )
-    return out
+    return sum_records(NAME, DATA_SOURCE, "long", _sample_operands, split, n, seed)
 
 
 def sft_example(rng: random.Random) -> tuple[str, str]:
