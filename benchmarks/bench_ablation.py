@@ -1,21 +1,31 @@
-"""The paper's ablation ladder (Table 1) on the built-in task, with an equal sample budget.
+"""The paper's ablation ladder (Table 1) in miniature, at equal gradient steps and at equal
+generation budget.
 
-Each step of the ladder adds one technique to the one before (``dapo presets``): naive
-GRPO, + overlong filtering, + clip-higher, + soft overlong punishment, + token-level loss,
-+ dynamic sampling (= DAPO). Every step trains from the same warmed-up ``builtin:tiny``
-with several seeds until it has generated ``--budget`` responses (``train.sample_budget``;
-dynamic sampling spends part of its budget on groups it drops), measuring held-out accuracy
-every ``--eval-every`` rollout steps. The script prints a table of final held-out accuracy
-(mean and spread over seeds), the number of gradient steps DAPO needs to reach naive GRPO's
-final accuracy, and writes the figures to JSON and the learning curves to a PNG.
+Each rung adds one technique to the one before (``dapo presets``): naive GRPO, + overlong
+filtering, + clip-higher, + soft overlong punishment, + token-level loss, + dynamic sampling
+(= DAPO). Every run trains from the same warmed-up model (by default ``builtin:tiny-long`` on
+``builtin:long_addition``, the task made for this ladder) with several seeds, measuring
+held-out avg@k every ``--eval-every`` rollout steps. Two comparisons:
 
-    python benchmarks/bench_ablation.py                      # 6 steps x 3 seeds (long)
-    python benchmarks/bench_ablation.py --jobs 2             # two runs at a time, 1 thread each
-    python benchmarks/bench_ablation.py --presets grpo,dapo --seeds 0 --budget 2560
+- **equal gradient steps** (``steps``): every rung makes ``--steps`` rollout steps of
+  ``--updates-per-step`` optimizer updates. Dynamic sampling generates more to get there.
+- **equal generation budget** (``budget``): every rung stops after generating
+  ``--steps x --prompts x --generations`` responses. Dynamic sampling spends part of it on
+  groups it drops, so it makes fewer gradient steps.
+
+Without dynamic sampling a rung generates exactly that budget in exactly that many steps, so
+its runs serve both comparisons; only the DAPO rung is trained twice. The script prints, per
+comparison, a table of final held-out avg@k (mean ± std and min-max over seeds) with the
+training signals (entropy, clip fractions, length, truncation, uniform groups), what the
+ladder shows against the paper's claims, and writes the figures to JSON and the curves of
+every signal per rung to one PNG per comparison.
+
+    python benchmarks/bench_ablation.py --jobs 2                # 6 rungs x 3 seeds, both (~50 min)
+    python benchmarks/bench_ablation.py --presets grpo,dapo --seeds 0 --modes steps
 
 Runs go to ``--runs-dir``; a run whose ``summary.json`` exists is not repeated, so an
 interrupted ladder continues where it stopped. ``--jobs 2`` trains two runs at once with
-one thread each (accuracy does not depend on it; wall time does).
+one thread each (results do not depend on it; wall time does).
 
 Clip-higher acts only when the policy moves between the sampling of a batch and its update,
 i.e. with several optimizer updates per rollout step (``--updates-per-step``; the paper made
@@ -48,169 +58,301 @@ LABELS = {
     "grpo+token_loss": "+ token-level loss",
     "dapo": "+ dynamic sampling (DAPO)",
 }
+MODES = {"steps": "equal gradient steps", "budget": "equal generation budget"}
+# Per rollout step: the metric in metrics.jsonl -> its name in the curves.
+SIGNALS = {
+    "actor/entropy": "entropy",
+    "actor/clip_frac_low": "clip_low",
+    "actor/clip_frac_high": "clip_high",
+    "response_length/mean": "length",
+    "response_length/clip_ratio": "truncated",
+    "sampling/all_correct_frac": "all_correct",
+    "sampling/all_wrong_frac": "all_wrong",
+}
 
 
-def train_run(preset: str, seed: int, args: argparse.Namespace, threads: int) -> Path:
+def uses_dynamic_sampling(preset: str) -> bool:
+    return bool(PRESETS[preset][1]["algorithm.dynamic_sampling"])
+
+
+def clips_higher(preset: str) -> bool:
+    settings = PRESETS[preset][1]
+    return settings["algorithm.clip_high"] > settings["algorithm.clip_low"]
+
+
+def run_dir(args: argparse.Namespace, preset: str, seed: int, mode: str) -> Path:
+    """Where a run lives; rungs without dynamic sampling share one run between the modes."""
+    name = f"seed{seed}-{mode}" if uses_dynamic_sampling(preset) else f"seed{seed}"
+    return Path(args.runs_dir) / preset / name
+
+
+def train_run(preset: str, seed: int, mode: str, args: argparse.Namespace, threads: int) -> Path:
     """One training run (skipped when it already finished); returns its directory."""
-    out = Path(args.runs_dir) / preset / f"seed{seed}"
+    out = run_dir(args, preset, seed, mode)
     if (out / "summary.json").exists():
         return out
     if out.exists():  # an interrupted run: start it again from scratch
         for p in sorted(out.rglob("*"), reverse=True):
             p.unlink() if p.is_file() else p.rmdir()
-    per_step = args.prompts * args.generations
+    # A run without dynamic sampling serves both comparisons: no budget, its steps end it.
+    budget = args.steps * args.prompts * args.generations
+    budget = budget if mode == "budget" and uses_dynamic_sampling(preset) else 0
     cmd = [
         sys.executable, "-m", "dapo", "train", f"preset={preset}", f"seed={seed}",
         f"output_dir={out}", f"model.name_or_path={args.model}",
-        f"train.sample_budget={args.budget}", f"train.steps={math.ceil(args.budget / per_step)}",
+        f"data.train={args.task}", f"data.eval={args.task}",
+        f"train.steps={args.steps}", f"train.sample_budget={budget}",
         f"train.prompts_per_step={args.prompts}",
-        f"train.lr={args.lr}",
+        f"train.lr={args.lr}", f"rollout.temperature={args.temperature}",
         f"train.mini_batch_size={args.prompts // args.updates_per_step}",
         f"rollout.num_generations={args.generations}",
         f"rollout.max_completion_length={args.max_length}",
         f"algorithm.overlong_buffer={args.overlong_buffer}",
         f"logging.eval_every={args.eval_every}", f"data.max_eval_prompts={args.eval_prompts}",
+        f"rollout.eval_num_generations={args.eval_k}",
         "logging.console=false", "logging.tensorboard=false",
         "checkpoint.save_every=0", "checkpoint.save_final_model=false", *args.extra,
-    ]
+    ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    log = out.parent / f"seed{seed}.log"
+    log = out.parent / f"{out.name}.log"
     out.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as fh:
         proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        raise RuntimeError(f"{preset} seed {seed} failed ({proc.returncode}); see {log}")
+        raise RuntimeError(f"{preset} seed {seed} ({mode}) failed ({proc.returncode}); see {log}")
     return out
 
 
-def curve(run: Path, updates_per_step: int) -> dict[str, Any]:
-    """Held-out accuracy against gradient steps and generated samples, from one run."""
+def curve(run: Path) -> dict[str, Any]:
+    """One run's curves: held-out accuracy at each evaluation, and every signal of
+    ``SIGNALS`` at each rollout step, against gradient steps and generated responses."""
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     summary = json.loads((run / "summary.json").read_text())
-    samples = {0: 0.0}
-    points = [(0, summary["accuracy_before"])]
-    entropy, length, truncated, clipped_high = [], [], [], []
+    per_step: dict[str, list[float]] = {"step": [], "grad_steps": [], "samples": []}
+    per_step |= {name: [] for name in SIGNALS.values()}
+    # A row's "step" counts the rollout steps done, so held-out accuracy logged at step s
+    # was measured after s steps.
+    grad_at = {0: 0.0}  # rollout steps done -> gradient steps made
+    samples_at = {0: 0.0}
+    grad = 0.0
+    evals = {0: summary["accuracy_before"]}
     for r in rows:
         if "sampling/generated_samples_total" in r:
-            samples[r["step"]] = r["sampling/generated_samples_total"]
-            entropy.append(r.get("actor/entropy", float("nan")))
-            length.append(r.get("response_length/mean", float("nan")))
-            if "response_length/clip_ratio" in r:
-                truncated.append(r["response_length/clip_ratio"])
-            if "actor/clip_frac_high" in r:  # absent when a step made no update
-                clipped_high.append(r["actor/clip_frac_high"])
+            grad += r.get("actor/updates", 0.0)
+            grad_at[r["step"]] = grad
+            samples_at[r["step"]] = r["sampling/generated_samples_total"]
+            per_step["step"].append(r["step"])
+            per_step["grad_steps"].append(grad)
+            per_step["samples"].append(r["sampling/generated_samples_total"])
+            for key, name in SIGNALS.items():  # absent (nan) when a step made no update
+                per_step[name].append(r.get(key, math.nan))
         if "val/acc" in r and r["step"] > 0:
-            points = [p for p in points if p[0] != r["step"]] + [(r["step"], r["val/acc"])]
-    points.sort()
+            evals[r["step"]] = r["val/acc"]
+    steps = sorted(evals)
     return {
-        "steps": [s * updates_per_step for s, _ in points],  # gradient steps
-        "samples": [samples.get(s, float("nan")) for s, _ in points],
-        "acc": [a for _, a in points],
+        "eval_steps": steps,
+        "eval_grad_steps": [grad_at.get(s, grad) for s in steps],
+        "eval_samples": [samples_at.get(s, math.nan) for s in steps],
+        "acc": [evals[s] for s in steps],
         "final_acc": summary["accuracy_after"],
         "rollout_steps": summary["steps"],
-        "gradient_steps": summary["steps"] * updates_per_step,
+        "gradient_steps": grad,
         "samples_generated": summary["samples_generated"],
-        "final_entropy": entropy[-1] if entropy else float("nan"),
-        "final_response_length": length[-1] if length else float("nan"),
-        "truncated_frac": statistics.fmean(truncated) if truncated else float("nan"),
-        "clip_frac_high": statistics.fmean(clipped_high) if clipped_high else float("nan"),
         "wall_s": summary["wall_seconds"],
+        "per_step": per_step,
     }
 
 
-def steps_to_reach(target: float, steps: list[int], accs: list[float]) -> int | None:
-    """The first evaluated step whose accuracy is at least ``target`` (None: never)."""
-    return next((s for s, a in zip(steps, accs, strict=True) if a >= target), None)
+def _finite(xs: list[float]) -> list[float]:
+    return [x for x in xs if not math.isnan(x)]
 
 
-def mean_curve(curves: list[dict[str, Any]]) -> tuple[list[int], list[float]]:
-    """Mean accuracy over seeds at the steps every seed evaluated."""
-    common = sorted(set.intersection(*(set(c["steps"]) for c in curves)))
-    accs = [statistics.fmean(c["acc"][c["steps"].index(s)] for c in curves) for s in common]
-    return common, accs
+def _mean(xs: list[float]) -> float:
+    xs = _finite(xs)
+    return statistics.fmean(xs) if xs else math.nan
 
 
-def summarize(curves: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def run_stats(c: dict[str, Any]) -> dict[str, float]:
+    """Per-run figures: the signals early (first quarter of the rollout steps) and late
+    (last quarter), and the largest per-step clip-high share."""
+    s = c["per_step"]
+    n = len(s["step"])
+    q = max(1, n // 4)
+    out = {f"{name}_early": _mean(s[name][:q]) for name in SIGNALS.values()}
+    out |= {f"{name}_late": _mean(s[name][-q:]) for name in SIGNALS.values()}
+    out["clip_high_max"] = max(_finite(s["clip_high"]), default=math.nan)
+    return out
+
+
+def summarize_mode(curves: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per rung: final held-out avg@k over seeds and the per-run figures, averaged."""
     rows = {}
     for preset, runs in curves.items():
         finals = [c["final_acc"] for c in runs]
+        stats = [run_stats(c) for c in runs]
         rows[preset] = {
             "label": LABELS.get(preset, preset),
+            "final_acc": finals,
             "final_acc_mean": statistics.fmean(finals),
             "final_acc_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "final_acc_min": min(finals),
             "final_acc_max": max(finals),
-            "final_acc": finals,
             "gradient_steps_mean": statistics.fmean(c["gradient_steps"] for c in runs),
             "samples_generated_mean": statistics.fmean(c["samples_generated"] for c in runs),
-            "final_entropy_mean": statistics.fmean(c["final_entropy"] for c in runs),
-            "final_response_length_mean": statistics.fmean(c["final_response_length"] for c in runs),
-            "truncated_frac_mean": statistics.fmean(c["truncated_frac"] for c in runs),
-            "clip_frac_high_mean": statistics.fmean(c["clip_frac_high"] for c in runs),
             "wall_s_mean": statistics.fmean(c["wall_s"] for c in runs),
+        } | {key: _mean([s[key] for s in stats]) for key in stats[0]}
+    return rows
+
+
+def separated(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """True when, over two or more seeds, the seeds of ``b`` all beat, or all lose to, every
+    seed of ``a`` (the min-max ranges do not overlap): a difference beyond the seed spread."""
+    if min(len(a["final_acc"]), len(b["final_acc"])) < 2:
+        return False  # one seed has no spread to compare with
+    return b["final_acc_min"] > a["final_acc_max"] or b["final_acc_max"] < a["final_acc_min"]
+
+
+def findings(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What the ladder shows against the paper's claims, from one comparison's rows."""
+    out: dict[str, Any] = {}
+    order = [p for p in ABLATION_LADDER if p in rows]
+    out["steps"] = [
+        {
+            "from": a,
+            "to": b,
+            "diff": rows[b]["final_acc_mean"] - rows[a]["final_acc_mean"],
+            "separated": separated(rows[a], rows[b]),
         }
-    out: dict[str, Any] = {"rows": rows}
-    if "grpo" in curves and "dapo" in curves:
-        target = rows["grpo"]["final_acc_mean"]
-        steps, accs = mean_curve(curves["dapo"])
-        out["dapo_steps_to_grpo_final"] = steps_to_reach(target, steps, accs)
-        out["grpo_gradient_steps"] = rows["grpo"]["gradient_steps_mean"]
+        for a, b in zip(order, order[1:], strict=False)
+    ]
+    if "grpo" in rows and "dapo" in rows:
+        out["dapo_vs_grpo"] = {
+            "diff": rows["dapo"]["final_acc_mean"] - rows["grpo"]["final_acc_mean"],
+            "separated": separated(rows["grpo"], rows["dapo"]),
+        }
+    sym = [p for p in order if not clips_higher(p)]
+    high = [p for p in order if clips_higher(p)]
+    if sym and high:
+        out["entropy_late_symmetric"] = _mean([rows[p]["entropy_late"] for p in sym])
+        out["entropy_late_clip_higher"] = _mean([rows[p]["entropy_late"] for p in high])
+    if "grpo+overlong_filter" in rows and "grpo+clip_higher" in rows:  # only the clip differs
+        out["entropy_late_pair"] = [
+            rows["grpo+overlong_filter"]["entropy_late"],
+            rows["grpo+clip_higher"]["entropy_late"],
+        ]
+    best = max(order, key=lambda p: rows[p]["clip_high_max"])
+    out["clip_high_max"] = {"preset": best, "value": rows[best]["clip_high_max"]}
     return out
 
 
-def plot(curves: dict[str, list[dict[str, Any]]], path: Path) -> None:
+def _mean_curve(runs: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
+    """Mean over seeds of ``per_step[y]`` against the mean of ``per_step[x]``, up to the
+    shortest run."""
+    n = min(len(c["per_step"]["step"]) for c in runs)
+    xs = [statistics.fmean(c["per_step"][x][i] for c in runs) for i in range(n)]
+    ys = [_mean([c["per_step"][y][i] for c in runs]) for i in range(n)]
+    return xs, ys
+
+
+def _smooth(ys: list[float], k: int) -> list[float]:
+    """Trailing moving average over ``k`` points (NaN-aware)."""
+    return [_mean(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
+
+
+def plot(curves: dict[str, list[dict[str, Any]]], mode: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    panels = [
+        ("acc", "held-out avg@k (band: min-max over seeds)"),
+        ("entropy", "token entropy (nats)"),
+        ("clip_low", "share of tokens clipped low"),
+        ("clip_high", "share of tokens clipped high"),
+        ("length", "response length (tokens)"),
+        ("truncated", "truncated share"),
+        ("all_correct", "all-correct groups"),
+        ("all_wrong", "all-wrong groups"),
+    ]
+    fig, axes = plt.subplots(2, 4, figsize=(18, 8))
+    xkey = "samples" if mode == "budget" else "grad_steps"
+    xlabel = "generated responses" if mode == "budget" else "gradient steps"
     for preset, runs in curves.items():
-        steps, accs = mean_curve(runs)
         label = LABELS.get(preset, preset)
-        samples = [statistics.fmean(c["samples"][c["steps"].index(s)] for c in runs) for s in steps]
-        lo = [min(c["acc"][c["steps"].index(s)] for c in runs) for s in steps]
-        hi = [max(c["acc"][c["steps"].index(s)] for c in runs) for s in steps]
-        (line,) = axes[0].plot(samples, accs, marker="o", ms=3, label=label)
-        axes[0].fill_between(samples, lo, hi, alpha=0.12, color=line.get_color())
-        axes[1].plot(steps, accs, marker="o", ms=3, label=label, color=line.get_color())
-    axes[0].set_xlabel("generated responses")
-    axes[1].set_xlabel("gradient steps")
-    for ax in axes:
-        ax.set_ylabel("held-out accuracy (mean over seeds)")
+        color = None
+        for ax, (name, title) in zip(axes.flat, panels, strict=True):
+            if name == "acc":
+                k = min(len(c["acc"]) for c in runs)
+                xs = [statistics.fmean(c[f"eval_{xkey}"][i] for c in runs) for i in range(k)]
+                accs = [statistics.fmean(c["acc"][i] for c in runs) for i in range(k)]
+                lo = [min(c["acc"][i] for c in runs) for i in range(k)]
+                hi = [max(c["acc"][i] for c in runs) for i in range(k)]
+                (line,) = ax.plot(xs, accs, marker="o", ms=3, label=label)
+                color = line.get_color()
+                ax.fill_between(xs, lo, hi, alpha=0.12, color=color)
+            else:
+                xs, ys = _mean_curve(runs, xkey, name)
+                ax.plot(xs, _smooth(ys, 5), label=label, color=color, lw=1.3)
+            ax.set_title(title, fontsize=10)
+    for ax in axes.flat:
+        ax.set_xlabel(xlabel, fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0].set_title("same sample budget (band: min-max over seeds)")
-    axes[1].set_title("against gradient steps")
-    axes[1].legend(fontsize=8, loc="lower right")
+    axes.flat[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(
+        f"Ablation ladder, {MODES[mode]}: mean over seeds (signals: 5-step moving average)"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def table(result: dict[str, Any], seeds: int) -> str:
+def table(rows: dict[str, Any], found: dict[str, Any], seeds: int, k: int) -> str:
     lines = [
-        f"| step | held-out accuracy (mean ± std over {seeds} seeds) | min-max | gradient steps "
-        "| final entropy | final length | truncated | clipped high |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| rung | held-out avg@{k} (mean ± std, {seeds} seeds) | min-max | gradient steps "
+        "| responses generated | entropy early → late | clipped low / high (late) | "
+        "length early → late | truncated early → late | all-correct / all-wrong groups (late) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["rows"].values():
+    for r in rows.values():
         lines.append(
             f"| {r['label']} | {r['final_acc_mean']:.1%} ± {r['final_acc_std']:.1%} | "
-            f"{r['final_acc_min']:.1%}-{r['final_acc_max']:.1%} | {r['gradient_steps_mean']:.0f} | "
-            f"{r['final_entropy_mean']:.3f} | {r['final_response_length_mean']:.1f} | "
-            f"{r['truncated_frac_mean']:.1%} | {r['clip_frac_high_mean']:.2%} |"
+            f"{r['final_acc_min']:.1%}-{r['final_acc_max']:.1%} | "
+            f"{r['gradient_steps_mean']:.0f} | {r['samples_generated_mean']:.0f} | "
+            f"{r['entropy_early']:.3f} → {r['entropy_late']:.3f} | "
+            f"{r['clip_low_late']:.2%} / {r['clip_high_late']:.2%} | "
+            f"{r['length_early']:.1f} → {r['length_late']:.1f} | "
+            f"{r['truncated_early']:.1%} → {r['truncated_late']:.1%} | "
+            f"{r['all_correct_late']:.0%} / {r['all_wrong_late']:.0%} |"
         )
-    if "dapo_steps_to_grpo_final" in result:
-        n = result["dapo_steps_to_grpo_final"]
-        target = f"naive GRPO's final accuracy ({result['rows']['grpo']['final_acc_mean']:.1%})"
-        reach = (
-            f"DAPO does not reach {target} at any evaluation within the budget"
-            if n is None
-            else f"DAPO reaches {target} after {n} gradient steps"
+    lines.append("")
+    if "dapo_vs_grpo" in found:
+        d = found["dapo_vs_grpo"]
+        beyond = "beyond" if d["separated"] else "within"
+        lines.append(f"DAPO - naive GRPO: {d['diff']:+.1%} ({beyond} the seed spread).")
+    for s in found["steps"]:
+        beyond = "beyond" if s["separated"] else "within"
+        lines.append(
+            f"{LABELS.get(s['to'], s['to'])} vs the rung before: {s['diff']:+.1%} "
+            f"({beyond} the seed spread)"
         )
-        lines.append("")
-        lines.append(f"{reach} (naive GRPO made {result['grpo_gradient_steps']:.0f}).")
+    if "entropy_late_symmetric" in found:
+        lines.append(
+            f"Entropy, last quarter: symmetric clip {found['entropy_late_symmetric']:.3f}, "
+            f"clip-higher {found['entropy_late_clip_higher']:.3f} nats"
+            + (
+                " (+ overlong filtering vs + clip-higher, which differ only in the clip: "
+                f"{found['entropy_late_pair'][0]:.3f} vs {found['entropy_late_pair'][1]:.3f})"
+                if "entropy_late_pair" in found
+                else ""
+            )
+        )
+    c = found["clip_high_max"]
+    lines.append(
+        f"Largest share of tokens clipped high in a rollout step: {c['value']:.2%} "
+        f"({LABELS.get(c['preset'], c['preset'])}, mean over seeds of each run's maximum)."
+    )
     return "\n".join(lines)
 
 
@@ -218,7 +360,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default=",".join(ABLATION_LADDER))
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--budget", type=int, default=10240, help="generated responses per run")
+    parser.add_argument(
+        "--modes", default="steps,budget",
+        help="steps (equal gradient steps), budget (equal generation budget), or both",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=60,
+        help="rollout steps per run; the budget is steps x prompts x generations responses",
+    )
     parser.add_argument("--prompts", type=int, default=16, help="prompts per rollout step")
     parser.add_argument("--generations", type=int, default=8, help="responses per prompt")
     parser.add_argument(
@@ -226,57 +375,67 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="optimizer updates per rollout step (the paper: 16); with 1 the ratio is always 1 "
         "and clip-higher has nothing to clip",
     )
+    parser.add_argument("--lr", type=float, default=1e-4, help="learning rate")
     parser.add_argument(
-        "--lr", type=float, default=4e-5,
-        help="learning rate; 4e-5 x 4 updates moves the policy about as far per rollout step "
-        "as the default 1.5e-4 x 1 update (1.5e-4 x 4 was unstable)",
+        "--temperature", type=float, default=1.0,
+        help="rollout.temperature of the training rollouts (the loss uses it too); held-out "
+        "avg@k samples at rollout.eval_temperature",
     )
     parser.add_argument(
-        "--max-length", type=int, default=44,
-        help="response limit L_max in tokens; 44 cuts off the worked solutions that end with a "
-        "carry line (13%% of the warmed-up model's responses, ~24%% during training), so "
-        "overlong filtering and punishment have something to act on",
+        "--max-length", type=int, default=84,
+        help="response limit L_max in tokens; every clean long_addition solution fits, "
+        "rambling ones do not",
     )
-    parser.add_argument("--overlong-buffer", type=int, default=8, help="L_cache in tokens")
+    parser.add_argument("--overlong-buffer", type=int, default=16, help="L_cache in tokens")
     parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--eval-prompts", type=int, default=500)
-    parser.add_argument("--model", default="builtin:tiny")
+    parser.add_argument("--eval-prompts", type=int, default=200)
+    parser.add_argument("--eval-k", type=int, default=4, help="held-out avg@k: samples per problem")
+    parser.add_argument("--task", default="builtin:long_addition", help="data.train and data.eval")
+    parser.add_argument("--model", default="builtin:tiny-long")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once")
     parser.add_argument("--threads", type=int, default=0, help="threads per run (0: cores / jobs)")
-    parser.add_argument("--runs-dir", default="runs/ablation")
-    parser.add_argument("--output", default="benchmarks/results/ablation.json")
-    parser.add_argument("--plot", default="docs/benchmarks/ablation.png")
+    parser.add_argument("--runs-dir", default="runs/ablation_long")
+    parser.add_argument("--output", default="benchmarks/results/ablation_long.json")
+    parser.add_argument(
+        "--plot", default="docs/benchmarks/ablation_long",
+        help="plot path prefix: PREFIX_steps.png and PREFIX_budget.png",
+    )
     parser.add_argument("extra", nargs="*", help="more key.path=value overrides for every run")
     args = parser.parse_args(argv)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
         parser.error(f"--presets: unknown {unknown}; choose from {list(PRESETS)}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        parser.error(f"--modes {args.modes!r}: choose from {', '.join(MODES)} (comma-separated)")
     if args.updates_per_step < 1 or args.prompts % args.updates_per_step:
         parser.error(f"--updates-per-step {args.updates_per_step} must divide --prompts {args.prompts}")
     seeds = [int(s) for s in args.seeds.split(",")]
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
 
     t0 = time.time()
-    jobs = [(p, s) for p in presets for s in seeds]
+    jobs = {(p, s, m): run_dir(args, p, s, m) for m in modes for p in presets for s in seeds}
+    unique = list({d: job for job, d in jobs.items()}.values())  # a shared run trains once
+    done = sum((run_dir(args, *job) / "summary.json").exists() for job in unique)
+    print(f"{len(unique)} runs ({done} already done), {args.jobs} at a time, {threads} thread(s) each")
     with ThreadPoolExecutor(args.jobs) as pool:
-        dirs = list(pool.map(lambda job: train_run(job[0], job[1], args, threads), jobs))
-    curves: dict[str, list[dict[str, Any]]] = {p: [] for p in presets}
-    for (preset, _), run in zip(jobs, dirs, strict=True):
-        curves[preset].append(curve(run, args.updates_per_step))
+        list(pool.map(lambda job: train_run(*job, args, threads), unique))
 
-    result = summarize(curves)
-    result.update(
-        {
-            **provenance(),
-            "settings": {k: v for k, v in vars(args).items() if k != "extra"} | {"extra": args.extra},
-            "curves": curves,
-            "wall_s": time.time() - t0,
-        }
-    )
-    plot(curves, Path(args.plot))
-    print(table(result, len(seeds)))
-    write_report(args.output, result, args.plot)
+    result: dict[str, Any] = {**provenance(), "modes": {}}
+    for mode in modes:
+        curves = {p: [curve(jobs[(p, s, mode)]) for s in seeds] for p in presets}
+        rows = summarize_mode(curves)
+        found = findings(rows)
+        result["modes"][mode] = {"rows": rows, "findings": found, "curves": curves}
+        png = Path(f"{args.plot}_{mode}.png")
+        plot(curves, mode, png)
+        print(f"\n## {MODES[mode]}\n")
+        print(table(rows, found, len(seeds), args.eval_k))
+    result["settings"] = {k: v for k, v in vars(args).items() if k != "extra"} | {"extra": args.extra}
+    result["wall_s"] = time.time() - t0
+    result["runs"] = len(unique)
+    write_report(args.output, result, *(f"{args.plot}_{m}.png" for m in modes))
     return result
 
 

@@ -26,74 +26,112 @@ def bench(monkeypatch):
     return bench_ablation
 
 
-def test_ladder_runs_and_reports_what_its_runs_measured(bench, random_tiny_model, tmp_path, capsys):
-    out = tmp_path / "ablation.json"
-    png = tmp_path / "ablation.png"
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_ladder_runs_both_comparisons_and_reports_what_its_runs_measured(
+    bench, random_tiny_model, tmp_path, capsys
+):
+    out, prefix, runs = tmp_path / "ablation.json", tmp_path / "plots" / "abl", tmp_path / "runs"
     args = [
-        "--presets", "grpo,dapo", "--seeds", "0,1", "--budget", "48", "--prompts", "2",
+        "--presets", "grpo,dapo", "--seeds", "0,1", "--steps", "3", "--prompts", "2",
         "--generations", "4", "--updates-per-step", "2", "--eval-every", "2", "--eval-prompts", "6",
-        "--model", str(random_tiny_model), "--runs-dir", str(tmp_path / "runs"),
-        "--output", str(out), "--plot", str(png),
-        "--max-length", "10", "--overlong-buffer", "4", "--lr", "1e-4",
+        "--eval-k", "2", "--model", str(random_tiny_model), "--runs-dir", str(runs),
+        "--output", str(out), "--plot", str(prefix),
+        "--max-length", "10", "--overlong-buffer", "4", "--lr", "1e-4", "--temperature", "1.25",
         f"reward.functions=[{{name: '{REWARDS}:by_answer_class'}}]",
-    ]
+    ]  # fmt: skip
     result = bench.main(args)
     printed = capsys.readouterr().out
-    assert json.loads(out.read_text())["rows"] == result["rows"]
-    assert png.stat().st_size > 0
+    assert json.loads(out.read_text())["modes"]["steps"]["rows"] == result["modes"]["steps"]["rows"]
+    for mode in ("steps", "budget"):
+        assert Path(f"{prefix}_{mode}.png").stat().st_size > 0
+    assert "equal gradient steps" in printed and "equal generation budget" in printed
     assert "naive GRPO" in printed and "+ dynamic sampling (DAPO)" in printed
+    assert "6 runs (0 already done)" in printed
 
-    for preset in ("grpo", "dapo"):
-        finals = []
-        for seed in (0, 1):
-            summary = json.loads((tmp_path / "runs" / preset / f"seed{seed}" / "summary.json").read_text())
-            finals.append(summary["accuracy_after"])
-            # The budget, not the step count, ended the run.
-            assert 48 <= summary["samples_generated"] < 48 + 8 * 8
-        row = result["rows"][preset]
+    # Naive GRPO trains once per seed for both comparisons; DAPO twice.
+    assert sorted(p.name for p in (runs / "grpo").iterdir() if p.is_dir()) == ["seed0", "seed1"]
+    assert sorted(p.name for p in (runs / "dapo").iterdir() if p.is_dir()) == [
+        "seed0-budget", "seed0-steps", "seed1-budget", "seed1-steps",
+    ]  # fmt: skip
+    assert result["runs"] == 6
+    budget = 3 * 2 * 4
+    for seed in (0, 1):
+        grpo = json.loads((runs / "grpo" / f"seed{seed}" / "summary.json").read_text())
+        assert grpo["steps"] == 3 and grpo["samples_generated"] == budget
+        steps = json.loads((runs / "dapo" / f"seed{seed}-steps" / "summary.json").read_text())
+        assert steps["steps"] == 3 and steps["samples_generated"] >= budget
+        spent = json.loads((runs / "dapo" / f"seed{seed}-budget" / "summary.json").read_text())
+        # The budget, not the step count, ended the run (at most one step past it).
+        assert spent["steps"] <= 3 and budget <= spent["samples_generated"] < budget + 8 * 8
+    steps_rows, budget_rows = (result["modes"][m]["rows"] for m in ("steps", "budget"))
+    assert steps_rows["grpo"] == budget_rows["grpo"]
+    assert steps_rows["grpo"]["gradient_steps_mean"] == steps_rows["dapo"]["gradient_steps_mean"] == 6
+    assert budget_rows["dapo"]["gradient_steps_mean"] <= 6
+
+    # The settings reach every run; held-out accuracy is avg@k over k samples per problem.
+    cfg = yaml.safe_load((runs / "dapo" / "seed0-budget" / "config.yaml").read_text())
+    assert cfg["train"]["sample_budget"] == budget and cfg["train"]["mini_batch_size"] == 1
+    assert cfg["rollout"]["eval_num_generations"] == 2 and cfg["train"]["lr"] == 1e-4
+    assert cfg["rollout"]["temperature"] == 1.25 and cfg["rollout"]["eval_temperature"] == 1.0
+    assert cfg["data"]["train"] == cfg["data"]["eval"] == "builtin:long_addition"
+    assert cfg["rollout"]["max_completion_length"] == 10 and cfg["algorithm"]["overlong_buffer"] == 4
+    cfg = yaml.safe_load((runs / "grpo" / "seed0" / "config.yaml").read_text())
+    assert cfg["train"]["sample_budget"] == 0
+
+    # Final accuracy: the runs' own summaries, averaged over seeds.
+    for mode, found in result["modes"].items():
+        finals = [
+            json.loads((runs / "dapo" / f"seed{s}-{mode}" / "summary.json").read_text())["accuracy_after"]
+            for s in (0, 1)
+        ]
+        row = found["rows"]["dapo"]
         assert row["final_acc"] == finals
         assert row["final_acc_mean"] == pytest.approx(statistics.fmean(finals))
         assert row["final_acc_std"] == pytest.approx(statistics.stdev(finals))
-    # GRPO uses exactly 8 responses per rollout step: 48 / 8 = 6 steps of 2 updates each.
-    assert result["rows"]["grpo"]["gradient_steps_mean"] == 12
-    rows = [json.loads(x) for x in
-            (tmp_path / "runs" / "grpo" / "seed0" / "metrics.jsonl").read_text().splitlines()]
-    assert max(r["step"] for r in rows) == 6
-    # The script's own settings reach every run.
-    cfg = yaml.safe_load((tmp_path / "runs" / "grpo" / "seed0" / "config.yaml").read_text())
-    assert cfg["train"]["lr"] == 1e-4 and cfg["rollout"]["max_completion_length"] == 10
-    assert cfg["algorithm"]["overlong_buffer"] == 4 and cfg["train"]["mini_batch_size"] == 1
-    # The truncation and clip columns are the per-run means of the logged metrics, over seeds.
-    per_run = {}
-    for seed in (0, 1):
-        lines = (tmp_path / "runs" / "dapo" / f"seed{seed}" / "metrics.jsonl").read_text()
-        steps = [json.loads(x) for x in lines.splitlines()]
-        per_run[seed] = (
-            statistics.fmean(r["response_length/clip_ratio"] for r in steps if "sampling/generated_samples_total" in r),
-            statistics.fmean(r["actor/clip_frac_high"] for r in steps if "actor/clip_frac_high" in r),
-        )
-    row = result["rows"]["dapo"]
-    assert row["truncated_frac_mean"] == pytest.approx(statistics.fmean(t for t, _ in per_run.values()))
-    assert row["clip_frac_high_mean"] == pytest.approx(statistics.fmean(c for _, c in per_run.values()))
 
-    # steps_to_reach agrees with a direct reading of DAPO's mean curve.
-    curves = result["curves"]["dapo"]
-    target = result["rows"]["grpo"]["final_acc_mean"]
-    steps = sorted(set(curves[0]["steps"]) & set(curves[1]["steps"]))
-    mean = [statistics.fmean(c["acc"][c["steps"].index(s)] for c in curves) for s in steps]
-    expected = next((s for s, a in zip(steps, mean, strict=True) if a >= target), None)
-    assert result["dapo_steps_to_grpo_final"] == expected
+    # The curves are the logged metrics: per rollout step, and held-out accuracy per evaluation.
+    run = runs / "dapo" / "seed1-steps"
+    curve = result["modes"]["steps"]["curves"]["dapo"][1]  # seeds in order
+    steps = [r for r in metrics(run) if "sampling/generated_samples_total" in r]
+    assert curve["per_step"]["samples"] == [r["sampling/generated_samples_total"] for r in steps]
+    assert curve["per_step"]["clip_high"] == [r["actor/clip_frac_high"] for r in steps]
+    assert curve["per_step"]["all_wrong"] == [r["sampling/all_wrong_frac"] for r in steps]
+    assert curve["per_step"]["grad_steps"] == [2.0, 4.0, 6.0]
+    evals = {r["step"]: r["val/acc"] for r in metrics(run) if "val/acc" in r}
+    assert curve["eval_steps"] == [0, 2, 3] and curve["acc"][1:] == [evals[2], evals[3]]
+    assert curve["eval_grad_steps"] == [0.0, 4.0, 6.0]
+    # Early / late: the first and last quarter of the rollout steps (here one step each).
+    stats = bench.run_stats(curve)
+    assert stats["truncated_early"] == steps[0]["response_length/clip_ratio"]
+    assert stats["entropy_late"] == steps[-1]["actor/entropy"]
+    assert stats["clip_high_max"] == max(r["actor/clip_frac_high"] for r in steps)
+
+    # What the ladder shows is read off the rows.
+    found = result["modes"]["steps"]["findings"]
+    g, d = steps_rows["grpo"], steps_rows["dapo"]
+    assert found["dapo_vs_grpo"]["diff"] == pytest.approx(d["final_acc_mean"] - g["final_acc_mean"])
+    apart = d["final_acc_min"] > g["final_acc_max"] or d["final_acc_max"] < g["final_acc_min"]
+    assert found["dapo_vs_grpo"]["separated"] == apart
+    assert found["entropy_late_symmetric"] == g["entropy_late"]
+    assert found["entropy_late_clip_higher"] == d["entropy_late"]
 
     # A second invocation reuses the finished runs instead of training again.
-    stamp = (tmp_path / "runs" / "grpo" / "seed0" / "summary.json").stat().st_mtime_ns
+    stamp = (runs / "grpo" / "seed0" / "summary.json").stat().st_mtime_ns
     bench.main(args)
-    assert (tmp_path / "runs" / "grpo" / "seed0" / "summary.json").stat().st_mtime_ns == stamp
+    assert (runs / "grpo" / "seed0" / "summary.json").stat().st_mtime_ns == stamp
+    assert "6 runs (6 already done)" in capsys.readouterr().out
 
 
-def test_unknown_preset_is_refused(bench, capsys):
+def test_bad_arguments_are_refused(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--presets", "grpo,dapoo"])
     assert "dapoo" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--prompts", "16", "--updates-per-step", "3"])
     assert "--updates-per-step 3 must divide --prompts 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--modes", "steps,samples"])
+    assert "choose from steps, budget" in capsys.readouterr().err

@@ -76,12 +76,13 @@ def _eval(argv: list[str]) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "model", help="local model directory, hub id, .gguf file (dequantised), or builtin:tiny"
+        "model", help="local model directory, hub id, .gguf file (dequantised), or builtin:tiny / builtin:tiny-long"
     )
     parser.add_argument(
         "--data",
         required=True,
-        help="evaluation set: .parquet / .jsonl / .json / dir, or builtin:addition",
+        help="evaluation set: .parquet / .jsonl / .json / dir, builtin:addition or "
+        "builtin:long_addition",
     )
     parser.add_argument(
         "--k",
@@ -107,7 +108,7 @@ def _eval(argv: list[str]) -> int:
         "--max-problems",
         type=int,
         default=None,
-        help="evaluate the first N problems (default: all; 500 for builtin:addition)",
+        help="evaluate the first N problems (default: all; 500 for a builtin task)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=256, help="sequences generated together")

@@ -87,9 +87,9 @@ class ModelConfig:
     name_or_path: str = opt(
         "builtin:tiny",
         "The policy: a local directory, a Hugging Face hub id, a .gguf file (dequantised to "
-        "transformers format once, cached in the dapo cache), or builtin:tiny (a ~1M-parameter "
-        "Llama warmed up on column addition, trains on a CPU). The DAPO paper trains "
-        "Qwen2.5-32B base.",
+        "transformers format once, cached in the dapo cache), or a built-in ~1M-parameter "
+        "Llama that trains on a CPU: builtin:tiny (warmed up on builtin:addition) or "
+        "builtin:tiny-long (on builtin:long_addition). The DAPO paper trains Qwen2.5-32B base.",
     )
     tokenizer: str | None = opt(
         None, "Tokenizer directory or hub id; null: the one of model.name_or_path."
@@ -117,8 +117,9 @@ class DataConfig:
         "builtin:addition",
         "Training prompts: a .parquet file in the DAPO-Math format (columns data_source, "
         "prompt, reward_model.ground_truth), a .jsonl/.json file, a directory of parquet "
-        "files or from datasets' save_to_disk, a locally cached datasets name, or "
-        "builtin:addition. Repeated prompts are dropped.",
+        "files or from datasets' save_to_disk, a locally cached datasets name, or a built-in "
+        "task: builtin:addition (1-2 digit sums) or builtin:long_addition (1-4 digits, made for "
+        "the ablation ladder). Repeated prompts are dropped.",
     )
     eval: str | None = opt(
         "builtin:addition",

@@ -1,5 +1,5 @@
 """Loading the policy and its tokenizer from a local path, a hub id, a ``.gguf`` file
-(:mod:`dapo.models.gguf`), or ``builtin:tiny``."""
+(:mod:`dapo.models.gguf`), or a built-in model."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import torch
 from dapo.errors import ModelError
 from dapo.models.checkpointing import checkpoint_layers
 
-BUILTIN_MODEL = "builtin:tiny"  # built by dapo.models.tiny
+BUILTIN_MODEL = "builtin:tiny"  # the default; built by dapo.models.tiny
+# Warmed up on builtin:addition and builtin:long_addition.
+BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-long")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,14 +41,16 @@ def _is_local_path(name: str) -> bool:
 
 
 def resolve_model_path(name_or_path: str, log: Callable[[str], None] = print) -> str:
-    """``builtin:tiny`` becomes the cached warmed-up model (built on first use)."""
-    if name_or_path == BUILTIN_MODEL:
-        from dapo.models import tiny  # the built-in task and warm-up, only when asked for
+    """A built-in model (``builtin:tiny``) becomes the cached warmed-up model (built on
+    first use)."""
+    if name_or_path in BUILTIN_MODELS:
+        from dapo.models import tiny  # the built-in tasks and warm-up, only when asked for
 
-        return str(tiny.ensure_builtin_model(log=log))
+        return str(tiny.ensure_builtin_model(name_or_path, log=log))
     if name_or_path.startswith("builtin:"):
         raise ModelError(
-            f"`model.name_or_path` = {name_or_path!r}: the only built-in model is {BUILTIN_MODEL!r}"
+            f"`model.name_or_path` = {name_or_path!r}: the built-in models are "
+            f"{', '.join(BUILTIN_MODELS)}"
         )
     path = Path(name_or_path).expanduser()
     if is_gguf(path):  # dequantised once into a transformers directory, cached

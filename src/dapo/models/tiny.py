@@ -1,7 +1,9 @@
-"""``builtin:tiny``: a character tokenizer and a ~1M-parameter Llama the project warms up itself.
+"""The built-in models: a character tokenizer and a ~1M-parameter Llama the project warms up.
 
-Nothing is downloaded. The model is trained briefly (supervised, loss on the response only)
-on noisy worked solutions of the built-in addition task and cached.
+Nothing is downloaded. Each built-in model is the same small Llama trained briefly
+(supervised, loss on the response only) on noisy worked solutions of one built-in task, and
+cached: ``builtin:tiny`` on ``builtin:addition`` (the default run), ``builtin:tiny-long`` on
+``builtin:long_addition`` (the ablation ladder's task).
 """
 
 from __future__ import annotations
@@ -10,25 +12,49 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dapo.atomic import staged_dir
-from dapo.data.tasks.addition import sft_example
-from dapo.models.loading import BUILTIN_MODEL, cache_root
+from dapo.data.tasks import addition, long_addition
+from dapo.models.loading import BUILTIN_MODEL, BUILTIN_MODELS, cache_root
 
-NAME = BUILTIN_MODEL
-_VERSION = "v3"  # bump when the task, tokenizer, model or warm-up change
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one built-in model is warmed up."""
+
+    sft_example: Callable[[random.Random], tuple[str, str]]  # (prompt, noisy worked solution)
+    version: str  # bump when the task, tokenizer, model or warm-up change
+    steps: int  # supervised steps of WARMUP_BATCH examples
+    minutes: str  # the warm-up's time on 2 CPU cores, for the log
+    length_buckets: int = 1  # >1: batch examples of similar length together (less padding)
+    base: str | None = None  # start from this built-in model's weights (None: random ones)
+    lr: float = 3e-3  # peak AdamW learning rate (50 warm-up steps, then cosine to 0)
+
+
+RECIPES = {
+    BUILTIN_MODEL: Recipe(addition.sft_example, "v3", steps=300, minutes="about 2 minutes"),
+    # builtin:tiny already writes column additions; the long sums take it much further in
+    # a few minutes than a random start does.
+    "builtin:tiny-long": Recipe(
+        long_addition.sft_example,
+        "v1",
+        steps=300,
+        minutes="about 3 minutes",
+        length_buckets=4,
+        base=BUILTIN_MODEL,
+    ),
+}
+assert set(RECIPES) == set(BUILTIN_MODELS)
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 _CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 
-# Warm-up settings: chosen so that set-up takes about 2 minutes on 2 CPU cores.
-WARMUP_STEPS = 300
-WARMUP_BATCH = 64
-WARMUP_LR = 3e-3
+WARMUP_BATCH = 64  # examples per warm-up step, for every built-in model
 
 
 def build_tokenizer():
@@ -77,15 +103,30 @@ def build_model(vocab_size: int, seed: int = 0):
 # --- the warm-up ---------------------------------------------------------------------------
 
 
-def cache_dir() -> Path:
-    """Where the warmed-up model lives (under ``$DAPO_CACHE`` or ``~/.cache/dapo``)."""
-    return cache_root() / f"builtin-tiny-{_VERSION}"
+def cache_dir(name: str = BUILTIN_MODEL) -> Path:
+    """Where a warmed-up model lives (``$DAPO_CACHE`` or ``~/.cache/dapo``), e.g.
+    ``builtin-tiny-v3`` for ``builtin:tiny``."""
+    return cache_root() / f"{name.replace(':', '-')}-{RECIPES[name].version}"
 
 
-def _sft_batch(tok, rng: random.Random, size: int) -> tuple[torch.Tensor, ...]:
+def _sft_examples(recipe: Recipe, rng: random.Random) -> Iterator[list[tuple[str, str]]]:
+    """Endless warm-up batches of (prompt, solution) pairs. With ``length_buckets`` B > 1,
+    B batches are drawn at once, cut by length and visited in random order: tasks whose
+    solutions vary several-fold in length waste most of a batch on padding otherwise."""
+    while True:
+        pool = [recipe.sft_example(rng) for _ in range(WARMUP_BATCH * recipe.length_buckets)]
+        if recipe.length_buckets > 1:
+            pool.sort(key=lambda ex: len(ex[0]) + len(ex[1]))
+        batches = [pool[i : i + WARMUP_BATCH] for i in range(0, len(pool), WARMUP_BATCH)]
+        if recipe.length_buckets > 1:
+            rng.shuffle(batches)
+        yield from batches
+
+
+def _sft_batch(tok, examples: list[tuple[str, str]]) -> tuple[torch.Tensor, ...]:
     ids, labels = [], []
-    for _ in range(size):
-        prompt, solution = sft_example(rng)
+    size = len(examples)
+    for prompt, solution in examples:
         p = tok(prompt, add_special_tokens=False)["input_ids"]
         r = tok(solution, add_special_tokens=False)["input_ids"]
         r = r + [tok.eos_token_id]
@@ -104,26 +145,35 @@ def _sft_batch(tok, rng: random.Random, size: int) -> tuple[torch.Tensor, ...]:
 
 def warm_up(
     out_dir: Path,
-    steps: int = WARMUP_STEPS,
+    name: str = BUILTIN_MODEL,
+    steps: int | None = None,
     seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> Path:
-    """Build the tiny model, train it on noisy worked solutions, save it to ``out_dir``.
+    """Build the tiny model, train it on the noisy worked solutions of ``name``'s task for
+    ``steps`` (default: the recipe's), save it to ``out_dir``.
 
     The loss is masked to the response: with the prompt in the loss the model spends its
     capacity on the (constant) instructions and barely learns to add.
     """
+    recipe = RECIPES[name]
+    steps = recipe.steps if steps is None else steps
     tok = build_tokenizer()
-    model = build_model(len(tok), seed=seed)
+    if recipe.base is None:
+        model = build_model(len(tok), seed=seed)
+    else:
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(ensure_builtin_model(recipe.base, log=log))
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps))
     )
-    rng = random.Random(seed)
+    batches = _sft_examples(recipe, random.Random(seed))
     start = time.time()
     for step in range(steps):
-        input_ids, attn, labels = _sft_batch(tok, rng, WARMUP_BATCH)
+        input_ids, attn, labels = _sft_batch(tok, next(batches))
         loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -136,21 +186,23 @@ def warm_up(
     with staged_dir(out_dir) as tmp:  # another process may finish first: then its copy stays
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / "builtin.json").write_text(
-            json.dumps({"version": _VERSION, "steps": steps, "seed": seed, "seconds": time.time() - start})
-        )
+        meta = {"name": name, "version": recipe.version, "steps": steps, "seed": seed,
+                "seconds": time.time() - start}  # fmt: skip
+        (tmp / "builtin.json").write_text(json.dumps(meta))
     return out_dir
 
 
-def ensure_builtin_model(log: Callable[[str], None] = print) -> Path:
-    """Path of the warmed-up ``builtin:tiny``, building it on first use (about 2 minutes)."""
-    path = cache_dir()
+def ensure_builtin_model(
+    name: str = BUILTIN_MODEL, log: Callable[[str], None] = print
+) -> Path:
+    """Path of the warmed-up built-in model ``name``, building it on first use."""
+    path = cache_dir(name)
     if (path / "builtin.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"building builtin:tiny (first use; cached in {path}) ...")
+    log(f"building {name} (first use, {RECIPES[name].minutes}; cached in {path}) ...")
     torch_threads = torch.get_num_threads()
     try:
-        return warm_up(path, log=log)
+        return warm_up(path, name, log=log)
     finally:
         torch.set_num_threads(torch_threads)

@@ -6,9 +6,12 @@
 from __future__ import annotations
 
 from dapo.data.records import PromptRecord
-from dapo.data.tasks import addition
+from dapo.data.tasks import addition, long_addition
 
-TASKS = {addition.NAME: addition.addition_records}
+TASKS = {
+    addition.NAME: addition.addition_records,
+    long_addition.NAME: long_addition.long_addition_records,
+}
 
 
 def is_builtin(source: str | None) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 
 from dapo.data.records import PromptRecord
 
@@ -88,20 +89,34 @@ def addition_records(split: str = "train", n: int = 20000, seed: int = 1234) -> 
     Problems are drawn from the task distribution (repeats allowed), so training and
     held-out accuracy measure the same thing.
     """
+    return sum_records(NAME, DATA_SOURCE, "add", _sample_operands, split, n, seed)
+
+
+def sum_records(
+    task: str,
+    data_source: str,
+    uid_prefix: str,
+    sample_operands: Callable[[random.Random], tuple[int, int]],
+    split: str,
+    n: int,
+    seed: int,
+) -> list[PromptRecord]:
+    """``n`` problems ``a + b`` of ``split``, operands drawn by ``sample_operands`` (shared
+    by the built-in addition tasks)."""
     if split not in ("train", "test"):
-        raise ValueError(f"builtin:addition has splits 'train' and 'test', not {split!r}")
+        raise ValueError(f"{task} has splits 'train' and 'test', not {split!r}")
     rng = random.Random(f"{seed}-{split}")
     out: list[PromptRecord] = []
     while len(out) < n:
-        a, b = _sample_operands(rng)
+        a, b = sample_operands(rng)
         if _split_of(a, b) != split:
             continue
         out.append(
             PromptRecord(
                 prompt=_prompt(a, b),
                 ground_truth=str(a + b),
-                data_source=DATA_SOURCE,
-                uid=f"add-{a}-{b}",
+                data_source=data_source,
+                uid=f"{uid_prefix}-{a}-{b}",
                 # carries: what the task is hard for (the warm-up data drops one in half the
                 # solutions that have one); a difficulty field for data.difficulty_key.
                 extra={"a": a, "b": b, "carries": count_carries(a, b)},

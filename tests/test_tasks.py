@@ -1,0 +1,207 @@
+"""The built-in tasks: answers, worked solutions and their noise, lengths, difficulty, splits."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from dapo.data.tasks import TASKS, load_task
+from dapo.data.tasks import long_addition as L
+from dapo.rewards import dapo_math_score
+
+COLUMN = re.compile(r"(\d)\+(\d)(\+1)?=(\d+), (\d+)")
+
+
+def parse(solution: str) -> tuple[list[tuple[int, int, bool, int, str]], str | None, int]:
+    """A solution's column lines ``x+y[+1]=s, result`` as tuples, the result of its final
+    ``carry 1, R`` line (None without one) and its answer; the format is asserted."""
+    *body, last = solution.split("\n")
+    assert last.startswith("Answer: "), solution
+    carry_line = None
+    if body and body[-1].startswith("carry 1, "):
+        carry_line = body.pop().removeprefix("carry 1, ")
+    columns = []
+    for text in body:
+        m = COLUMN.fullmatch(text)
+        assert m, f"malformed line {text!r} in {solution!r}"
+        columns.append((int(m[1]), int(m[2]), m[3] is not None, int(m[4]), m[5]))
+    return columns, carry_line, int(last.removeprefix("Answer: "))
+
+
+def digit(n: int, i: int) -> int:
+    return n // 10**i % 10
+
+
+def test_long_addition_is_registered_next_to_addition():
+    assert set(TASKS) == {"builtin:addition", "builtin:long_addition"}
+    records = load_task("builtin:long_addition", "test", n=5)
+    assert len(records) == 5 and all(r.data_source == "builtin_long_addition" for r in records)
+    with pytest.raises(ValueError, match="builtin:addition, builtin:long_addition"):
+        load_task("builtin:long_additon", "test", n=1)
+
+
+def test_clean_solution_adds_column_by_column_and_scores_right():
+    text, answer = L.worked_solution(4738, 975)
+    assert text == "8+5=13, 3\n3+7+1=11, 13\n7+9+1=17, 713\n4+0+1=5, 5713\nAnswer: 5713"
+    assert answer == 5713
+    assert L.worked_solution(95, 7)[0] == "5+7=12, 2\n9+0+1=10, 02\ncarry 1, 102\nAnswer: 102"
+    for r in L.long_addition_records("test", n=300):
+        a, b = r.extra["a"], r.extra["b"]
+        assert r.prompt == f"Add {a}+{b} column by column. End with: Answer: <sum>\n"
+        solution, answer = L.worked_solution(a, b)
+        columns, carry_line, final = parse(solution)
+        assert len(columns) == max(len(str(a)), len(str(b)))
+        carry = 0
+        for i, (x, y, plus, s, result) in enumerate(columns):
+            assert (x, y, plus, s) == (digit(a, i), digit(b, i), bool(carry), x + y + carry)
+            assert result == str(a + b)[-(i + 1) :].zfill(i + 1)
+            carry = int(s >= 10)
+        assert (carry_line is not None) == bool(carry)
+        assert final == answer == a + b == int(r.ground_truth)
+        assert dapo_math_score(solution, r.ground_truth) == 1.0
+
+
+def test_noisy_solutions_are_consistent_and_noisy_at_the_stated_rates():
+    """Each kind of warm-up noise appears at about its stated rate, every line follows from
+    the line before it, and the answer is wrong exactly when a carry was dropped."""
+    rng = random.Random(0)
+    carries = dropped = boundaries = shortcuts = written = runs = 0
+    for _ in range(8000):
+        a, b = L._sample_operands(rng)
+        solution, answer = L.worked_solution(a, b, rng)
+        columns, carry_line, final = parse(solution)
+        assert final == answer
+        i = 0
+        while i < len(columns):  # runs of a repeated line
+            j = i
+            while j + 1 < len(columns) and columns[j + 1] == columns[i]:
+                j += 1
+            runs += j > i
+            assert j - i <= L.MAX_REPEATS
+            i = j + 1
+        worked = [x for k, x in enumerate(columns) if k == 0 or x != columns[k - 1]]
+        written += len(worked)
+        due, slipped = False, False
+        for k, (x, y, plus, s, _) in enumerate(worked):
+            assert (x, y, s) == (digit(a, k), digit(b, k), x + y + plus)
+            assert plus <= due  # a carry only after a column that overflowed
+            if due:
+                carries += 1
+                dropped += not plus
+                slipped |= not plus
+            due = s >= 10
+        w, n = len(worked), max(len(str(a)), len(str(b)))
+        boundaries += w if w < n else n - 1
+        if w < n:  # a shortcut: the remaining columns added at once, with the carry or not
+            shortcuts += 1
+            assert carry_line is None
+            rest = a // 10**w + b // 10**w
+            kept = int(f"{rest + due}{worked[-1][4]}")
+            assert final in (kept, int(f"{rest}{worked[-1][4]}"))
+            slipped |= final != kept
+        else:
+            assert (carry_line is not None) <= due
+            if due:  # the carry out of the last column, kept as a line "carry 1, R" or not
+                carries += 1
+                dropped += carry_line is None
+                slipped |= carry_line is None
+        assert (final == a + b) == (not slipped), solution
+        assert (dapo_math_score(solution, str(a + b)) == 1.0) == (not slipped)
+    assert dropped / carries == pytest.approx(L.DROP_CARRY, abs=0.02)
+    assert shortcuts / boundaries == pytest.approx(L.SHORTCUT, abs=0.01)
+    assert runs / written == pytest.approx(L.REPEAT, abs=0.015)
+
+
+def test_lengths_vary_several_fold_and_clean_solutions_fit_the_suggested_limit():
+    # Response tokens = characters + EOS with the built-in character tokenizer.
+    records = L.long_addition_records("test", 3000)
+    lengths = [len(L.worked_solution(r.extra["a"], r.extra["b"])[0]) + 1 for r in records]
+    assert min(lengths) <= 20 and max(lengths) >= 78
+    assert max(lengths) / min(lengths) >= 4
+    assert max(lengths) <= L.SUGGESTED_MAX_LENGTH
+    # Rambling pushes a share of the warm-up solutions past the limit.
+    rng = random.Random(1)
+    noisy = [len(L.sft_example(rng)[1]) + 1 for _ in range(5000)]
+    over = sum(n > L.SUGGESTED_MAX_LENGTH for n in noisy) / len(noisy)
+    assert 0.03 < over < 0.15
+
+
+def test_difficulty_spread_and_splits():
+    train = L.long_addition_records("train", n=4000)
+    test = L.long_addition_records("test", n=1000)
+    digits = [len(str(max(r.extra["a"], r.extra["b"]))) for r in train]
+    assert set(digits) == set(range(1, L.MAX_DIGITS + 1))
+    # Each operand has 1..MAX_DIGITS digits, independently: the longer one has the full
+    # width with odds 1 - ((MAX_DIGITS - 1) / MAX_DIGITS)^2.
+    full = 1 - ((L.MAX_DIGITS - 1) / L.MAX_DIGITS) ** 2
+    assert digits.count(L.MAX_DIGITS) / len(digits) == pytest.approx(full, abs=0.03)
+    assert {r.uid for r in train}.isdisjoint({r.uid for r in test})
+    assert [r.uid for r in L.long_addition_records("test", n=50)] == [r.uid for r in test[:50]]
+    rng = random.Random(2)
+    assert all(L._split_of(*L._sample_split(rng, "train")) == "train" for _ in range(200))
+    with pytest.raises(ValueError, match="splits 'train' and 'test'"):
+        L.long_addition_records("valid", n=1)
+
+
+# --- the built-in models, one per task -------------------------------------------------------
+
+
+def test_each_builtin_model_has_its_own_cache_and_unknown_ones_are_named(tmp_path, monkeypatch):
+    from dapo.errors import ModelError
+    from dapo.models import tiny
+    from dapo.models.loading import BUILTIN_MODELS, resolve_model_path
+
+    monkeypatch.setenv("DAPO_CACHE", str(tmp_path))
+    assert set(tiny.RECIPES) == set(BUILTIN_MODELS) == {"builtin:tiny", "builtin:tiny-long"}
+    # The default model keeps the cache directory it always had.
+    assert tiny.cache_dir("builtin:tiny") == tmp_path / "builtin-tiny-v3"
+    assert tiny.cache_dir("builtin:tiny-long").name.startswith("builtin-tiny-long-v")
+    assert tiny.RECIPES["builtin:tiny-long"].sft_example is L.sft_example
+    with pytest.raises(ModelError, match="builtin:tiny, builtin:tiny-long"):
+        resolve_model_path("builtin:tiny-lnog")
+
+
+def test_warm_up_continues_from_the_base_model_on_the_named_task(tmp_path, monkeypatch, one_thread):
+    """builtin:tiny-long's warm-up starts from its base model's weights (not a random
+    start), trains on long additions, in batches of similar length, and saves a model."""
+    import dataclasses
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dapo.models import tiny
+
+    base_dir = tmp_path / "base"
+    base = tiny.build_model(len(tiny.build_tokenizer()), seed=5)
+    base.save_pretrained(base_dir)
+    asked = []
+    monkeypatch.setattr(tiny, "ensure_builtin_model", lambda name, log: asked.append(name) or base_dir)
+    seen = []
+
+    def spy(rng):
+        seen.append(L.sft_example(rng))
+        return seen[-1]
+
+    recipe = tiny.RECIPES["builtin:tiny-long"]
+    assert recipe.base == "builtin:tiny" and recipe.length_buckets > 1
+    fast = dataclasses.replace(recipe, sft_example=spy, steps=1)
+    monkeypatch.setattr(tiny, "RECIPES", {**tiny.RECIPES, "builtin:tiny-long": fast})
+    out = tiny.warm_up(tmp_path / "m", "builtin:tiny-long", log=lambda _: None)
+    assert asked == ["builtin:tiny"]
+    # One batch drawn from a pool of `length_buckets` batches sorted by length.
+    assert len(seen) == tiny.WARMUP_BATCH * recipe.length_buckets
+    assert all(p.startswith("Add ") and p.endswith("Answer: <sum>\n") for p, _ in seen)
+    meta = json.loads((out / "builtin.json").read_text())
+    assert meta["name"] == "builtin:tiny-long" and meta["steps"] == 1
+    trained = AutoModelForCausalLM.from_pretrained(out)
+    fresh = tiny.build_model(len(tiny.build_tokenizer()), seed=0)
+
+    def distance(m):
+        return sum((p - q).abs().sum().item() for p, q in zip(trained.parameters(), m.parameters(), strict=True))
+
+    # One step at the first warm-up learning rate moves the base weights a little.
+    assert 0 < distance(base) < 0.01 * distance(fresh)
+    assert all(torch.isfinite(p).all() for p in trained.parameters())
