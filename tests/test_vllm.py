@@ -343,17 +343,30 @@ def test_sync_every_two_updates_tis_and_resume(tmp_path, tiny_path):
     assert [x["rollout/logprob_mismatch"] for x in lines if x["step"] == 4][0] < 1e-5
 
 
-def test_vllm_with_several_ranks_is_refused(monkeypatch, tmp_path):
-    """vLLM runs colocated in one process; a torchrun job must be told to use `hf`."""
-    from dapo.config import load_config
-    from dapo.parallel import distributed as D
-    from dapo.training.trainer import Trainer, TrainingError
-
-    monkeypatch.setattr(D, "init_distributed", lambda: D.DistInfo(rank=0, world_size=2))
-    cfg = load_config(overrides=["rollout.engine=vllm", f"output_dir={tmp_path / 'run'}"])
-    with pytest.raises(TrainingError, match="rollout.engine=hf with torchrun"):
-        Trainer(cfg)
-    assert not (tmp_path / "run").exists()  # refused before anything was written
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_every_rank_has_its_own_engine_in_step_with_its_trainer(mode, random_tiny_model, tmp_path):
+    """torchrun with 2 ranks: each rank's engine (vLLM's external_launcher executor, tensor
+    parallel 1) generates its own prompts and, after the weight pushes (DDP: the local
+    module; FSDP: gathered layer by layer), scores them like its trainer."""
+    here = Path(__file__).parent
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(here / "dist_worker.py"), "vllm", mode, str(random_tiny_model), str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        print(f"{mode} rank {r['rank']}: engine vs trainer {r['engine_vs_trainer']:.1e}, "
+              f"vs initial weights {r['engine_vs_initial']:.1e}, mismatch {r['mismatch']}")
+        assert r["updates"] == [2.0, 2.0] and r["synced"] == [True, True]
+        assert r["engine_vs_initial"] > 1e-2  # precondition: training moved the weights
+        assert r["engine_vs_trainer"] < 1e-4
+        # Every step's rollouts came from the weights the trainer had (pushed to both ranks).
+        assert all(m is not None and m < 1e-4 for m in r["mismatch"]), r["mismatch"]
+    assert ranks[0]["responses"] != ranks[1]["responses"]  # each rank sampled its own share
 
 
 @needs_vllm

@@ -142,6 +142,58 @@ def full_params(model: nn.Module) -> Iterator[None]:
         model._dapo_full_params = False
 
 
+def _param_units(model: nn.Module) -> list[tuple[Any, list[str]]]:
+    """``model.named_parameters()`` names grouped by the sharded module that gathers them
+    (the innermost ``fully_shard`` module around each), outermost module first; one group
+    with every name and no module for an unsharded model."""
+    names = [n for n, _ in model.named_parameters()]
+    if not is_fsdp(model) or getattr(model, "_dapo_full_params", False):
+        return [(None, names)]
+    prefixes = {m: p for p, m in model.named_modules() if isinstance(m, FSDPModule)}
+    units: dict[Any, list[str]] = {m: [] for m in prefixes}
+    for name in names:
+        owner = max(
+            (m for m, p in prefixes.items() if not p or name.startswith(p + ".")),
+            key=lambda m: len(prefixes[m]),
+        )
+        units[owner].append(name)
+    return [(m, ns) for m, ns in units.items() if ns]
+
+
+def parameter_specs(model: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``(name, dtype, full shape)`` of every parameter, in the order of
+    :func:`full_named_parameters` (tied parameters once, as ``named_parameters()``)."""
+    params = dict(model.named_parameters())
+    return [
+        (n, params[n].dtype, tuple(params[n].shape)) for _, names in _param_units(model) for n in names
+    ]
+
+
+def full_named_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters as whole tensors under their checkpoint names, for a rollout engine
+    that holds its own copy of the weights (``named_parameters()`` of an unsharded model).
+
+    With FSDP one sharded module (a decoder layer, then the root's embeddings, norm and
+    head: the order of :func:`parameter_specs`) is gathered at a time and resharded before
+    the next, so a rank never holds more than one layer twice; the tensors yielded are
+    copies that outlive the reshard. It is a collective: every rank must consume the whole
+    iterator, in step.
+    """
+    units = _param_units(model)
+    if units[0][0] is None:
+        for name, p in model.named_parameters():
+            yield name, p.detach()
+        return
+    model._get_fsdp_state()._lazy_init()
+    for module, names in units:
+        module.unshard()
+        try:
+            for name in names:
+                yield name, model.get_parameter(name).detach().clone()
+        finally:
+            module.reshard()
+
+
 def reshard(model: nn.Module) -> None:
     """Make sure the registered parameters are the shards (before the optimizer changes them).
 

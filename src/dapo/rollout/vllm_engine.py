@@ -9,7 +9,14 @@ How it works:
 
 - **Start.** The policy is written with ``save_pretrained`` to a temporary directory and
   ``vllm.LLM`` is built from it, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
-  that the engine's model lives in the trainer's address space.
+  that the engine's model lives in the trainer's address space. Under ``torchrun`` (a
+  process group of several ranks) every rank builds its own engine with vLLM's
+  ``external_launcher`` executor: vLLM joins the trainer's process group instead of making
+  its own, and with tensor parallel size 1 every rank is a tensor-parallel group of one, so
+  the engines generate independently. Each rank writes only the model's config and vLLM
+  starts with placeholder weights (``load_format="dummy"``); the policy's full weights
+  (gathered from FSDP shards, :func:`dapo.parallel.sharding.full_named_parameters`) are
+  then loaded as after an update. A model directory (the rollout server) is read as is.
 - **Weights.** :meth:`VLLMEngine.load_weights` pushes the trainer's tensors into the running
   engine in place, with vLLM's own ``reload_weights`` worker method (it accepts checkpoint
   names, i.e. those of ``named_parameters()`` of the transformers model, stacks q/k/v and
@@ -126,7 +133,7 @@ class VLLMEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | str | os.PathLike,
         eos_token_id: int,
         pad_token_id: int | None = None,
         *,
@@ -137,22 +144,25 @@ class VLLMEngine:
         enable_sleep_mode: bool | None = None,
         enforce_eager: bool | None = None,
         seed: int = 0,
+        distributed: bool | None = None,
         **llm_kwargs: Any,
     ) -> None:
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise VLLMEngineError(
-                "rollout.engine=vllm runs one engine in one process; data-parallel training "
-                "(torchrun with more than one process) is supported with rollout.engine=hf only"
-            )
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = pad_token_id
         self.on_cpu = bool(current_platform.is_cpu())
-        config = model.config
+        self.distributed = _in_process_group() if distributed is None else distributed
+        if self.distributed and not _in_process_group():
+            raise VLLMEngineError(
+                "a vLLM engine per rank needs the trainer's torch.distributed process group: "
+                "initialise it (torchrun) before building the engine"
+            )
+        from_dir = isinstance(model, (str, os.PathLike))
+        config = _load_config(model) if from_dir else model.config
         self.tied_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        dtype = next(model.parameters()).dtype
+        dtype = _config_dtype(config) if from_dir else next(model.parameters()).dtype
         if dtype not in _DTYPE_NAMES:
             raise VLLMEngineError(f"the policy's dtype {dtype} is not one vLLM runs")
         if max_model_len is None:
@@ -168,9 +178,23 @@ class VLLMEngine:
 
         self._dir = tempfile.mkdtemp(prefix="dapo-vllm-")
         try:
-            model.save_pretrained(self._dir, safe_serialization=True)
-            kwargs: dict[str, Any] = {
-                "model": self._dir,
+            kwargs: dict[str, Any] = {}
+            if from_dir:
+                model_dir = str(model)
+            elif self.distributed:
+                # transformers writes weights on rank 0 only (and FSDP holds shards): every
+                # rank writes the config, starts with placeholder weights and loads the full
+                # ones below.
+                config.save_pretrained(self._dir)
+                model_dir = self._dir
+                kwargs["load_format"] = "dummy"
+            else:
+                model.save_pretrained(self._dir, safe_serialization=True)
+                model_dir = self._dir
+            if self.distributed:
+                kwargs["distributed_executor_backend"] = "external_launcher"
+            kwargs.update({
+                "model": model_dir,
                 "skip_tokenizer_init": True,  # token ids in, token ids out
                 "generation_config": "vllm",  # no defaults from generation_config.json
                 "dtype": _DTYPE_NAMES[dtype],
@@ -181,7 +205,7 @@ class VLLMEngine:
                 "enable_prefix_caching": True,  # the n responses of a prompt share its prefill
                 "logprobs_mode": "processed_logprobs",
                 "enable_sleep_mode": self.sleep_enabled,
-            }
+            })
             if self.on_cpu:
                 # A seeded request whose prompt is split across steps (chunked prefill) makes
                 # vLLM rewind its random generator, which only CUDA generators can do ("CPU
@@ -211,13 +235,19 @@ class VLLMEngine:
             )
         self._asleep: set[str] = set()  # memory tags still asleep ("weights", "kv_cache")
         self._weights_discarded = False  # sleep(level=2) and no load_weights since
+        if self.distributed and not from_dir:
+            from dapo.parallel.sharding import full_named_parameters
+
+            self.load_weights(full_named_parameters(model))  # every rank: a collective
 
     # --- weights --------------------------------------------------------------------------
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the policy's tensors (checkpoint names, e.g. ``model.named_parameters()``)
-        into the running engine, in place."""
-        weights = [(name, t.detach()) for name, t in named_tensors]
+        into the running engine, in place. The tensors are consumed one at a time (vLLM
+        loads a layer once its tensors are in), so an iterator that gathers shards layer by
+        layer never holds the whole model twice."""
+        weights = ((name, t.detach()) for name, t in named_tensors)
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
@@ -358,17 +388,14 @@ class VLLMEngine:
         """Release the engine (its memory, vLLM's process group) and its temporary files."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), _keep_default_group(self.distributed):
                 llm.llm_engine.engine_core.shutdown()
             del llm
-            with contextlib.suppress(Exception):
-                from vllm.distributed.parallel_state import (
-                    destroy_distributed_environment,
-                    destroy_model_parallel,
-                )
+            with contextlib.suppress(Exception), _keep_default_group(self.distributed):
+                from vllm.distributed import parallel_state
 
-                destroy_model_parallel()
-                destroy_distributed_environment()
+                parallel_state.destroy_model_parallel()
+                parallel_state.destroy_distributed_environment()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> VLLMEngine:
@@ -379,6 +406,55 @@ class VLLMEngine:
 
 
 # --- helpers ------------------------------------------------------------------------------
+
+
+def _in_process_group() -> bool:
+    """Whether this process is one rank of several in an initialised process group."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@contextlib.contextmanager
+def _keep_default_group(distributed: bool) -> Iterator[None]:
+    """Let vLLM's shutdown tear down its own groups but not the trainer's process group.
+
+    Under ``torchrun`` vLLM joins the process group the trainer made, and its shutdown
+    (``EngineCore.shutdown`` -> ``destroy_distributed_environment``) would destroy that
+    default group too; here it destroys vLLM's world group only.
+    """
+    if not distributed:
+        yield
+        return
+    from vllm.distributed import parallel_state
+
+    original = parallel_state.destroy_distributed_environment
+
+    def destroy_vllm_world() -> None:
+        if parallel_state._WORLD is not None:
+            parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+        parallel_state._NODE_COUNT = None
+
+    parallel_state.destroy_distributed_environment = destroy_vllm_world
+    try:
+        yield
+    finally:
+        parallel_state.destroy_distributed_environment = original
+
+
+def _load_config(path: str | os.PathLike) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    """The dtype a model directory was saved in (float32 when the config does not say)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def _refresh_tied_lm_head(model: torch.nn.Module) -> None:

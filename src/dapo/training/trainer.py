@@ -41,6 +41,7 @@ from dapo.training.checkpoint import (
     step_dir,
 )
 from dapo.training.dynamic_sampling import DynamicSampler, ScoredGroup
+from dapo.training.engine_sync import EngineSync
 from dapo.training.forward import compute_logprobs, logprob_mismatch
 from dapo.training.step import (
     LossSettings,
@@ -58,11 +59,6 @@ class Trainer:
     def __init__(self, cfg: Config, log: Callable[[str], None] = print) -> None:
         self.cfg = cfg
         self.dist = D.init_distributed()
-        if cfg.rollout.engine != "hf" and self.dist.world_size > 1:
-            raise TrainingError(
-                f"`rollout.engine` = {cfg.rollout.engine!r} runs in one process only; "
-                f"this run has {self.dist.world_size} ranks: use rollout.engine=hf with torchrun"
-            )
         self.log = log if self.dist.is_main else (lambda _: None)  # only rank 0 speaks
         self.out = Path(cfg.output_dir)
         _check_output_dir(self.out)
@@ -92,12 +88,16 @@ class Trainer:
         self.reward_failures = 0
         self.nonfinite_in_a_row = 0
         self.samples_generated = 0  # every response generated, trained on or not
-        # A separate engine (vLLM) holds its own copy of the weights: they are pushed to it
-        # every `rollout.vllm_sync_every` optimizer updates, and its sampling log-probs are
-        # compared with (and can correct, `algorithm.tis_cap`) the trainer's.
+        # A separate engine (vLLM, the rollout server) holds its own copy of the weights:
+        # they are pushed to it every `rollout.vllm_sync_every` optimizer updates, and its
+        # sampling log-probs are compared with (and can correct, `algorithm.tis_cap`) the
+        # trainer's.
         self.separate_engine = cfg.rollout.engine != "hf"
         self.engine_logprobs = self.separate_engine or cfg.algorithm.tis_cap is not None
-        self.updates_since_sync = 0
+        self.engine_sync = EngineSync(
+            self.engine, self.model, separate=self.separate_engine,
+            sync_every=cfg.rollout.vllm_sync_every, sleep=cfg.rollout.vllm_sleep,
+        )  # fmt: skip
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -176,6 +176,7 @@ class Trainer:
         t1 = time.perf_counter()
         samples = self.build_samples(groups)  # 4. advantages and loss masks
         metrics.update(self.update(samples, step))  # 5. update the policy
+        metrics.update(self.engine_sync.after_update(step + 1))  # 6. a separate engine follows
         t2 = time.perf_counter()
         tokens = sum(len(g.prompt_ids) * g.size + sum(map(len, g.response_ids)) for g in groups)
         metrics["train/stale_groups"] = float(sum(g.step < step for g in groups))
@@ -287,32 +288,13 @@ class Trainer:
             len(samples), self.cfg.rollout.num_generations, t.prompts_per_step,
             t.mini_batch_size, t.epochs, seed=mix_seed(self.cfg.seed, step, 99991),
         )  # fmt: skip
-        sync = self._engine_before_update(len(plan))
+        self.engine_sync.before_update(len(plan))
         mine = sorted({i for _, idx in plan for i in self._my_share(samples, idx)})
         metrics = self._fill_logprobs(samples, mine, plan)
         metrics.update(self._apply_updates(samples, plan, step))
         metrics["actor/lr"] = lr
         metrics["train/loss_tokens"] = float(sum(sum(s.loss_mask) for s in samples))
-        if sync:  # the engine samples the next batch with the weights just trained
-            t0 = time.perf_counter()
-            self.engine.load_weights(self.model.named_parameters())
-            self.updates_since_sync = 0
-            metrics["perf/weight_sync_s"] = time.perf_counter() - t0
         return metrics
-
-    def _engine_before_update(self, n_updates: int) -> bool:
-        """Count updates towards the next weight sync of a separate engine and put it to
-        sleep while the trainer trains; True when its weights are pushed after this step."""
-        if not self.separate_engine:
-            return False
-        self.updates_since_sync += n_updates
-        sync = self.updates_since_sync >= self.cfg.rollout.vllm_sync_every
-        engine_sleep = getattr(self.engine, "sleep", None)
-        if engine_sleep is not None and self.cfg.rollout.vllm_sleep:
-            # Level 2 drops the weights, which are replaced right after; a no-op where
-            # sleeping is not supported.
-            engine_sleep(level=2 if sync else 1)
-        return sync
 
     def _fill_logprobs(
         self, samples: list[Sample], mine: list[int], plan: list[tuple[int, list[int]]]
@@ -527,7 +509,7 @@ class Trainer:
                 self.log(f"resume=true but no checkpoint in {self.out / 'checkpoints'}; starting fresh")
             else:
                 self.load_state_dict(load_checkpoint(ckpt, self.model, self.optimizer))
-                self.engine.load_weights(self.model.named_parameters())  # the resumed policy
+                self.engine_sync.push(self.step)  # the resumed policy
                 resumed_from = self.step
                 self.log(f"resumed from {ckpt} (step {self.step})")
         elif ckpt is not None:
