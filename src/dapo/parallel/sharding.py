@@ -160,38 +160,47 @@ def _param_units(model: nn.Module) -> list[tuple[Any, list[str]]]:
     return [(m, ns) for m, ns in units.items() if ns]
 
 
-def parameter_specs(model: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """``(name, dtype, full shape)`` of every parameter, in the order of
-    :func:`full_named_parameters` (tied parameters once, as ``named_parameters()``)."""
-    params = dict(model.named_parameters())
-    return [
-        (n, params[n].dtype, tuple(params[n].shape)) for _, names in _param_units(model) for n in names
-    ]
+class FullParameters:
+    """A model's parameters as whole tensors under their checkpoint names (those of
+    ``named_parameters()``, tied parameters once), for a rollout engine that holds its own
+    copy of the weights: iterate over it for ``(name, tensor)`` pairs.
 
-
-def full_named_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The parameters as whole tensors under their checkpoint names, for a rollout engine
-    that holds its own copy of the weights (``named_parameters()`` of an unsharded model).
-
-    With FSDP one sharded module (a decoder layer, then the root's embeddings, norm and
-    head: the order of :func:`parameter_specs`) is gathered at a time and resharded before
-    the next, so a rank never holds more than one layer twice; the tensors yielded are
-    copies that outlive the reshard. It is a collective: every rank must consume the whole
-    iterator, in step.
+    With FSDP one sharded module (the root's embeddings, norm and head, then each decoder
+    layer) is gathered at a time and resharded before the next, so a rank never holds more
+    than one module twice; the tensors are copies that outlive the reshard. Iterating is
+    then a collective: every rank must consume the whole iterator, in step. Without FSDP the
+    tensors are the parameters themselves (DDP: the local module's). :attr:`specs` names
+    dtype and full shape of each tensor, in iteration order, before any is gathered.
     """
-    units = _param_units(model)
-    if units[0][0] is None:
-        for name, p in model.named_parameters():
-            yield name, p.detach()
-        return
-    model._get_fsdp_state()._lazy_init()
-    for module, names in units:
-        module.unshard()
-        try:
-            for name in names:
-                yield name, model.get_parameter(name).detach().clone()
-        finally:
-            module.reshard()
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.units = _param_units(model)
+        params = dict(model.named_parameters())
+        self.specs = [
+            (n, params[n].dtype, tuple(params[n].shape)) for _, names in self.units for n in names
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        model = self.model
+        if self.units[0][0] is None:
+            params = dict(model.named_parameters())
+            for name in self.units[0][1]:
+                yield name, params[name].detach()
+            return
+        model._get_fsdp_state()._lazy_init()
+        for module, names in self.units:
+            module.unshard()
+            try:
+                for name in names:
+                    yield name, model.get_parameter(name).detach().clone()
+            finally:
+                module.reshard()
+
+
+def full_named_parameters(model: nn.Module) -> FullParameters:
+    """:class:`FullParameters` of ``model`` (see there: with FSDP, a collective)."""
+    return FullParameters(model)
 
 
 def reshard(model: nn.Module) -> None:

@@ -297,41 +297,63 @@ class VLLMEngine:
     # --- generation -----------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Group]:
+        return self.generate_many([(prompts, params)])[0]
+
+    def generate_many(
+        self, calls: list[tuple[list[list[int]], SamplingParams]]
+    ) -> list[list[Group]]:
+        """Several :meth:`generate` calls in one vLLM batch (the rollout server merges the
+        requests of the trainer's ranks this way); each call's groups, in order."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
+        for prompts, _ in calls:
+            self.check_prompts(prompts)
+        if not any(prompts for prompts, _ in calls):
+            return [[] for _ in calls]
+        self.wake_up()
+        requests, sampling, sizes = [], [], []
+        for prompts, params in calls:
+            n = params.n
+            common = {
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k if params.top_k > 0 else 0,  # 0: off (as -1 is)
+                "max_tokens": params.max_tokens,
+                "logprobs": 0,  # the sampled token's log-prob only
+                "stop_token_ids": [self.eos_token_id],
+                "detokenize": False,
+            }
+            before = len(requests)
+            for i, p in enumerate(prompts):
+                if params.temperature == 0:  # vLLM refuses n > 1 without sampling: n requests
+                    for _ in range(n):
+                        requests.append(TokensPrompt(prompt_token_ids=list(p)))
+                        sampling.append(VSamplingParams(n=1, **common))
+                else:  # own seed per prompt; vLLM gives its n children seed + 0..n-1
+                    requests.append(TokensPrompt(prompt_token_ids=list(p)))
+                    sampling.append(VSamplingParams(n=n, seed=mix_seed(params.seed, i), **common))
+            sizes.append(len(requests) - before)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []
+        results, start = [], 0
+        for (prompts, params), size in zip(calls, sizes, strict=True):
+            mine = outputs[start : start + size]
+            start += size
+            results.append(self._groups(prompts, params.n, mine))
+        return results
+
+    def check_prompts(self, prompts: list[list[int]]) -> None:
+        """Raise ``ValueError`` for an empty prompt or one that leaves no room to respond."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         too_long = [len(p) for p in prompts if len(p) >= self.max_model_len]
         if too_long:
             raise ValueError(
-                f"a prompt of {max(too_long)} tokens leaves no room for a response within the "
-                f"engine's max_model_len of {self.max_model_len}"
+                f"a prompt of {max(too_long)} tokens leaves no room for a response within "
+                f"the engine's max_model_len of {self.max_model_len}"
             )
-        if not prompts:
-            return []
-        self.wake_up()
-        n = params.n
-        greedy = params.temperature == 0
-        common = {
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else 0,  # 0: off (as -1 is)
-            "max_tokens": params.max_tokens,
-            "logprobs": 0,  # the sampled token's log-prob only
-            "stop_token_ids": [self.eos_token_id],
-            "detokenize": False,
-        }
-        requests, sampling = [], []
-        for i, p in enumerate(prompts):
-            if greedy:  # vLLM refuses n > 1 without sampling: n identical requests
-                for _ in range(n):
-                    requests.append(TokensPrompt(prompt_token_ids=list(p)))
-                    sampling.append(VSamplingParams(n=1, **common))
-            else:  # own seed per prompt; vLLM gives its n children seed + 0..n-1
-                requests.append(TokensPrompt(prompt_token_ids=list(p)))
-                sampling.append(VSamplingParams(n=n, seed=mix_seed(params.seed, i), **common))
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+
+    def _groups(self, prompts: list[list[int]], n: int, outputs: list[Any]) -> list[Group]:
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         if len(completions) != len(prompts) * n:
             raise VLLMEngineError(
