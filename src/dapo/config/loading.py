@@ -296,6 +296,33 @@ def _check_choices(obj: Any, prefix: str = "") -> None:
             _check_choices(value, f"{prefix}{f.name}.")
 
 
+def _check_rollout_engine(cfg: Config) -> None:
+    """The rollout server and asynchronous rollouts: values and combinations."""
+    r, a = cfg.rollout, cfg.algorithm
+    if r.engine == "vllm-server":
+        _check(
+            bool(r.server_url), "rollout.server_url", r.server_url,
+            "rollout.engine=vllm-server needs the server's address, e.g. "
+            "rollout.server_url=http://HOST:8000 (start the server with dapo vllm-serve MODEL)",
+        )  # fmt: skip
+    _check(r.server_timeout_s > 0, "rollout.server_timeout_s", r.server_timeout_s, "use a positive number of seconds")
+    _check(r.async_steps in (0, 1), "rollout.async_steps", r.async_steps,
+           "use 0 (generate, then train) or 1 (generate the next batch while training)")  # fmt: skip
+    if r.async_steps:
+        _check(
+            r.engine != "hf", "rollout.async_steps", r.async_steps,
+            "asynchronous rollouts need an engine with its own weights: the hf engine samples "
+            "from the very module being trained; use rollout.engine=vllm or vllm-server",
+        )  # fmt: skip
+        exact = r.top_p == 1.0 and r.top_k == 0
+        _check(
+            exact or a.tis_cap is not None, "rollout.async_steps", r.async_steps,
+            "with rollout.top_p < 1 or rollout.top_k > 0 the engine's log-probs are not the "
+            "sampling policy's, so the one-step-old batch is uncorrected: set "
+            "algorithm.tis_cap (e.g. 2.0), or sample with top_p=1 and top_k=0",
+        )  # fmt: skip
+
+
 def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` for values that cannot work together."""
     _check_choices(cfg)
@@ -335,6 +362,7 @@ def validate(cfg: Config) -> None:
     )
     if a.tis_cap is not None:
         _check(a.tis_cap >= 1, "algorithm.tis_cap", a.tis_cap, "use a cap >= 1 (e.g. 2.0) or null")
+    _check_rollout_engine(cfg)
     _check(r.max_completion_length >= 1, "rollout.max_completion_length", r.max_completion_length, "use at least 1")
     _check(r.generation_batch_size >= 1, "rollout.generation_batch_size", r.generation_batch_size, "use at least 1")
     _check(d.max_prompt_length >= 1, "data.max_prompt_length", d.max_prompt_length, "use at least 1")

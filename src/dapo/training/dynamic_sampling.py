@@ -124,9 +124,7 @@ class DynamicSampler:
             if stats.rounds >= self.max_rounds:
                 self.carry = batch + self.carry  # nothing qualifying is lost
                 raise DynamicSamplingError(self._cap_message(stats, len(batch)))
-            need = self.target - len(batch)
-            k = min(self.max_prompts_per_round, max(need, math.ceil(need / max(self.keep_rate, 0.05) * 1.1)))
-            groups = produce(k)
+            groups = produce(self._round_size(self.target - len(batch)))
             stats.rounds += 1
             stats.generated_groups += len(groups)
             kept_now = 0
@@ -150,6 +148,18 @@ class DynamicSampler:
         stats.kept = len(batch)
         stats.carried_out = len(self.carry)
         return batch, stats
+
+    def first_round_size(self) -> int:
+        """Prompts the next :meth:`fill` generates in its first round (0 when the carried-over
+        groups fill the batch); asynchronous rollouts generate that round ahead."""
+        if not self.enabled:
+            return self.target
+        need = self.target - min(len(self.carry), self.target)
+        return self._round_size(need) if need > 0 else 0
+
+    def _round_size(self, need: int) -> int:
+        """Prompts to generate for ``need`` more groups: over-sampled by the keep rate."""
+        return min(self.max_prompts_per_round, max(need, math.ceil(need / max(self.keep_rate, 0.05) * 1.1)))
 
     def _cap_message(self, stats: FillStats, have: int) -> str:
         gen = max(1, stats.generated_groups)

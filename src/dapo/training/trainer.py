@@ -43,6 +43,7 @@ from dapo.training.checkpoint import (
 from dapo.training.dynamic_sampling import DynamicSampler, ScoredGroup
 from dapo.training.engine_sync import EngineSync
 from dapo.training.forward import compute_logprobs, logprob_mismatch
+from dapo.training.prefetch import RolloutPrefetcher
 from dapo.training.step import (
     LossSettings,
     lr_at,
@@ -98,6 +99,7 @@ class Trainer:
             self.engine, self.model, separate=self.separate_engine,
             sync_every=cfg.rollout.vllm_sync_every, sleep=cfg.rollout.vllm_sleep,
         )  # fmt: skip
+        self.prefetcher = RolloutPrefetcher()  # rollout.async_steps=1: the next round, ahead
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -162,6 +164,8 @@ class Trainer:
                 seed=self.cfg.seed,
                 gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                 sleep=r.vllm_sleep,
+                server_url=r.server_url,
+                server_timeout_s=r.server_timeout_s,
             )
         except (VLLMUnavailableError, VLLMEngineError) as exc:
             raise TrainingError(str(exc)) from exc
@@ -173,9 +177,11 @@ class Trainer:
         step = self.step
         t0 = time.perf_counter()
         groups, metrics = self.fill_batch(step)  # 1-3. sample, score, filter
+        self.generate_ahead(step + 1)  # async: the next step's first round, while we train
         t1 = time.perf_counter()
         samples = self.build_samples(groups)  # 4. advantages and loss masks
         metrics.update(self.update(samples, step))  # 5. update the policy
+        metrics.update(self.prefetcher.collect())  # async: the next round is in
         metrics.update(self.engine_sync.after_update(step + 1))  # 6. a separate engine follows
         t2 = time.perf_counter()
         tokens = sum(len(g.prompt_ids) * g.size + sum(map(len, g.response_ids)) for g in groups)
@@ -192,14 +198,23 @@ class Trainer:
         generated: list[ScoredGroup] = []
         timing = {"gen": 0.0, "score": 0.0}
         rounds = 0
+        staleness = []  # rollout steps between the policy that sampled a round and this one
 
         def produce(k: int) -> list[ScoredGroup]:
             nonlocal rounds
-            idx = D.shard(self.stream.take(k), self.dist)  # this rank's share of the prompts
+            ahead = self.prefetcher.take(step, k) if rounds == 0 else None
             t0 = time.perf_counter()
-            groups = self.generate([self.train_ids[i] for i in idx], step, rounds)
+            if ahead is None:
+                idx = D.shard(self.stream.take(k), self.dist)  # this rank's share of the prompts
+                groups = self.generate([self.train_ids[i] for i in idx], step, rounds)
+                staleness.append(step - self.engine_sync.version)
+                gen_step = step
+            else:  # generated during the last step's update, by the policy before it
+                idx, groups = D.shard(ahead.indices, self.dist), ahead.groups or []
+                staleness.append(step - ahead.version)
+                gen_step = ahead.version  # its log-probs are the behaviour policy's
             t1 = time.perf_counter()
-            scored = self.score(groups, [self.train_records[i] for i in idx], step)
+            scored = self.score(groups, [self.train_records[i] for i in idx], gen_step)
             timing["gen"] += t1 - t0
             timing["score"] += time.perf_counter() - t1
             rounds += 1
@@ -219,8 +234,23 @@ class Trainer:
             "perf/score_s": timing["score"],
             "perf/rollout_tokens_per_s": tokens / max(timing["gen"], 1e-9),
             "sampling/generated_samples_total": float(self.samples_generated),
+            "rollout/staleness": float(max(staleness, default=0)),
             **fill.as_metrics(),
         }
+
+    def generate_ahead(self, step: int) -> None:
+        """``rollout.async_steps=1``: start generating the first round of ``step`` (the
+        prompts and seeds a synchronous run would use for it) in the background."""
+        if not self.cfg.rollout.async_steps or step >= self.cfg.train.steps:
+            return
+        k = self.sampler.first_round_size()
+        if k == 0:  # the carried-over groups fill the batch
+            return
+        indices = self.stream.take(k)
+        prompts = [self.train_ids[i] for i in D.shard(indices, self.dist)]
+        self.prefetcher.submit(
+            step, indices, self.engine_sync.version, lambda: self.generate(prompts, step, 0)
+        )
 
     def generate(self, prompt_ids: list[list[int]], step: int, round_no: int) -> list[Group]:
         """Sample ``rollout.num_generations`` responses per prompt (seeded per step, round
@@ -288,7 +318,7 @@ class Trainer:
             len(samples), self.cfg.rollout.num_generations, t.prompts_per_step,
             t.mini_batch_size, t.epochs, seed=mix_seed(self.cfg.seed, step, 99991),
         )  # fmt: skip
-        self.engine_sync.before_update(len(plan))
+        self.engine_sync.before_update(len(plan), generating=self.prefetcher.generating)
         mine = sorted({i for _, idx in plan for i in self._my_share(samples, idx)})
         metrics = self._fill_logprobs(samples, mine, plan)
         metrics.update(self._apply_updates(samples, plan, step))
@@ -420,6 +450,7 @@ class Trainer:
         self.stream.load_state_dict(state["stream"])
         self.sampler.load_state_dict(state["sampler"])
         self.summary = dict(state["summary"])
+        self.prefetcher.load_state_dict(state.get("prefetch"), self.step)
         self.reward_failures = state["reward_failures"]
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         self.samples_generated = state.get("samples_generated", 0)
@@ -432,9 +463,10 @@ class Trainer:
         root = self.out / "checkpoints"
         path = step_dir(root, self.step)
         full = full_state(self.model, self.optimizer)
+        ahead = self.prefetcher.state_dict()  # every rank: the round generated ahead, gathered
         if self.dist.is_main:
             path = save_checkpoint(
-                root, self.step, self.model, self.optimizer, self.state_dict(),
+                root, self.step, self.model, self.optimizer, {**self.state_dict(), "prefetch": ahead},
                 keep_last=self.cfg.checkpoint.keep_last, full=full,
             )  # fmt: skip
         D.barrier()
@@ -448,6 +480,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the reward workers and release the engine (``run`` does this itself)."""
         self.scorer.close()
+        self.prefetcher.close()  # a round still generating uses the engine
         close_engine(self.engine)
 
     # --- the whole run --------------------------------------------------------------------
@@ -517,6 +550,8 @@ class Trainer:
                 f"{self.out} already holds checkpoints of an earlier run; continue it with "
                 "resume=true, or choose another output_dir (nothing was overwritten)"
             )
+        if resumed_from is None and self.cfg.rollout.engine == "vllm-server":
+            self.engine_sync.push(self.step)  # the server started from its own copy
         if self.dist.is_main:
             write_text_atomic(self.out / "config.yaml", self.cfg.to_yaml())
         return resumed_from
