@@ -196,7 +196,7 @@ def worker_trl(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     a, r, t = cfg.algorithm, cfg.rollout, cfg.train
     path = resolve_model_path(cfg.model.name_or_path, log=lambda _: None)
     tokenizer = load_tokenizer(path)
-    model = load_policy(path, dtype=cfg.model.dtype)
+    model = load_policy(path)
     # The same prompt set as ours: the same records, the same length filter (none is dropped).
     records, _, _ = encode_prompts(
         load_prompt_set(cfg.data, "train"), tokenizer, cfg.data.max_prompt_length

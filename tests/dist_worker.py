@@ -6,6 +6,8 @@ Modes:
   dynamic MODEL OUT a short training run with uniform groups; each rank records what it trained
   vllm DP MODEL OUT two rollout steps with a vLLM engine per rank; each rank compares its
                     engine's log-probs with its trainer's
+  skip MODEL OUT REWARDS DATA  a run with algorithm.skip_uniform_prompts; each rank records the
+                    prompts it drew, skipped and generated, and its prompt history
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def one_step(data_parallel: str, checkpoints: Path | None = None) -> dict:
     """One optimizer step; the full parameters and optimizer state after it (on rank 0
     under FSDP) and the number of parameter elements this rank holds.
 
-    With ``checkpoints`` the state is also saved there as a checkpoint and loaded back into
-    a fresh model and optimizer: ``reload_error`` is the largest difference.
+    With ``checkpoints`` the state is also saved there as a checkpoint (FSDP: sharded, each
+    rank writes its part) and loaded back into a fresh model and optimizer: ``reload_error``
+    is the largest difference.
     """
     from torch.distributed.tensor import DTensor
 
@@ -87,9 +90,8 @@ def one_step(data_parallel: str, checkpoints: Path | None = None) -> dict:
     full = full_state(model, opt)
     out = {"params": full.weights, "optimizer": full.optimizer, "local_numel": local,
            "grad_norm": result.grad_norm}
-    if checkpoints is not None:
-        if D.current().is_main:
-            save_checkpoint(checkpoints, 1, model, opt, {"step": 1}, full=full)
+    if checkpoints is not None:  # every rank saves (FSDP: its own shards)
+        save_checkpoint(checkpoints, 1, model, opt, {"step": 1})
         D.barrier()
         fresh, _, fresh_opt = _model_and_optimizer(data_parallel)
         assert load_checkpoint(checkpoints / "step_000001", fresh, fresh_opt) == {"step": 1}
@@ -102,6 +104,46 @@ def one_step(data_parallel: str, checkpoints: Path | None = None) -> dict:
             assert again.optimizer["param_groups"] == full.optimizer["param_groups"]
             out["reload_error"] = float(max(diffs))
     return out
+
+
+def mixed_precision_grads(data_parallel: str) -> dict:
+    """The full gradient of one bf16-mixed step on the fixed batch (the seed-3 builtin model
+    in float32; FSDP with bf16 parameters and float32 reduction), the dtypes the sharded
+    parameters are stored in and the dtypes a layer computes with."""
+    from torch.distributed.tensor import DTensor
+
+    from dapo.models.precision import mixed_precision_dtype, set_precision
+    from dapo.models.tiny import build_model, build_tokenizer
+    from dapo.parallel import sharding
+    from dapo.training.step import LossSettings, optimizer_step
+
+    torch.set_num_threads(1)
+    model = set_precision(build_model(len(build_tokenizer()), seed=3), "bf16-mixed")
+    model.train()
+    if data_parallel == "fsdp":
+        sharding.shard_model(model, D.current(), param_dtype=mixed_precision_dtype(model))
+    computed: set[torch.dtype] = set()
+    layer = model.model.layers[0].mlp.down_proj
+    handle = layer.register_forward_pre_hook(lambda m, a: computed.add(m.weight.dtype))
+    captured: dict[str, torch.Tensor] = {}
+
+    class Capture:  # stands in for the optimizer: keeps the (clipped) gradient
+        def step(self) -> None:
+            for name, p in model.named_parameters():
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                captured[name] = g.detach().clone()
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            model.zero_grad(set_to_none=set_to_none)
+
+    batch = fixed_batch()
+    for s in batch:
+        s.old_logprobs = s.old_logprobs.float()
+    optimizer_step(model, Capture(), batch, LossSettings(), pad_id=0,
+                   token_budget=TOKEN_BUDGET["fsdp"], max_grad_norm=0.0)
+    handle.remove()
+    stored = {p.dtype for p in model.parameters()}
+    return {"grads": captured, "stored": stored, "computed": computed}
 
 
 def no_grad_passes_match(data_parallel: str) -> bool:
@@ -172,6 +214,41 @@ def vllm_colocated(data_parallel: str, model_path: str, out: Path) -> dict:
         trainer.close()
 
 
+def skip_run(model: str, out: str, rewards: str, data: str, rank: int) -> None:
+    from dapo.config import load_config
+    from dapo.training.trainer import Trainer
+
+    cfg = load_config(overrides=[
+        f"model.name_or_path={model}", f"output_dir={out}", f"data.train={data}",
+        "data.answer_key=answer", "train.steps=6", "train.prompts_per_step=4",
+        "train.mini_batch_size=2", "rollout.num_generations=4", "rollout.max_completion_length=8",
+        "algorithm.overlong_buffer=2", "evaluate=false", "logging.tensorboard=false",
+        "logging.console=false", "checkpoint.save_every=0", "checkpoint.save_final_model=false",
+        f"reward.functions=[{{name: '{rewards}:by_answer_class'}}]",
+        "algorithm.skip_uniform_prompts=true",
+    ])
+    trainer = Trainer(cfg, log=lambda _: None)
+    seen: dict = {"taken": [], "skipped": [], "generated": []}
+    next_prompts, generate = trainer.prompts.next, trainer.engine.generate
+
+    def record_prompts(k, skipped):
+        before = len(skipped)
+        taken = next_prompts(k, skipped)
+        seen["taken"] += taken
+        seen["skipped"] += skipped[before:]
+        return taken
+
+    def record_generate(prompt_ids, params):
+        seen["generated"] += [list(p) for p in prompt_ids]
+        return generate(prompt_ids, params)
+
+    trainer.prompts.next, trainer.engine.generate = record_prompts, record_generate
+    trainer.run()
+    seen["taken_ids"] = [trainer.train_ids[i] for i in seen["taken"]]
+    seen["history"] = trainer.prompts.history.state_dict()
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(seen))
+
+
 def main() -> None:
     mode = sys.argv[1]
     info = D.init_distributed()
@@ -180,6 +257,8 @@ def main() -> None:
         dp = sys.argv[2]
         match = D.all_gather_objects(no_grad_passes_match(dp))
         out = one_step(dp, Path(sys.argv[3]).parent / f"checkpoints-{dp}")
+        if dp == "fsdp":
+            out["mixed"] = mixed_precision_grads(dp)
         local = D.all_gather_objects(out["local_numel"])
         if info.is_main:
             torch.save({**out, "local_numel": local, "no_grad_passes_match": match}, sys.argv[3])
@@ -219,6 +298,8 @@ def main() -> None:
         out = Path(sys.argv[4])
         result = vllm_colocated(sys.argv[2], sys.argv[3], out)
         (out / f"rank{info.rank}.json").write_text(json.dumps(result))
+    elif mode == "skip":
+        skip_run(*sys.argv[2:6], rank=info.rank)
     D.destroy()
 
 

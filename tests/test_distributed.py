@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,7 @@ def two_rank_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for mode in ("ddp", "fsdp"):
         torchrun(str(HERE / "dist_worker.py"), "step", mode, str(tmp / f"{mode}.pt"), cwd=tmp)
         results[mode] = torch.load(tmp / f"{mode}.pt")
+        results[mode]["checkpoint"] = tmp / f"checkpoints-{mode}" / "step_000001"
     return results
 
 
@@ -118,6 +120,32 @@ def test_two_ranks_make_the_same_step_as_one_process(mode: str, two_rank_steps: 
     assert two_ranks["reload_error"] == 0.0
 
 
+def test_fsdp_checkpoint_is_written_in_shards_and_loads_into_one_process(two_rank_steps: dict) -> None:
+    """Each FSDP rank wrote its own shards (torch.distributed.checkpoint, nothing gathered);
+    a single process without a process group loads them into a plain model and optimizer
+    (another world size): exactly the state the two ranks held."""
+    ckpt = two_rank_steps["fsdp"]["checkpoint"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["model_optim", "trainer_state.pt"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= {p.name for p in (ckpt / "model_optim").iterdir()}
+    assert (ckpt.parent.parent / "checkpoints-ddp" / "step_000001" / "model.safetensors").is_file()
+    from dapo.models.tiny import build_model, build_tokenizer
+    from dapo.parallel.sharding import full_optimizer_state
+    from dapo.training.checkpoint import load_checkpoint
+
+    torch.set_num_threads(1)
+    model = build_model(len(build_tokenizer()), seed=5).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    assert load_checkpoint(ckpt, model, opt) == {"step": 1}
+    saved = two_rank_steps["fsdp"]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved["params"][name]), name
+    state = full_optimizer_state(model, opt)
+    assert state["param_groups"] == saved["optimizer"]["param_groups"]
+    for i, s in saved["optimizer"]["state"].items():
+        for key, value in s.items():
+            assert torch.equal(state["state"][i][key], value), (i, key)
+
+
 def test_fsdp_shards_the_parameters(two_rank_steps: dict) -> None:
     params = two_rank_steps["fsdp"]["params"]
     full = sum(v.numel() for k, v in params.items() if k != "lm_head.weight")
@@ -133,6 +161,32 @@ def test_fsdp_generation_and_logprob_passes_match_a_plain_model(two_rank_steps: 
     # Each rank decodes a different number of steps and scores a different number of
     # samples (one rank none): the parameters are gathered once around these passes.
     assert two_rank_steps["fsdp"]["no_grad_passes_match"] == [True, True]
+
+
+def test_fsdp_bf16_mixed_gathers_bf16_and_keeps_float32_shards(two_rank_steps: dict) -> None:
+    """FSDP2's MixedPrecisionPolicy: the layers compute with bf16 copies of the parameters,
+    the shards (and so AdamW's state) stay float32, and the gradient (reduced in float32)
+    is the single-process float32 one within bf16 rounding."""
+    dist_worker = _dist_worker()
+    mixed = two_rank_steps["fsdp"]["mixed"]
+    assert mixed["computed"] == {torch.bfloat16} and mixed["stored"] == {torch.float32}
+    torch.set_num_threads(1)
+    from dapo.models.tiny import build_model, build_tokenizer
+    from dapo.training.step import LossSettings, accumulate_gradients, loss_denominator
+
+    model = build_model(len(build_tokenizer()), seed=3)  # float32, one process
+    model.train()
+    batch = dist_worker.fixed_batch()
+    for s in batch:
+        s.old_logprobs = s.old_logprobs.float()
+    settings = LossSettings()
+    accumulate_gradients(model, batch, settings, pad_id=0, token_budget=70,
+                         denominator=loss_denominator(batch, settings))
+    ref = {n: p.grad for n, p in model.named_parameters()}
+    assert ref.keys() == mixed["grads"].keys()
+    num = sum(float((mixed["grads"][n] - g).square().sum()) for n, g in ref.items()) ** 0.5
+    den = sum(float(g.square().sum()) for g in ref.values()) ** 0.5
+    assert 0 < num / den < 3e-2
 
 
 def test_fsdp_where_it_does_not_work_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,6 +218,24 @@ def test_dynamic_sampling_is_global_across_ranks(random_tiny_model: Path, tmp_pa
         assert a["trained_rows"] and b["trained_rows"]
 
 
+def test_prompt_skipping_decides_the_same_on_every_rank(random_tiny_model: Path, tmp_path: Path) -> None:
+    """algorithm.skip_uniform_prompts under 2 ranks: both hold the same history and skip
+    the same draws; together they generate exactly the prompts not skipped."""
+    data = tmp_path / "train.jsonl"  # answers 3..14: a third always right, a third always wrong
+    data.write_text("".join(json.dumps({"prompt": f"Add {i}+3.\n", "answer": str(i + 3)}) + "\n"
+                            for i in range(12)))  # fmt: skip
+    out = tmp_path / "run"
+    rewards = HERE / "trainer_rewards.py"
+    torchrun(str(HERE / "dist_worker.py"), "skip", str(random_tiny_model), str(out), str(rewards),
+             str(data), cwd=tmp_path)  # fmt: skip
+    a, b = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert a["skipped"] and a["skipped"] == b["skipped"]
+    assert a["taken"] == b["taken"] and a["history"] == b["history"]
+    # Each rank generated its share; together, every prompt drawn and not skipped, once.
+    assert a["generated"] and b["generated"]
+    assert sorted(a["generated"] + b["generated"]) == sorted(a["taken_ids"])
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_rank_run_resumes_from_its_checkpoint(
     mode: str, random_tiny_model: Path, tmp_path: Path
@@ -182,6 +254,18 @@ def test_two_rank_run_resumes_from_its_checkpoint(
     first_mode = "fsdp" if mode == "fsdp" else "auto"
     first = torchrun(*common, "train.steps=2", f"train.data_parallel={first_mode}", cwd=tmp_path)
     assert f"data parallel: {mode} (" in first.stdout
+    if mode == "fsdp":  # the sharded checkpoint resumes in one process too (another world size)
+        one = tmp_path / "one"
+        shutil.copytree(out, one)
+        args = [a.replace(str(out), str(one)) for a in common]
+        proc = subprocess.run([sys.executable, *args, "train.steps=3", "resume=true"], cwd=tmp_path,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "resumed from" in proc.stdout and "data parallel" not in proc.stdout
+        summary = json.loads((one / "summary.json").read_text())
+        assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
+        assert (one / "checkpoints" / "step_000003" / "model.safetensors").is_file()
     torchrun(*common, "train.steps=3", "resume=true", f"train.data_parallel={mode}", cwd=tmp_path)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
@@ -205,6 +289,19 @@ def test_two_rank_run_resumes_from_its_checkpoint(
         whole = tmp_path / "whole"
         torchrun(*[a.replace(str(out), str(whole)) for a in common], "train.steps=3",
                  "train.data_parallel=fsdp", cwd=tmp_path)
-        for name in ("model.safetensors", "optimizer.pt"):
-            resumed = (out / "checkpoints" / "step_000003" / name).read_bytes()
-            assert (whole / "checkpoints" / "step_000003" / name).read_bytes() == resumed, name
+        from dapo.config import TrainConfig
+        from dapo.parallel.sharding import full_optimizer_state
+        from dapo.training.step import make_optimizer
+
+        states = []
+        for run in (out, whole):
+            model = AutoModelForCausalLM.from_pretrained(random_tiny_model)
+            opt = make_optimizer(model, TrainConfig())
+            load_checkpoint(run / "checkpoints" / "step_000003", model, opt)
+            states.append((model.state_dict(), full_optimizer_state(model, opt)))
+        (m1, o1), (m2, o2) = states
+        assert all(torch.equal(m1[k], m2[k]) for k in m1)
+        assert o1["param_groups"] == o2["param_groups"] and o1["state"].keys() == o2["state"].keys()
+        for i, st in o1["state"].items():
+            assert all(torch.equal(v, o2["state"][i][k]) for k, v in st.items())
+        assert int(o1["state"][0]["step"]) == 6  # 3 steps x 2 updates

@@ -793,6 +793,7 @@ def bad_inputs(random_tiny_model, tmp_path_factory) -> Path:
 BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
     "unknown-key": (["train.lrr=1e-5"], ["`train.lrr`", "did you mean `train.lr`"]),
     "other-library-name": (["learning_rate=1e-5"], ["`learning_rate`", "`train.lr`"]),
+    "model-dtype": (["model.dtype=bfloat16"], ["`model.dtype`", "`train.precision`"]),
     "unknown-section": (["trian.lr=1e-5"], ["`trian`", "`train`"]),
     "wrong-type-int": (["train.steps=ten"], ["`train.steps`", "integer", "'ten'"]),
     "wrong-type-number": (["train.lr=fast"], ["`train.lr`", "number", "'fast'"]),
@@ -819,6 +820,22 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
     "keep-no-checkpoint": (
         ["checkpoint.keep_last=0"],
         ["`checkpoint.keep_last` = 0", "at least 1"],
+    ),
+    "skip-cap-one": (
+        ["algorithm.skip_uniform_prompts=true", "algorithm.skip_max_prob=1"],
+        ["`algorithm.skip_max_prob` = 1.0", "[0, 1)"],
+    ),
+    "skip-key-missing": (
+        ["algorithm.skip_uniform_prompts=true", "algorithm.skip_key=problem_id"],
+        ["algorithm.skip_key='problem_id'", "no such field", "['reward_model']"],
+    ),
+    "difficulty-key-without-curriculum": (
+        ["data.difficulty_key=level"],
+        ["`data.difficulty_key` = 'level'", "data.curriculum=easy_first"],
+    ),
+    "difficulty-not-a-number": (
+        ["data.curriculum=easy_first", "data.difficulty_key=reward_model"],
+        ["data.difficulty_key='reward_model'", "not a finite number"],
     ),
     "vllm-not-installed": (["rollout.engine=vllm"], ["vLLM is not installed", "pip install 'dapo[vllm]'"]),
     "server-without-url": (

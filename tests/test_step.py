@@ -270,9 +270,51 @@ def test_shared_prompt_forward_in_float32() -> None:
         torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
 
 
+def test_checkpointed_layers_with_the_shared_prompt_equal_the_plain_forward(model) -> None:
+    """dapo's layer checkpointing keeps the shared-prompt forward: each layer runs again in
+    backward (its cache update gives the same keys again) and the log-probs and gradients
+    are those of the plain forward of whole sequences."""
+    import copy
+
+    from dapo.models.checkpointing import checkpoint_layers, is_checkpointed
+
+    checkpointed = copy.deepcopy(model)
+    assert checkpoint_layers(checkpointed) == 4 and is_checkpointed(checkpointed)
+    assert not is_checkpointed(model) and prompt_cache(checkpointed) is not None
+    assert checkpointed.state_dict().keys() == model.state_dict().keys()
+    settings = LossSettings(loss_agg="token-mean", temperature=0.8)
+    samples = with_old_logprobs(make_samples(), seed=11)
+    calls = {"plain": 0, "checkpointed": 0}
+    handles = [
+        m.model.layers[0].self_attn.register_forward_pre_hook(
+            lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
+        for k, m in (("plain", model), ("checkpointed", checkpointed))
+    ]  # fmt: skip
+    seen, hook = _count_prompt_passes(checkpointed)
+    try:
+        plain = step_gradient(model, samples, settings, 130, shared_prompt=False)
+        shared = step_gradient(checkpointed, samples, settings, 130)
+    finally:
+        hook.remove()
+        for h in handles:
+            h.remove()
+    assert len(seen) > 0  # the prompts were forwarded once per group...
+    passes = len(micro_batches(samples, 130))
+    # one more pass (the responses) per shared prompt pass, and every pass ran again in backward
+    assert calls["plain"] == passes and calls["checkpointed"] == 2 * (passes + len(seen))
+    assert plain.abs().max() > 1e-4
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+    a = compute_logprobs(model, samples, pad_id=PAD, temperature=0.8, token_budget=130,
+                         shared_prompt=False)
+    b = compute_logprobs(checkpointed, samples, pad_id=PAD, temperature=0.8, token_budget=130)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-6)
+
+
 def test_prompt_cache_only_where_the_cache_is_exact(model) -> None:
-    """Gradient checkpointing (its layers drop the cache in training) and sliding-window
-    attention (the cache keeps only part of the past) fall back to full sequences, exactly."""
+    """transformers' own gradient checkpointing (its layers drop the cache in training) and
+    sliding-window attention (the cache keeps only part of the past) fall back to full
+    sequences, exactly."""
     import copy
 
     from transformers import MistralConfig, MistralForCausalLM

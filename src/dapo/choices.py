@@ -19,7 +19,9 @@ ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)  # algorithm.advant
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAgg)  # algorithm.loss_agg
 KL_KINDS: tuple[str, ...] = get_args(KLKind)  # algorithm.kl_estimator
 ENGINES: tuple[str, ...] = ("hf", "vllm", "vllm-server")  # rollout.engine: dapo.rollout.make_engine
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # model.dtype
+# train.precision: dapo.models.precision (auto resolves to one of the others at start-up)
+PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16-mixed", "bf16")
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # train.lr_schedule
 DATA_PARALLEL_MODES: tuple[str, ...] = ("auto", "fsdp", "ddp")  # train.data_parallel
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("acc", "reward")  # algorithm.dynamic_sampling_metric
+CURRICULA: tuple[str, ...] = ("none", "easy_first")  # data.curriculum: dapo.data.curriculum

@@ -1,14 +1,16 @@
-"""Seeds: the global RNGs of a run, and derived seeds for each generation call."""
+"""Seeds: the global RNGs of a run, derived seeds for each generation call, and seeded
+coins for decisions every rank must take alike."""
 
 from __future__ import annotations
 
+import hashlib
 import random
-
-import torch
 
 
 def seed_everything(seed: int) -> None:
     """Seed Python's, torch's and (if installed) numpy's global generators."""
+    import torch  # here, so that the torch-free data modules can use the rest
+
     random.seed(seed)
     torch.manual_seed(seed)
     try:
@@ -29,3 +31,10 @@ def mix_seed(*parts: int) -> int:
     for p in parts:
         h = ((h ^ (p & 0xFFFFFFFF)) * 1099511628211) % 2**61
     return h
+
+
+def unit_hash(*parts: int | str) -> float:
+    """A number in [0, 1) that is a pure function of ``parts`` (BLAKE2b of their text): the
+    same on every rank, in every process and after a resume, unlike a global RNG's draw."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64

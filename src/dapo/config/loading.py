@@ -37,6 +37,13 @@ _ALIASES = {
     "max_new_tokens": "rollout.max_completion_length",
     "max_response_length": "rollout.max_completion_length",
     "model_name_or_path": "model.name_or_path",
+    # Precision is a training setting (weights, autocast and optimizer state together).
+    "dtype": "train.precision",
+    "torch_dtype": "train.precision",
+    "bf16": "train.precision",
+    "fp16": "train.precision",
+    "mixed_precision": "train.precision",
+    "entropy_chunk_size": "train.logits_chunk_size",
 }
 
 
@@ -333,6 +340,30 @@ def validate(cfg: Config) -> None:
         _check(a.clip_c > 1, "algorithm.clip_c", a.clip_c, "dual clip needs a value > 1 (e.g. 3.0) or null")
     _check(a.beta >= 0, "algorithm.beta", a.beta, "use 0 (no KL, DAPO) or a positive coefficient")
     _check(a.max_gen_rounds >= 1, "algorithm.max_gen_rounds", a.max_gen_rounds, "use at least 1")
+    _check(
+        0 <= a.skip_max_prob < 1,
+        "algorithm.skip_max_prob",
+        a.skip_max_prob,
+        "use a value in [0, 1), e.g. 0.9; below 1 so that every prompt is still generated now and then",
+    )
+    _check(a.skip_key != "", "algorithm.skip_key", a.skip_key, "name a data field, or null for the prompt itself")
+    _check(d.difficulty_key != "", "data.difficulty_key", d.difficulty_key, "name a data field, or null for the measured pass rate")
+    _check(
+        d.difficulty_key is None or d.curriculum != "none",
+        "data.difficulty_key",
+        d.difficulty_key,
+        "it ranks prompts for data.curriculum, which is none; set data.curriculum=easy_first or leave it null",
+    )
+    measured = d.curriculum != "none" and d.difficulty_key is None
+    _check(
+        a.skip_key is None or a.skip_uniform_prompts or measured,
+        "algorithm.skip_key",
+        a.skip_key,
+        "it keys the history of algorithm.skip_uniform_prompts (or of data.curriculum by pass "
+        "rate), which is off; set algorithm.skip_uniform_prompts=true or leave it null",
+    )
+    _check(0 < d.curriculum_start <= 1, "data.curriculum_start", d.curriculum_start, "use a share in (0, 1], e.g. 0.2")
+    _check(d.curriculum_steps >= 0, "data.curriculum_steps", d.curriculum_steps, "use 0 (half of train.steps) or a step count")
     _check(a.overlong_buffer >= 0, "algorithm.overlong_buffer", a.overlong_buffer, "use a value >= 0")
     _check(
         a.overlong_buffer < r.max_completion_length,
@@ -386,7 +417,7 @@ def validate(cfg: Config) -> None:
     _check(0 <= t.adam_beta2 < 1, "train.adam_beta2", t.adam_beta2, "use a value in [0, 1)")
     _check(t.sample_budget >= 0, "train.sample_budget", t.sample_budget, "use 0 (no budget) or a count of responses")
     _check(t.max_nonfinite_updates >= 1, "train.max_nonfinite_updates", t.max_nonfinite_updates, "use at least 1")
-    _check(t.entropy_chunk_size >= 1, "train.entropy_chunk_size", t.entropy_chunk_size, "use at least 1")
+    _check(t.logits_chunk_size >= 1, "train.logits_chunk_size", t.logits_chunk_size, "use at least 1")
     _check(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "use a positive number of seconds")
     _check(cfg.reward.num_workers >= 0, "reward.num_workers", cfg.reward.num_workers, "use 0 (in-process) or more workers")
     _check(cfg.checkpoint.save_every >= 0, "checkpoint.save_every", cfg.checkpoint.save_every, "use 0 (final only) or a positive step count")

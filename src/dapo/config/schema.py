@@ -23,13 +23,14 @@ import yaml
 
 from dapo.choices import (
     ADVANTAGE_SCALES,
+    CURRICULA,
     DATA_PARALLEL_MODES,
-    DTYPES,
     DYNAMIC_SAMPLING_METRICS,
     ENGINES,
     KL_KINDS,
     LOSS_AGG_MODES,
     LR_SCHEDULES,
+    PRECISIONS,
 )
 from dapo.config.presets import PRESETS
 
@@ -65,12 +66,6 @@ class ModelConfig:
     tokenizer: str | None = opt(
         None, "Tokenizer directory or hub id; null: the one of model.name_or_path."
     )
-    dtype: str = opt(
-        "float32",
-        "Dtype the policy (and the reference model, beta > 0) is loaded and trained in. "
-        "float32 is the safe choice on a CPU; bfloat16 halves the memory on a GPU.",
-        choices=DTYPES,
-    )
     trust_remote_code: bool = opt(
         False,
         "Run the model's own Python code from its repository (transformers' "
@@ -78,8 +73,9 @@ class ModelConfig:
     )
     gradient_checkpointing: bool = opt(
         False,
-        "Recompute activations during the backward pass instead of keeping them: less "
-        "memory, more compute per update.",
+        "Recompute each decoder layer's activations during the backward pass instead of "
+        "keeping them: activation memory of one layer instead of all, about a third more "
+        "compute per update. Works with train.shared_prompt_forward.",
     )
 
 
@@ -128,6 +124,31 @@ class DataConfig:
     )
     shuffle: bool = opt(
         True, "Visit the training prompts in a random order drawn from `seed`; false: file order."
+    )
+    curriculum: str = opt(
+        "none",
+        "Order of the training prompts. none: a shuffled pass per epoch. easy_first: "
+        "competence-paced (Platanios et al. 2019): at rollout step s prompts are drawn from "
+        "the easiest share c(s) of the data, c growing like a square root from "
+        "data.curriculum_start to 1 over data.curriculum_steps; difficulty from "
+        "data.difficulty_key, else the pass rate measured so far.",
+        choices=CURRICULA,
+    )
+    difficulty_key: str | None = opt(
+        None,
+        "data.curriculum=easy_first: field holding each prompt's difficulty as a number, "
+        "higher = harder (dots reach nested fields; builtin:addition has `carries`); null: "
+        "1 - the pass rate measured during training (prompts not generated yet count as average).",
+    )
+    curriculum_steps: int = opt(
+        0,
+        "data.curriculum=easy_first: rollout steps until every prompt is in the pool; 0: half "
+        "of train.steps.",
+    )
+    curriculum_start: float = opt(
+        0.2,
+        "data.curriculum=easy_first: the share of the prompts (the easiest) in the pool at "
+        "step 0, in (0, 1].",
     )
 
 
@@ -326,6 +347,26 @@ class AlgorithmConfig:
         "Generation rounds dynamic sampling may take in one rollout step to fill the batch "
         "before it stops with an error (groups already kept are not lost).",
     )
+    skip_uniform_prompts: bool = opt(
+        False,
+        "Before generation, skip a prompt whose latest n groups were all uniform (all "
+        "correct or all wrong) with probability skip_max_prob * (1 - 2^-n), so that "
+        "generation goes where dynamic sampling keeps it. Pays off where a prompt's "
+        "difficulty persists (data the model always or never solves, over several epochs); "
+        "changes which prompts are generated, never the loss.",
+    )
+    skip_max_prob: float = opt(
+        0.9,
+        "skip_uniform_prompts: the cap on a prompt's skip probability, in [0, 1): every "
+        "prompt is still generated now and then (exploration).",
+    )
+    skip_key: str | None = opt(
+        None,
+        "Field whose value keys the prompts' outcome history (of skip_uniform_prompts and of "
+        "data.curriculum by measured pass rate), so that rows sharing it share a history "
+        "(e.g. a problem id shared by paraphrases; dots reach nested fields); null: each "
+        "distinct prompt has its own.",
+    )
     overlong_filter: bool = opt(
         True,
         "Overlong filtering (DAPO): mask out the loss of truncated responses (no "
@@ -411,10 +452,23 @@ class TrainConfig:
         "Clip the global gradient norm of each update to this; 0 disables it. The DAPO "
         "reference scripts use 1.0.",
     )
-    entropy_chunk_size: int = opt(
+    precision: str = opt(
+        "auto",
+        "Numeric precision of the policy. fp32: weights, gradients and AdamW state in float32 "
+        "(16 bytes per parameter). bf16-mixed: the same float32 states, forward and backward "
+        "in bfloat16 (torch autocast; FSDP: bf16 parameters, float32 gradient reduction), "
+        "about half the activation memory and much faster on GPUs. bf16: weights and AdamW "
+        "state in bfloat16 (~8 bytes per parameter); updates smaller than ~1/256 of a "
+        "weight round away, so small learning rates (the paper's 1e-6) barely train. auto: "
+        "bf16-mixed on CUDA, fp32 on CPU. Log-probs, ratios, loss and entropy are float32 "
+        "in every mode; generation runs in the forward's precision.",
+        choices=PRECISIONS,
+    )
+    logits_chunk_size: int = opt(
         1024,
-        "Positions per chunk when computing the logged policy entropy; bounds the memory "
-        "of the full-vocabulary probabilities.",
+        "Response positions per chunk when the output layer, log-softmax and entropy are "
+        "computed (and recomputed in backward): the float32 logits exist for one chunk of "
+        "positions x vocabulary at a time, never for the whole micro-batch.",
     )
     max_nonfinite_updates: int = opt(
         3,
@@ -460,8 +514,8 @@ class CheckpointConfig:
     save_every: int = opt(
         20,
         "Save a resumable checkpoint (policy, optimizer, prompt position, dynamic sampling "
-        "carry-over, random state) every N "
-        "rollout steps; 0 saves only at the end.",
+        "carry-over, prompt outcome history, random state) every N rollout steps; 0 saves "
+        "only at the end.",
     )
     keep_last: int = opt(2, "Step checkpoints to keep; older ones are deleted.")
     save_final_model: bool = opt(

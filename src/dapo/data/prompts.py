@@ -4,10 +4,12 @@ the length filter, and the seeded endless stream of training prompts."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 from dapo.config import DataConfig
-from dapo.data.records import LoadStats, PromptRecord
+from dapo.data.curriculum import draw
+from dapo.data.records import LoadStats, PromptRecord, record_field
 from dapo.data.sources import load_records
 from dapo.data.tasks import is_builtin, load_task
 from dapo.errors import DataError
@@ -93,6 +95,14 @@ def group_repeats(records: list[PromptRecord]) -> dict[str, list[int]]:
     return groups
 
 
+def history_keys(records: list[PromptRecord], field: str | None) -> list[str]:
+    """Each record's key in the prompt-outcome history: its uid (identical prompts share
+    it), or the value of ``field`` (``algorithm.skip_key``) so that rows sharing it share a history."""
+    if field is None:
+        return [r.uid for r in records]
+    return [str(record_field(r, field, "algorithm.skip_key")) for r in records]
+
+
 def load_prompt_set(data: DataConfig, which: str) -> list[PromptRecord]:
     """The training (``which="train"``) or held-out (``"eval"``) prompts of ``data``."""
     source = data.train if which == "train" else data.eval
@@ -114,12 +124,19 @@ def load_prompt_set(data: DataConfig, which: str) -> list[PromptRecord]:
 
 
 class PromptStream:
-    """Endless, seeded, reshuffled-per-epoch stream over the training prompts."""
+    """Endless, seeded, reshuffled-per-epoch stream over the training prompts; or, with a
+    curriculum's pool (:meth:`use_pool`), seeded draws from that pool."""
 
     def __init__(self, n: int, seed: int, shuffle: bool = True) -> None:
         self.n, self.seed, self.shuffle = n, seed, shuffle
         self.epoch, self.pos = 0, 0
         self._order = self._make_order()
+        self._pool: tuple[list[int], int] | None = None
+
+    def use_pool(self, order: list[int], size: int) -> None:
+        """Draw from here on from ``order[:size]`` (each draw a pure function of the seed and
+        the stream position), not from the shuffled epochs."""
+        self._pool = (order, size)
 
     def _make_order(self) -> list[int]:
         order = list(range(self.n))
@@ -127,15 +144,35 @@ class PromptStream:
             random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
         return order
 
+    @property
+    def position(self) -> int:
+        """Draws made so far, over all epochs: the stream position of the next draw."""
+        return self.epoch * self.n + self.pos
+
+    def _next(self) -> int:
+        if self.pos == self.n:
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._order = self._make_order()
+        if self._pool is None:
+            index = self._order[self.pos]
+        else:
+            index = draw(*self._pool, self.seed, self.position)
+        self.pos += 1
+        return index
+
     def take(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if self.pos == self.n:
-                self.epoch, self.pos = self.epoch + 1, 0
-                self._order = self._make_order()
-            out.append(self._order[self.pos])
-            self.pos += 1
-        return out
+        return [self._next() for _ in range(k)]
+
+    def take_skipping(self, k: int, skip: Callable[[int, int], bool]) -> tuple[list[int], list[int]]:
+        """The next ``k`` prompts for which ``skip(index, position)`` is false, and the ones
+        passed over on the way (each draw is consumed either way)."""
+        taken: list[int] = []
+        skipped: list[int] = []
+        while len(taken) < k:
+            position = self.position
+            index = self._next()
+            (skipped if skip(index, position) else taken).append(index)
+        return taken, skipped
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "pos": self.pos}

@@ -354,6 +354,21 @@ def build_records(
     return records, stats
 
 
+def record_field(record: PromptRecord, key: str, setting: str) -> Any:
+    """The value of the row field ``key`` (dotted paths reach nested fields) of a record;
+    a :class:`DataError` naming the config ``setting`` that asked for it if it has none."""
+    value = _get_field(record.extra, key)
+    if value is _MISSING or value is None:
+        close = difflib.get_close_matches(key, _candidate_keys(record.extra), n=1, cutoff=0.5)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise DataError(
+            f"training prompt uid={record.uid}: {setting}={key!r}, but the row has no such "
+            f"field{hint}; its fields are {sorted(str(k) for k in record.extra)}. Fix: name a "
+            f"field every row has, or set {setting}=null"
+        )
+    return _to_plain(value)
+
+
 def records_from_rows(
     rows: Iterable[Mapping[str, Any]], *, source: str = "<rows>", **options: Unpack[RecordOptions]
 ) -> tuple[list[PromptRecord], LoadStats]:

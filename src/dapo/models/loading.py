@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from dapo.errors import ModelError
+from dapo.models.checkpointing import checkpoint_layers
 
 BUILTIN_MODEL = "builtin:tiny"  # built by dapo.models.tiny
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,8 +105,8 @@ def load_policy(
         )
     except (OSError, ValueError) as exc:
         raise ModelError(_load_hint("model", name_or_path, exc)) from exc
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if gradient_checkpointing and not checkpoint_layers(model):
+        model.gradient_checkpointing_enable()  # no decoder layers found: transformers' own
     model.config.use_cache = True
     return model
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from dapo.errors import TrainingError
+from dapo.models.precision import mixed_precision_dtype
 from dapo.parallel import sharding
 from dapo.parallel.distributed import DistInfo
 
@@ -27,8 +28,10 @@ def wrap_data_parallel(
         choice = "ddp"
     why_not = None if choice == "ddp" else sharding.fsdp_support(info)
     if choice != "ddp" and why_not is None:
-        sharding.shard_model(model, info)
-        log(f"data parallel: fsdp (FSDP2 fully_shard, parameters sharded; {where})")
+        mixed = mixed_precision_dtype(model)
+        sharding.shard_model(model, info, param_dtype=mixed)
+        mp = "; bf16 parameters in forward/backward, fp32 gradient reduction" if mixed else ""
+        log(f"data parallel: fsdp (FSDP2 fully_shard, parameters sharded{mp}; {where})")
         return "fsdp", None
     if choice == "fsdp":
         raise TrainingError(

@@ -10,9 +10,9 @@ in every forward and backward, so the ranks must run the same sequence of passes
   gathers the parameters once and keeps them whole until it ends;
 - training micro-batches are padded to the same count on every rank (``dapo.training.step``).
 
-Checkpoints hold full tensors in the single-process format (:func:`full_model_state`,
-:func:`full_optimizer_state` and their loaders), so one process, DDP and FSDP runs can
-resume from each other's checkpoints.
+FSDP checkpoints are written in shards by every rank (``dapo.training.checkpoint``); the
+full (gathered) state dicts here serve the final ``save_pretrained`` export
+(:func:`pretrained_state`) and loading a single-process checkpoint into a sharded model.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from torch import nn
 from dapo.parallel.distributed import DistInfo, all_reduce_sum
 
 try:  # public since torch 2.6
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # pragma: no cover - older torch: DDP only
     FSDPModule = None  # type: ignore[assignment,misc]
+    MixedPrecisionPolicy = None  # type: ignore[assignment,misc]
     fully_shard = None  # type: ignore[assignment]
 
 
@@ -94,18 +95,26 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(biggest)
 
 
-def shard_model(model: nn.Module, info: DistInfo) -> nn.Module:
+def shard_model(
+    model: nn.Module, info: DistInfo, param_dtype: torch.dtype | None = None
+) -> nn.Module:
     """``fully_shard`` each decoder layer, then the root (embeddings, norm, head), in place.
 
-    Parameters stay in their dtype (no mixed-precision policy). Create the optimizer after
-    this: it must hold the sharded parameters.
+    The shards (and so the optimizer state) stay in the parameters' dtype. With
+    ``param_dtype`` (mixed precision, e.g. bf16) the gathered parameters that forward and
+    backward use are cast to it and gradients are reduce-scattered in float32
+    (``MixedPrecisionPolicy``). Create the optimizer after this: it must hold the sharded
+    parameters.
     """
     if fully_shard is None:  # pragma: no cover
         raise RuntimeError(f"torch {torch.__version__} has no fully_shard")
     mesh = _mesh(info)
+    kw: dict[str, Any] = {"mesh": mesh}
+    if param_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in reversed(decoder_layers(model)):  # bottom-up: inner blocks first
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
     return model
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from dapo.models.inputs import device_of, left_pad
+from dapo.models.precision import autocast
 from dapo.parallel.sharding import full_params
 from dapo.rollout.base import Group, SamplingParams
 
@@ -72,7 +73,7 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with full_params(self.model):
+            with full_params(self.model), autocast(self.model):  # the trainer's precision
                 for start in range(0, len(prompts), per_call):
                     groups.extend(self._generate(prompts[start : start + per_call], params, gen))
         finally:

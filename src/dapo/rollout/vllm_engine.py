@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from dapo.errors import VLLMEngineError, VLLMUnavailableError
+from dapo.models.precision import compute_dtype
 from dapo.rollout.base import Group, SamplingParams
 from dapo.seeding import mix_seed
 
@@ -162,9 +163,10 @@ class VLLMEngine:
         from_dir = isinstance(model, (str, os.PathLike))
         config = _load_config(model) if from_dir else model.config
         self.tied_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        dtype = _config_dtype(config) if from_dir else next(model.parameters()).dtype
+        dtype = _config_dtype(config) if from_dir else compute_dtype(model)  # bf16-mixed: vLLM samples in bf16
         if dtype not in _DTYPE_NAMES:
             raise VLLMEngineError(f"the policy's dtype {dtype} is not one vLLM runs")
+        self.dtype = dtype
         if max_model_len is None:
             max_model_len = getattr(config, "max_position_embeddings", None)
             if max_model_len is None:
@@ -247,7 +249,7 @@ class VLLMEngine:
         into the running engine, in place. The tensors are consumed one at a time (vLLM
         loads a layer once its tensors are in), so an iterator that gathers shards layer by
         layer never holds the whole model twice."""
-        weights = ((name, t.detach()) for name, t in named_tensors)
+        weights = ((name, t.detach().to(self.dtype)) for name, t in named_tensors)
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")

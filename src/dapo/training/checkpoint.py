@@ -8,8 +8,17 @@ the next save removes. Old checkpoints are pruned by renaming them out of the
 If writing fails (a full disk, lost permissions), the temporary directory is removed and
 :class:`CheckpointError` says where and what to do; earlier checkpoints stay intact.
 
-Tensors are stored whole whatever the sharding (one process, DDP or FSDP), in the format
-of ``model.state_dict()`` and ``optimizer.state_dict()``, so any of them resumes any other.
+Two formats, each of which resumes a run of any kind (one process, DDP, FSDP at any world
+size):
+
+- one process and DDP: ``model.safetensors`` and ``optimizer.pt``, whole tensors in the
+  format of ``model.state_dict()`` and ``optimizer.state_dict()``, written by rank 0;
+- FSDP: ``model_optim/``, a ``torch.distributed.checkpoint`` directory into which every rank
+  writes its own shards of the model and optimizer state (nothing is gathered; the output
+  directory must be shared by all ranks). It loads into a sharded model of any world size
+  (DCP reshards) and into a plain model in a single process.
+
+``trainer_state.pt`` (step, data position, RNG, carry-over) is written by rank 0 in both.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import pickle
 import re
 import shutil
 import types
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from dapo.atomic import fsync_dir
 from dapo.errors import CheckpointError
+from dapo.parallel.distributed import all_gather_objects, all_reduce_sum, current
 from dapo.parallel.sharding import (
     full_model_state,
     full_optimizer_state,
@@ -42,12 +53,16 @@ _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 # process died before the new one took its place.
 _OLD_DIR = re.compile(r"^\.tmp-old-(step_\d{6,})-\d+$")
 _FILES = ("model.safetensors", "optimizer.pt", "trainer_state.pt")
+_SHARDED = "model_optim"  # the torch.distributed.checkpoint directory of an FSDP checkpoint
+_SHARDED_FILES = (f"{_SHARDED}/.metadata", "trainer_state.pt")
 
 
 def _fsync_tree(path: Path) -> None:
-    for file in path.iterdir():
-        if file.is_file():
-            with open(file, "rb") as fh:
+    for entry in path.iterdir():
+        if entry.is_dir():
+            _fsync_tree(entry)
+        elif entry.is_file():
+            with open(entry, "rb") as fh:
                 os.fsync(fh.fileno())
     fsync_dir(path, strict=True)
 
@@ -78,7 +93,8 @@ _WRITE_FAILURE = ("os error", "inline_container", "PytorchStreamWriter", "file w
 
 def _tensor_bytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        local = obj.to_local() if hasattr(obj, "to_local") else obj  # a DTensor: this rank's
+        return local.numel() * local.element_size()
     if isinstance(obj, dict):
         return sum(_tensor_bytes(v) for v in obj.values())
     if isinstance(obj, list | tuple):
@@ -143,53 +159,131 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     state: dict[str, Any],
     keep_last: int = 2,
-    *,
-    full: FullState | None = None,
 ) -> Path:
     """Write ``root/step_{step}`` atomically and prune all but the newest ``keep_last``.
 
-    ``full`` is :func:`full_state` of ``model`` and ``optimizer`` when the caller gathered
-    it already (FSDP, where all ranks gather and one writes).
+    Under data parallelism every rank calls this. An FSDP model is saved sharded: each rank
+    writes its shards (:func:`_save_sharded`). Otherwise rank 0 writes the whole state and the
+    other ranks return at once.
 
     Raises :class:`CheckpointError` (caused by the underlying error) when the checkpoint
     cannot be written, e.g. on a full disk: the temporary directory is removed first, so
     earlier checkpoints are untouched and no partial checkpoint is left.
     """
     root = Path(root)
-    final = step_dir(root, step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    if full is None:
-        full = full_state(model, optimizer)
+    if is_fsdp(model) and current().enabled:
+        return _save_sharded(root, step, model, optimizer, state, keep_last)
+    if not current().is_main:
+        return step_dir(root, step)
+    full = full_state(model, optimizer)
     weights = _untie({k: v.detach().contiguous().cpu() for k, v in full.weights.items()})
-    opt_state = full.optimizer
-    need = _tensor_bytes(weights) + _tensor_bytes(opt_state["state"]) + 2**20
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        _recover(root)
-        for stray in root.glob(".tmp-*"):
-            shutil.rmtree(stray, ignore_errors=True)
-        tmp.mkdir()
+    need = _tensor_bytes(weights) + _tensor_bytes(full.optimizer["state"]) + 2**20
+
+    def write(tmp: Path) -> None:
         save_file(weights, str(tmp / "model.safetensors"))
-        torch.save(opt_state, tmp / "optimizer.pt")
+        torch.save(full.optimizer, tmp / "optimizer.pt")
         torch.save(state, tmp / "trainer_state.pt")
-        _fsync_tree(tmp)
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it
-            old = root / f".tmp-old-{final.name}-{os.getpid()}"
-            os.replace(final, old)  # a crash from here to the next line: _recover restores it
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        fsync_dir(root, strict=True)
+
+    tmp = _start(root, step, os.getpid())
+    try:
+        write(tmp)
+        _finish(root, step, tmp, keep_last)
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        error = _write_error(root, step, exc, need) if isinstance(exc, Exception) else None
-        if error is None:
+        error = _failed(root, step, tmp, exc, need)
+        if error is exc:
             raise
         raise error from exc
+    return step_dir(root, step)
+
+
+def _start(root: Path, step: int, pid: int) -> Path:
+    """Put back checkpoints an interrupted re-save moved aside, drop stray temporary
+    directories; the new (empty) temporary directory."""
+    tmp = root / f".tmp-{step_dir(root, step).name}-{pid}"
+    root.mkdir(parents=True, exist_ok=True)
+    _recover(root)
+    for stray in root.glob(".tmp-*"):
+        shutil.rmtree(stray, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def _finish(root: Path, step: int, tmp: Path, keep_last: int) -> None:
+    """fsync the written checkpoint, rename it into place, prune old ones."""
+    final = step_dir(root, step)
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving the same step (e.g. after a resume): replace it
+        old = root / f".tmp-old-{final.name}-{os.getpid()}"
+        os.replace(final, old)  # a crash from here to the next line: _recover restores it
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(root, strict=True)
     for old_ckpt in list_checkpoints(root)[:-keep_last]:
         _remove(old_ckpt)
-    return final
+
+
+def _failed(root: Path, step: int, tmp: Path, exc: BaseException, need: int) -> BaseException:
+    """Remove the temporary directory; the error to raise for ``exc``."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    error = _write_error(root, step, _cause(exc), need) if isinstance(exc, Exception) else None
+    return exc if error is None else error
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The I/O error inside a ``torch.distributed.checkpoint`` failure (which wraps each
+    rank's exception), or ``exc`` itself."""
+    for failure in getattr(exc, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, OSError):
+            return inner
+    return exc
+
+
+def _save_sharded(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    """Every rank writes its shards of the model and optimizer state with
+    ``torch.distributed.checkpoint`` into the temporary directory; rank 0 adds the trainer
+    state and renames it into place once all have written. The ranks agree on failure."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    main = current().is_main
+    pid = all_gather_objects(os.getpid())[0]  # one temporary name, rank 0's
+    tmp = root / f".tmp-{step_dir(root, step).name}-{pid}"
+    model_state, optim_state = get_state_dict(model, optimizer)  # local shards, no gather
+    need = (_tensor_bytes(model_state) + _tensor_bytes(optim_state)) * current().world_size + 2**20
+    failure: Exception | None = None
+
+    def stage(fn: Any, everywhere: bool = False) -> None:
+        nonlocal failure
+        if failure is None and (main or everywhere):
+            try:
+                fn()
+            except Exception as exc:
+                failure = exc
+        (failed,) = all_reduce_sum([float(failure is not None)])  # all ranks stop together
+        if failed and main:
+            error = _failed(root, step, tmp, failure, need)
+            raise error from (None if error is failure else failure)
+        if failed:
+            raise CheckpointError(
+                f"the checkpoint of step {step} in {root} could not be written (rank 0 says "
+                "why); earlier checkpoints are intact"
+            ) from failure
+
+    stage(lambda: _start(root, step, pid))
+    stage(lambda: dcp.save({"model": model_state, "optim": optim_state},
+                           checkpoint_id=tmp / _SHARDED), everywhere=True)  # fmt: skip
+    stage(lambda: (torch.save(state, tmp / "trainer_state.pt"), _finish(root, step, tmp, keep_last)))
+    return step_dir(root, step)
 
 
 def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -245,13 +339,26 @@ def load_checkpoint(
     unreadable, or does not match the model.
     """
     path = Path(path)
-    missing_files = [f for f in _FILES if not (path / f).is_file()]
+    sharded = (path / _SHARDED).is_dir()
+    missing_files = [f for f in (_SHARDED_FILES if sharded else _FILES) if not (path / f).is_file()]
     if missing_files:
         raise CheckpointError(
             f"checkpoint {path} is incomplete: {', '.join(missing_files)} missing. dapo never "
             "writes partial checkpoints, so it was changed by hand or the disk lost data; "
             "delete the directory to resume from the previous checkpoint."
         )
+    if sharded:
+        _load_sharded(path, model, optimizer)
+    else:
+        _load_whole(path, model, optimizer)
+    return _read(
+        path / "trainer_state.pt",
+        lambda p: torch.load(p, weights_only=False, pickle_module=_legacy_pickle),
+    )
+
+
+def _load_whole(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """model.safetensors and optimizer.pt into ``model`` (sharded or not) and ``optimizer``."""
     weights = _read(path / "model.safetensors", lambda p: load_file(str(p)))
     sharded = is_fsdp(model)
     if sharded:  # every rank holds the full tensors and keeps its shards of them
@@ -280,10 +387,38 @@ def load_checkpoint(
                 f"checkpoint {path}: the optimizer state does not match the model's parameters "
                 f"({exc}); was it written for another model or optimizer setting?"
             ) from exc
-    return _read(
-        path / "trainer_state.pt",
-        lambda p: torch.load(p, weights_only=False, pickle_module=_legacy_pickle),
+
+
+def _load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """A ``torch.distributed.checkpoint`` directory into ``model`` and ``optimizer``: FSDP
+    shards of any world size (every rank calls this; DCP reads the pieces each rank needs)
+    or a plain model, in one process without a process group too."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
     )
+
+    target = {"model": get_model_state_dict(model)}
+    if optimizer is not None:  # creates AdamW's state (a zero-lr step) for DCP to fill
+        target["optim"] = get_optimizer_state_dict(model, optimizer)
+    try:
+        with warnings.catch_warnings():  # "assuming ... single process": yes, on purpose
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(target, checkpoint_id=path / _SHARDED, no_dist=not dist.is_initialized())
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint {path}: could not load {path / _SHARDED} into this model "
+            f"({type(exc).__name__}: {str(exc)[:300]}); was it written for another "
+            "model.name_or_path? If a file is damaged, delete the directory to resume from "
+            "the previous checkpoint."
+        ) from exc
+    set_model_state_dict(model, target["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, target["optim"])
 
 
 class _LegacyUnpickler(pickle.Unpickler):

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dapo import algorithms as alg
+from dapo.logprobs import chunked_logprobs
 from dapo.models.inputs import device_of, left_pad, right_pad
+from dapo.models.precision import autocast, compute_dtype
 from dapo.parallel import sharding
 from dapo.parallel.distributed import all_reduce_sum
 from dapo.training.batch import Sample
 
 if TYPE_CHECKING:
-    from transformers import Cache
+    from dapo.training.kv_cache import SharedPromptCache
 
 
 @dataclass
@@ -42,14 +45,15 @@ def collate(samples: Sequence[Sample], pad_id: int) -> Collated:
     return Collated(resp, mask, r)
 
 
-def prompt_cache(model: torch.nn.Module) -> Cache | None:
+def prompt_cache(model: torch.nn.Module) -> SharedPromptCache | None:
     """An empty key/value cache to forward ``model``'s prompts into, or None if the model cannot
     continue exactly from one (then every sample is forwarded as prompt + response).
 
     The condition: a decoder-only transformers model that takes a ``DynamicCache`` whose layers
     all keep every past key and value (full attention; not sliding-window, chunked or linear
-    attention layers, which keep only part of the past), and no gradient checkpointing while
-    training (checkpointed layers drop the cache).
+    attention layers, which keep only part of the past), and not transformers' own gradient
+    checkpointing while training (its layers drop the cache; dapo's,
+    ``model.gradient_checkpointing``, keeps it: see :mod:`dapo.training.kv_cache`).
     """
     config = getattr(model, "config", None)
     supports = getattr(model, "_supports_default_dynamic_cache", None)
@@ -60,12 +64,102 @@ def prompt_cache(model: torch.nn.Module) -> Cache | None:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    cache = DynamicCache(config=config)
-    layers = getattr(cache, "layers", [])
+    from dapo.training.kv_cache import SharedPromptCache
+
+    layers = getattr(DynamicCache(config=config), "layers", [])
     depth = getattr(config.get_text_config(decoder=True), "num_hidden_layers", len(layers))
     if len(layers) != depth or any(type(layer) is not DynamicLayer for layer in layers):
         return None
-    return cache
+    return SharedPromptCache.empty(depth)
+
+
+# Config fields of heads that scale or cap the logits after the output layer (Gemma 2's
+# soft-capping, Cohere's and Granite's scales): such models take the full-logits path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                     "lm_head_multiplier", "output_multiplier_scale")  # fmt: skip
+
+
+def output_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The model's output layer when its logits are exactly that ``nn.Linear`` applied to the
+    final hidden states, else None.
+
+    None for heads that are not a plain ``nn.Linear`` (e.g. wrapped by an adapter) and for
+    models whose config scales or caps the logits (:data:`_LOGIT_TRANSFORMS`, e.g. Gemma 2's
+    ``final_logit_softcapping``, Cohere's ``logit_scale``): those fall back to computing the
+    whole ``[tokens x vocabulary]`` logits (:func:`response_logits`).
+    """
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not torch.nn.Linear:
+        return None
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for name in _LOGIT_TRANSFORMS:
+        if getattr(text, name, None) not in (None, 1, 1.0):
+            return None
+    return head
+
+
+@contextlib.contextmanager
+def _head_bypassed(head: torch.nn.Module | None) -> Iterator[None]:
+    """Inside, ``head`` passes its input through: the model's "logits" are its final hidden
+    states. The module stays registered (FSDP still gathers its weight with the root's)."""
+    if head is None:
+        yield
+        return
+    head.forward = _identity
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    *,
+    pad_id: int,
+    temperature: float,
+    chunk_size: int = 1024,
+    shared_prompt: bool = True,
+    ddp: torch.nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the sampled response tokens and the entropies of the distributions they
+    were drawn from (softmax of logits / temperature): two float32 ``[b, R]`` tensors, 0 on
+    padding, both differentiable.
+
+    The model runs up to its final hidden states (its output layer bypassed); the output
+    layer, log-softmax and entropy are applied ``chunk_size`` positions at a time and
+    recomputed in backward (:func:`dapo.logprobs.chunked_logprobs`), so no ``[tokens x
+    vocabulary]`` logits exist. Models whose head is not a plain linear layer
+    (:func:`output_head`) take the whole logits. The forward passes: see
+    :func:`response_logits`.
+    """
+    head = output_head(model)
+    with autocast(model), _head_bypassed(head):
+        out = _response_outputs(model, samples, pad_id=pad_id, shared_prompt=shared_prompt,
+                                ddp=ddp)  # [b, R, H] hidden states, or [b, R, V] logits
+    device = out.device
+    lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
+    valid = torch.arange(out.shape[1], device=device)[None, :] < lengths[:, None]
+    targets = collate(samples, pad_id).response_ids.to(device)[valid]
+    if head is not None:
+        logp, entropy = chunked_logprobs(
+            out[valid], head.weight, targets, bias=head.bias, temperature=temperature,
+            chunk_size=chunk_size, compute_dtype=compute_dtype(model),
+        )  # fmt: skip
+    else:
+        logits = out[valid].float()
+        logits = logits / temperature if temperature != 1.0 else logits
+        logp = alg.token_logprobs(logits, targets)
+        log_p = torch.log_softmax(logits, -1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+    full = torch.zeros(valid.shape, dtype=torch.float32, device=device)
+    return full.masked_scatter(valid, logp), full.masked_scatter(valid, entropy)
 
 
 def response_logits(
@@ -77,7 +171,8 @@ def response_logits(
     shared_prompt: bool = True,
     ddp: torch.nn.Module | None = None,
 ) -> torch.Tensor:
-    """Logits ``[b, R, V]`` that predict each response token (scaled by 1/temperature).
+    """Logits ``[b, R, V]`` that predict each response token (scaled by 1/temperature), in
+    float32: the whole-logits path (:func:`response_logprobs` avoids it).
 
     When some prompt of ``samples`` has several responses (a group) and ``shared_prompt`` is
     on, each distinct prompt is forwarded once (left-padded, with a cache), the cache is
@@ -95,6 +190,22 @@ def response_logits(
     ``model`` itself: its gradient reaches the same parameters in the same backward, which
     DDP (``find_unused_parameters`` off) reduces once.
     """
+    with autocast(model):
+        logits = _response_outputs(model, samples, pad_id=pad_id, shared_prompt=shared_prompt,
+                                   ddp=ddp)
+    logits = logits.float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _response_outputs(
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    *,
+    pad_id: int,
+    shared_prompt: bool,
+    ddp: torch.nn.Module | None,
+) -> torch.Tensor:
+    """The model's output (``logits``) at the positions that predict the response tokens."""
     first_pass = ddp if ddp is not None else model
     owner: dict[tuple[int, ...], int] = {}
     index = [owner.setdefault(tuple(s.prompt_ids), len(owner)) for s in samples]
@@ -119,15 +230,13 @@ def response_logits(
         rows = torch.tensor(index, device=device)
         logits = out.logits[:, -1:].index_select(0, rows)  # predicts response token 0
         if r > 1:  # tokens 1..R-1, from response positions 0..R-2 (the last is no input)
-            cache = out.past_key_values
-            cache.reorder_cache(rows)  # index_select of each layer's keys and values
+            cache = cache.expand(rows)  # index_select of each layer's keys and values
             resp_ids, resp_mask = right_pad([s.response_ids for s in samples], r - 1, pad_id)
             attn = torch.cat([prompt_mask[index], resp_mask], 1)
             pos = prompt_mask.sum(-1)[index, None] + torch.arange(r - 1)
             rest = _forward(model, device, resp_ids, attn, pos, past_key_values=cache, use_cache=True)
             logits = torch.cat([logits, rest.logits], 1)
-    logits = logits.float()
-    return logits / temperature if temperature != 1.0 else logits
+    return logits
 
 
 def _forward(
@@ -195,6 +304,7 @@ def compute_logprobs(
     temperature: float,
     token_budget: int,
     shared_prompt: bool = True,
+    logits_chunk_size: int = 1024,
 ) -> list[torch.Tensor]:
     """Per-response log-probs of the sampled tokens under ``model`` (no grad).
 
@@ -202,13 +312,11 @@ def compute_logprobs(
     any number of samples, even none).
     """
     out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
-    device = device_of(model)
     with sharding.full_params(model):
         for idx in micro_batches(samples, token_budget):
             chunk = [samples[i] for i in idx]
-            logits = response_logits(model, chunk, pad_id=pad_id, temperature=temperature,
-                                     shared_prompt=shared_prompt)
-            logp = alg.token_logprobs(logits, collate(chunk, pad_id).to(device).response_ids)
+            logp, _ = response_logprobs(model, chunk, pad_id=pad_id, temperature=temperature,
+                                        chunk_size=logits_chunk_size, shared_prompt=shared_prompt)
             for j, i in enumerate(idx):
                 out[i] = logp[j, : len(samples[i].response_ids)].clone()
     return out

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dapo.errors import TrainingError
@@ -42,6 +42,7 @@ class Prefetched:
     indices: list[int]  # its prompts' indices, every rank's, in stream order
     version: int  # the policy that sampled it: after this many rollout steps' updates
     groups: list[Group] | None = None  # this rank's share (D.shard of indices), once collected
+    skipped: list[int] = field(default_factory=list)  # prompts the skip rule passed over
     future: Future | None = None
     started: float = 0.0
 
@@ -59,14 +60,17 @@ class RolloutPrefetcher:
         return self.ahead is not None and self.ahead.future is not None
 
     def submit(
-        self, step: int, indices: list[int], version: int, generate: Callable[[], list[Group]]
+        self, step: int, indices: list[int], version: int, generate: Callable[[], list[Group]],
+        skipped: list[int] | None = None,
     ) -> None:
         """Start generating the first round of ``step`` (``generate`` runs in a thread)."""
         if self.ahead is not None:
             raise TrainingError(f"internal: a round for step {self.ahead.step} is still held")
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dapo-rollout")
-        self.ahead = Prefetched(step, list(indices), version, started=time.perf_counter())
+        self.ahead = Prefetched(
+            step, list(indices), version, skipped=list(skipped or []), started=time.perf_counter()
+        )
         self.ahead.future = self._pool.submit(generate)
 
     def collect(self) -> dict[str, float]:
@@ -105,6 +109,7 @@ class RolloutPrefetcher:
             "step": ahead.step,
             "indices": ahead.indices,
             "version": ahead.version,
+            "skipped": ahead.skipped,
             "groups": D.unshard(parts),
         }
 
@@ -118,7 +123,7 @@ class RolloutPrefetcher:
         info = D.current()
         self.ahead = Prefetched(
             state["step"], list(state["indices"]), int(state["version"]),
-            groups=D.shard(state["groups"], info),
+            groups=D.shard(state["groups"], info), skipped=list(state.get("skipped", [])),
         )  # fmt: skip
 
     def close(self) -> None:

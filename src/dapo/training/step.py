@@ -21,10 +21,11 @@ from dapo import algorithms as alg
 from dapo.choices import LossAgg
 from dapo.errors import TrainingError
 from dapo.models.inputs import device_of
+from dapo.models.precision import autocast
 from dapo.parallel import sharding
 from dapo.parallel.distributed import all_reduce_max, all_reduce_sum, current, token_share
 from dapo.training.batch import Sample
-from dapo.training.forward import collate, micro_batches, pad_rows, response_logits
+from dapo.training.forward import collate, micro_batches, pad_rows, response_logprobs
 
 if TYPE_CHECKING:
     from dapo.config import Config, TrainConfig
@@ -167,7 +168,7 @@ def accumulate_gradients(
     pad_id: int,
     token_budget: int,
     denominator: float,
-    entropy_chunk_size: int = 1024,
+    logits_chunk_size: int = 1024,
     with_entropy: bool = True,
     scale: float = 1.0,
     ddp: torch.nn.Module | None = None,
@@ -178,13 +179,14 @@ def accumulate_gradients(
     ``denominator`` is :func:`loss_denominator` of the whole mini-batch (over all ranks),
     so the gradient does not depend on how ``samples`` are split. ``scale`` multiplies the
     loss (the world size, when the gradient reduction averages over ranks). Samples
-    without ``old_logprobs`` use the current policy's (detached), i.e. ratio 1.
+    without ``old_logprobs`` use the current policy's (detached), i.e. ratio 1, and keep them
+    as their ``old_logprobs`` (the trainer compares them with the engine's).
 
     With ``ddp`` (the DistributedDataParallel wrapper of ``model``) each micro-batch runs one
-    forward through it (see :func:`response_logits`) and only the last micro-batch's
+    forward through it (see :func:`~dapo.training.forward.response_logits`) and only the last micro-batch's
     backward synchronises gradients, so each rank all-reduces exactly once whatever its
     number of micro-batches; a rank with no samples contributes a zero gradient.
-    ``shared_prompt``: see :func:`response_logits`.
+    ``shared_prompt``: see :func:`~dapo.training.forward.response_logits`.
 
     An FSDP-sharded ``model`` gathers parameters in every forward and backward, so every
     rank runs as many passes as the rank with the most micro-batches: the missing ones are
@@ -211,7 +213,7 @@ def accumulate_gradients(
         with contextlib.nullcontext() if sync else ddp.no_sync():
             stats_chunk = _micro_step(model, [samples[i] for i in idx], settings, pad_id=pad_id,
                                       denominator=denominator, scale=scale,
-                                      entropy_chunk_size=entropy_chunk_size,
+                                      logits_chunk_size=logits_chunk_size,
                                       with_entropy=with_entropy, ddp=ddp,
                                       shared_prompt=shared_prompt)
         stats.merge(stats_chunk)
@@ -224,8 +226,9 @@ def _zero_backward(model: torch.nn.Module, pad_id: int) -> None:
     A rank with nothing (more) to train joins DDP's all-reduce or FSDP's all-gathers and
     reduce-scatters this way.
     """
-    out = model(input_ids=torch.tensor([[pad_id]], device=device_of(model)), use_cache=False)
-    (out.logits.sum() * 0.0).backward()
+    with autocast(model):
+        out = model(input_ids=torch.tensor([[pad_id]], device=device_of(model)), use_cache=False)
+    (out.logits.float().sum() * 0.0).backward()
 
 
 def _micro_step(
@@ -236,7 +239,7 @@ def _micro_step(
     pad_id: int,
     denominator: float,
     scale: float,
-    entropy_chunk_size: int,
+    logits_chunk_size: int,
     with_entropy: bool,
     ddp: torch.nn.Module | None,
     shared_prompt: bool,
@@ -244,14 +247,18 @@ def _micro_step(
     """Forward and backward of one micro-batch; its share of the mini-batch loss."""
     stats = GradStats()
     batch = collate(chunk, pad_id).to(device_of(model))
-    logits = response_logits(model, chunk, pad_id=pad_id, temperature=settings.temperature,
-                             shared_prompt=shared_prompt, ddp=ddp)
-    logp = alg.token_logprobs(logits, batch.response_ids)
+    # (a) per-token log-probs (with grad) and entropies [b, R] of the responses, float32
+    logp, entropy = response_logprobs(model, chunk, pad_id=pad_id, temperature=settings.temperature,
+                                      chunk_size=logits_chunk_size, shared_prompt=shared_prompt,
+                                      ddp=ddp)
+    # (b) the loss
     r = batch.response_len
     old = logp.detach().clone()
     for j, s in enumerate(chunk):
         if s.old_logprobs is not None:
             old[j, : s.old_logprobs.numel()] = s.old_logprobs
+        else:  # ratio 1: this forward is the old policy (kept to compare with the engine's)
+            s.old_logprobs = old[j, : len(s.response_ids)].clone()
     adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype, device=logp.device)
     tis = None
     if settings.tis_cap is not None:
@@ -294,8 +301,7 @@ def _micro_step(
     if tis is not None:
         stats.add("actor/tis_weight", alg.masked_mean(tis, batch.loss_mask).item(), n_tok)
     if with_entropy:
-        ent = alg.entropy_from_logits(logits.detach(), entropy_chunk_size)
-        stats.add("actor/entropy", alg.masked_mean(ent, batch.loss_mask).item(), n_tok)
+        stats.add("actor/entropy", alg.masked_mean(entropy.detach(), batch.loss_mask).item(), n_tok)
     return stats
 
 
@@ -328,7 +334,7 @@ def optimizer_step(
     pad_id: int,
     token_budget: int,
     max_grad_norm: float = 1.0,
-    entropy_chunk_size: int = 1024,
+    logits_chunk_size: int = 1024,
     with_entropy: bool = True,
     ddp: torch.nn.Module | None = None,
     shared_prompt: bool = True,
@@ -348,7 +354,7 @@ def optimizer_step(
     (denominator,) = all_reduce_sum([loss_denominator(mine, settings)])
     stats = accumulate_gradients(
         model, mine, settings, pad_id=pad_id, token_budget=token_budget,
-        denominator=denominator, entropy_chunk_size=entropy_chunk_size,
+        denominator=denominator, logits_chunk_size=logits_chunk_size,
         with_entropy=with_entropy, scale=float(info.world_size), ddp=ddp if info.enabled else None,
         shared_prompt=shared_prompt,
     )

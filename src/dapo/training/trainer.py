@@ -8,7 +8,6 @@ Read :meth:`Trainer.train_step` and :meth:`Trainer.run` top to bottom.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import random
@@ -21,11 +20,18 @@ import torch
 
 from dapo.atomic import write_text_atomic
 from dapo.config import Config
-from dapo.data.prompts import PromptStream, encode_prompts, load_prompt_set
+from dapo.data.prompts import encode_prompts, load_prompt_set
 from dapo.errors import TrainingError, VLLMEngineError, VLLMUnavailableError
 from dapo.evaluation.run import engine_accuracy
 from dapo.metrics import MetricsLogger, plot_dashboard
 from dapo.models import context_length, load_policy, load_tokenizer, resolve_model_path
+from dapo.models.precision import (
+    bf16_rounding_warning,
+    load_dtype,
+    reference_copy,
+    resolve_precision,
+    set_precision,
+)
 from dapo.parallel import distributed as D
 from dapo.parallel import sharding
 from dapo.parallel.data_parallel import wrap_data_parallel
@@ -34,7 +40,6 @@ from dapo.rollout import Group, RolloutEngine, SamplingParams, close_engine, mak
 from dapo.seeding import mix_seed, seed_everything
 from dapo.training.batch import Sample, build_samples, group_metrics, mean
 from dapo.training.checkpoint import (
-    full_state,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -44,6 +49,7 @@ from dapo.training.dynamic_sampling import DynamicSampler, ScoredGroup
 from dapo.training.engine_sync import EngineSync
 from dapo.training.forward import compute_logprobs, logprob_mismatch
 from dapo.training.prefetch import RolloutPrefetcher
+from dapo.training.prompt_selection import PromptSelector
 from dapo.training.step import (
     LossSettings,
     lr_at,
@@ -82,7 +88,8 @@ class Trainer:
             metric=cfg.algorithm.dynamic_sampling_metric,
             max_rounds=cfg.algorithm.max_gen_rounds,
         )
-        self.stream = PromptStream(len(self.train_records), cfg.seed, cfg.data.shuffle)
+        # The prompt stream, with algorithm.skip_uniform_prompts and data.curriculum.
+        self.prompts = PromptSelector(cfg, self.train_records)
         self.loss_settings = LossSettings.from_config(cfg)
         self.step = 0
         self.summary: dict[str, Any] = {}
@@ -100,6 +107,9 @@ class Trainer:
             sync_every=cfg.rollout.vllm_sync_every, sleep=cfg.rollout.vllm_sleep,
         )  # fmt: skip
         self.prefetcher = RolloutPrefetcher()  # rollout.async_steps=1: the next round, ahead
+        # Below float32 the transformers engine's incremental decoding and the training
+        # forward round differently: its log-probs are kept and compared too (no extra pass).
+        self.keep_engine_logprobs = self.engine_logprobs or self.precision != "fp32"
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -110,19 +120,25 @@ class Trainer:
         self.tokenizer = load_tokenizer(
             cfg.model.tokenizer or model_path, trust_remote_code=cfg.model.trust_remote_code
         )
+        self.precision = resolve_precision(cfg.train.precision, torch.cuda.is_available())
+        auto = " (auto: CUDA)" if torch.cuda.is_available() else " (auto: no CUDA)"
+        self.log(f"precision: {self.precision}{auto if cfg.train.precision == 'auto' else ''}")
+        if self.precision == "bf16":
+            self.log(bf16_rounding_warning(cfg.train.lr))
         self.model = load_policy(
             model_path,
-            dtype=cfg.model.dtype,
+            dtype=load_dtype(self.precision),
             trust_remote_code=cfg.model.trust_remote_code,
             gradient_checkpointing=cfg.model.gradient_checkpointing,
         )
+        set_precision(self.model, self.precision)
         self.model.train()
         if torch.cuda.is_available():  # one GPU per rank; the CPU path is the tested one
             self.model.to(f"cuda:{self.dist.local_rank}")
         self.ref_model = None
         if cfg.algorithm.beta > 0:  # beta = 0 (DAPO) needs no reference model at all
             # A plain copy on every rank, taken before the policy is sharded.
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.ref_model = reference_copy(self.model)
         self.ddp = None
         self.data_parallel = None
         if self.dist.enabled:
@@ -196,21 +212,26 @@ class Trainer:
         """Generate and score rounds of prompts until the batch is full (dynamic sampling);
         the batch and the metrics of everything generated."""
         generated: list[ScoredGroup] = []
+        skipped: list[int] = []
         timing = {"gen": 0.0, "score": 0.0}
         rounds = 0
         staleness = []  # rollout steps between the policy that sampled a round and this one
+        self.prompts.start_step(step)
 
         def produce(k: int) -> list[ScoredGroup]:
             nonlocal rounds
             ahead = self.prefetcher.take(step, k) if rounds == 0 else None
             t0 = time.perf_counter()
             if ahead is None:
-                idx = D.shard(self.stream.take(k), self.dist)  # this rank's share of the prompts
+                taken = self.prompts.next(k, skipped)
+                idx = D.shard(taken, self.dist)  # this rank's share of the prompts
                 groups = self.generate([self.train_ids[i] for i in idx], step, rounds)
                 staleness.append(step - self.engine_sync.version)
                 gen_step = step
             else:  # generated during the last step's update, by the policy before it
-                idx, groups = D.shard(ahead.indices, self.dist), ahead.groups or []
+                taken, groups = ahead.indices, ahead.groups or []
+                idx = D.shard(taken, self.dist)
+                skipped.extend(ahead.skipped)
                 staleness.append(step - ahead.version)
                 gen_step = ahead.version  # its log-probs are the behaviour policy's
             t1 = time.perf_counter()
@@ -222,12 +243,18 @@ class Trainer:
             # decisions are the same on all ranks.
             scored = D.unshard(D.all_gather_objects(scored))
             generated.extend(scored)
+            self.prompts.record(taken, [g.correct for g in scored])
             return scored
 
         batch, fill = self.sampler.fill(produce)
         self.samples_generated += sum(g.size for g in generated)
         tokens = sum(len(x) for g in generated for x in g.response_ids)
+        skips = {} if not self.prompts.skip else {
+            "sampling/skipped_prompts": float(len(skipped)),
+            "sampling/skip_rate": len(skipped) / max(1, len(skipped) + len(generated)),
+        }  # fmt: skip
         return batch, {
+            **skips,
             **group_metrics(generated),
             "reward/failures": float(self.reward_failures),
             "perf/gen_s": timing["gen"],
@@ -246,10 +273,12 @@ class Trainer:
         k = self.sampler.first_round_size()
         if k == 0:  # the carried-over groups fill the batch
             return
-        indices = self.stream.take(k)
+        self.prompts.start_step(step)  # the pool fill_batch(step) sets again: same history
+        skipped: list[int] = []
+        indices = self.prompts.next(k, skipped)
         prompts = [self.train_ids[i] for i in D.shard(indices, self.dist)]
         self.prefetcher.submit(
-            step, indices, self.engine_sync.version, lambda: self.generate(prompts, step, 0)
+            step, indices, self.engine_sync.version, lambda: self.generate(prompts, step, 0), skipped
         )
 
     def generate(self, prompt_ids: list[list[int]], step: int, round_no: int) -> list[Group]:
@@ -304,7 +333,7 @@ class Trainer:
             step=self.step,
             advantage_scale=a.advantage_scale,
             overlong_filter=a.overlong_filter,
-            keep_engine_logprobs=self.engine_logprobs,
+            keep_engine_logprobs=self.keep_engine_logprobs,
             exact_sampling_logprobs=r.top_p == 1.0 and r.top_k == 0,
         )
 
@@ -320,8 +349,12 @@ class Trainer:
         )  # fmt: skip
         self.engine_sync.before_update(len(plan), generating=self.prefetcher.generating)
         mine = sorted({i for _, idx in plan for i in self._my_share(samples, idx)})
+        fresh = [samples[i] for i in mine if samples[i].old_logprobs is None]
         metrics = self._fill_logprobs(samples, mine, plan)
         metrics.update(self._apply_updates(samples, plan, step))
+        if self.keep_engine_logprobs and "rollout/logprob_mismatch" not in metrics:
+            # One update per step: the training forward itself gave the old log-probs.
+            metrics.update(logprob_mismatch(fresh))
         metrics["actor/lr"] = lr
         metrics["train/loss_tokens"] = float(sum(sum(s.loss_mask) for s in samples))
         return metrics
@@ -334,6 +367,7 @@ class Trainer:
         forward = dict(
             pad_id=self.tokenizer.pad_token_id, temperature=cfg.rollout.temperature,
             token_budget=t.micro_batch_tokens, shared_prompt=t.shared_prompt_forward,
+            logits_chunk_size=t.logits_chunk_size,
         )  # fmt: skip
         metrics: dict[str, float] = {}
         if len(plan) > 1 or self.engine_logprobs:
@@ -343,7 +377,7 @@ class Trainer:
             old = compute_logprobs(self.model, [samples[i] for i in todo], **forward)
             for i, lp in zip(todo, old, strict=True):
                 samples[i].old_logprobs = lp
-            if self.engine_logprobs:  # compared with the engine's
+            if self.keep_engine_logprobs:  # compared with the engine's
                 metrics.update(logprob_mismatch([samples[i] for i in todo]))
         if self.ref_model is not None:
             ref = compute_logprobs(self.ref_model, [samples[i] for i in mine], **forward)
@@ -364,7 +398,7 @@ class Trainer:
             result = optimizer_step(
                 self.model, self.optimizer, [samples[i] for i in idx], self.loss_settings,
                 pad_id=self.tokenizer.pad_token_id, token_budget=t.micro_batch_tokens,
-                max_grad_norm=t.max_grad_norm, entropy_chunk_size=t.entropy_chunk_size,
+                max_grad_norm=t.max_grad_norm, logits_chunk_size=t.logits_chunk_size,
                 with_entropy=epoch == 0, ddp=self.ddp, shared_prompt=t.shared_prompt_forward,
             )  # fmt: skip
             if not result.applied:  # skipped: the weights stay at the last good state
@@ -435,7 +469,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
-            "stream": self.stream.state_dict(),
+            **self.prompts.state_dict(),  # "stream" and "history"
             "sampler": self.sampler.state_dict(),
             "summary": self.summary,
             "reward_failures": self.reward_failures,
@@ -447,7 +481,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
-        self.stream.load_state_dict(state["stream"])
+        self.prompts.load_state_dict(state)
         self.sampler.load_state_dict(state["sampler"])
         self.summary = dict(state["summary"])
         self.prefetcher.load_state_dict(state.get("prefetch"), self.step)
@@ -458,17 +492,12 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"])
 
     def save(self) -> Path:
-        """Rank 0 writes the checkpoint; the others wait for it (with FSDP, after gathering
-        the full weights and optimizer state for it)."""
-        root = self.out / "checkpoints"
-        path = step_dir(root, self.step)
-        full = full_state(self.model, self.optimizer)
+        """Every rank saves: with FSDP each writes its shards, else rank 0 writes it all."""
         ahead = self.prefetcher.state_dict()  # every rank: the round generated ahead, gathered
-        if self.dist.is_main:
-            path = save_checkpoint(
-                root, self.step, self.model, self.optimizer, {**self.state_dict(), "prefetch": ahead},
-                keep_last=self.cfg.checkpoint.keep_last, full=full,
-            )  # fmt: skip
+        path = save_checkpoint(
+            self.out / "checkpoints", self.step, self.model, self.optimizer,
+            {**self.state_dict(), "prefetch": ahead}, keep_last=self.cfg.checkpoint.keep_last,
+        )  # fmt: skip
         D.barrier()
         return path
 

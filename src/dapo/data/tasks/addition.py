@@ -53,6 +53,16 @@ def worked_solution(a: int, b: int, rng: random.Random | None = None) -> tuple[s
     return "\n".join(lines), answer
 
 
+def count_carries(a: int, b: int) -> int:
+    """How many columns of ``a + b`` carry into the next one (the last one included)."""
+    da, db = str(a)[::-1], str(b)[::-1]
+    carry = count = 0
+    for i in range(max(len(da), len(db))):
+        carry = 1 if _column_sum(da, db, i, carry) >= 10 else 0
+        count += carry
+    return count
+
+
 def _column_sum(da: str, db: str, i: int, carry: int) -> int:
     x = int(da[i]) if i < len(da) else 0
     y = int(db[i]) if i < len(db) else 0
@@ -92,7 +102,9 @@ def addition_records(split: str = "train", n: int = 20000, seed: int = 1234) -> 
                 ground_truth=str(a + b),
                 data_source=DATA_SOURCE,
                 uid=f"add-{a}-{b}",
-                extra={"a": a, "b": b},
+                # carries: what the task is hard for (the warm-up data drops one in half the
+                # solutions that have one); a difficulty field for data.difficulty_key.
+                extra={"a": a, "b": b, "carries": count_carries(a, b)},
             )
         )
     return out

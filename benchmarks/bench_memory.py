@@ -1,0 +1,317 @@
+"""Peak memory of one rollout step (generation + update): dapo's precisions against TRL.
+
+The model is a Llama with the shape of Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2
+key/value heads, MLP 4864, vocabulary 151,936, tied embeddings; ~494M parameters) and random
+weights, built once and saved; the tokenizer is dapo's character tokenizer (the prompts are
+``builtin:addition``'s, the responses random tokens of the model's vocabulary). Each side
+runs one rollout step in a fresh process: ``--prompts`` prompts x ``--generations``
+responses of at most ``--max-completion-length`` tokens (a random model over 151,936 tokens
+samples EOS with probability ~1e-5 per token, so every response has the full length: the
+JSON records the lengths), then one optimizer update (AdamW; DAPO loss, beta 0, no dynamic
+sampling, no overlong filtering):
+
+- ``fp32``, ``bf16-mixed``, ``bf16-mixed+ckpt`` (``model.gradient_checkpointing=true``): our
+  ``Trainer.train_step()`` with ``train.precision`` set so;
+- ``trl``: TRL's ``GRPOTrainer`` with bf16 autocast (``bf16=True``), gradient checkpointing,
+  the whole rollout in one update (``per_device_train_batch_size`` = prompts x generations).
+
+Memory: on CUDA ``torch.cuda.max_memory_allocated`` over the step (weights and optimizer
+state included); on CPU the process's peak resident memory during the step (``VmHWM`` after
+resetting it through ``/proc/self/clear_refs`` once the model is loaded, so a transient of
+loading does not count), and also the resident memory before the step. A table and JSON.
+
+    python benchmarks/bench_memory.py [--prompts 2] [--generations 4] [--max-completion-length 32]
+        [--sides fp32,bf16-mixed,bf16-mixed+ckpt,trl] [--output benchmarks/results/memory.json]
+
+On a GPU, the issue's work: ``--prompts 32 --generations 8 --max-completion-length 256``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _report import package_version, provenance, write_report  # benchmarks/_report.py
+from bench_trl import overlong_buffer, trl_reward  # the TRL side's reward, shared
+
+SIDES = ("fp32", "bf16-mixed", "bf16-mixed+ckpt", "trl")
+QWEN_05B = {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "mlp": 4864, "vocab": 151936}
+
+
+# --- memory probes ---------------------------------------------------------------------------
+
+
+def _status_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024  # kB
+    return 0.0
+
+
+class StepMemory:
+    """Peak memory of the code between :meth:`start` and :meth:`stop`: CUDA allocations, or the
+    process's resident set (Linux: peak reset through ``clear_refs``)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def start(self) -> float:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated() / 2**20
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        return _status_mb("VmRSS")
+
+    def stop(self) -> float:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() / 2**20
+        return _status_mb("VmHWM")
+
+
+# --- the model --------------------------------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace, path: Path) -> None:
+    """A Llama of the configured shape with random weights (seed 0), saved with dapo's
+    character tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dapo.models.tiny import build_tokenizer
+
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.mlp,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, max_position_embeddings=4096, rope_theta=1e6,
+        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+# --- workers (one fresh process per side) -----------------------------------------------------
+
+
+def worker_ours(args: argparse.Namespace, model_dir: Path, side: str, tmp: Path) -> dict[str, Any]:
+    import torch
+
+    from dapo.config import load_config
+    from dapo.training.trainer import Trainer
+
+    precision = "fp32" if side == "fp32" else "bf16-mixed"
+    cfg = load_config(overrides=[
+        f"model.name_or_path={model_dir}", f"output_dir={tmp / 'run'}", "preset=dapo",
+        "algorithm.dynamic_sampling=false", "algorithm.overlong_filter=false",
+        f"algorithm.overlong_buffer={overlong_buffer(args.max_completion_length)}",
+        f"train.prompts_per_step={args.prompts}", f"train.mini_batch_size={args.prompts}",
+        f"rollout.num_generations={args.generations}",
+        f"rollout.max_completion_length={args.max_completion_length}",
+        f"train.precision={precision}",
+        f"model.gradient_checkpointing={str(side.endswith('+ckpt')).lower()}",
+        "train.steps=1", "evaluate=false", "reward.num_workers=0",
+        "logging.console=false", "logging.tensorboard=false", "checkpoint.save_every=0",
+    ])  # fmt: skip
+    trainer = Trainer(cfg, log=lambda _: None)
+    probe = StepMemory(torch.cuda.is_available())
+    before = probe.start()
+    start = time.perf_counter()
+    metrics, groups = trainer.train_step()
+    seconds = time.perf_counter() - start
+    peak = probe.stop()
+    trainer.close()
+    lengths = [len(x) for g in groups for x in g.response_ids]
+    return {"before_mb": before, "peak_mb": peak, "step_s": seconds, "lengths": lengths,
+            "grad_norm": metrics["actor/grad_norm"]}
+
+
+def worker_trl(args: argparse.Namespace, model_dir: Path, side: str, tmp: Path) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from dapo.config import load_config
+    from dapo.data import encode_prompts, load_prompt_set
+    from dapo.models import load_tokenizer
+
+    cuda = torch.cuda.is_available()
+    cfg = load_config(overrides=[f"model.name_or_path={model_dir}"])
+    tokenizer = load_tokenizer(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    records, _, _ = encode_prompts(load_prompt_set(cfg.data, "train"), tokenizer,
+                                   cfg.data.max_prompt_length)
+    dataset = Dataset.from_dict(
+        {"prompt": [x.prompt for x in records], "ground_truth": [x.ground_truth for x in records]}
+    )
+    a, t = cfg.algorithm, cfg.train
+    config = GRPOConfig(
+        output_dir=str(tmp / "trl"), use_cpu=not cuda, bf16=True, gradient_checkpointing=True,
+        seed=cfg.seed, max_steps=1, per_device_train_batch_size=args.prompts * args.generations,
+        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        num_generations=args.generations, max_completion_length=args.max_completion_length,
+        temperature=1.0, top_p=1.0, loss_type="dapo", epsilon=a.clip_low,
+        epsilon_high=a.clip_high, beta=0.0, scale_rewards="group",
+        mask_truncated_completions=False, learning_rate=t.lr, weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm, logging_strategy="no", save_strategy="no",
+        eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    buffer = overlong_buffer(args.max_completion_length)
+    trainer = GRPOTrainer(model=model, reward_funcs=trl_reward(args.max_completion_length, buffer),
+                          args=config, train_dataset=dataset, processing_class=tokenizer)
+    lengths: list[int] = []
+    score = trainer._generate_and_score_completions
+
+    def record(inputs: Any) -> Any:
+        out = score(inputs)
+        lengths.extend(out["completion_mask"].sum(-1).tolist())
+        return out
+
+    trainer._generate_and_score_completions = record
+    probe = StepMemory(cuda)
+    before = probe.start()
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    return {"before_mb": before, "peak_mb": probe.stop(), "step_s": seconds, "lengths": lengths}
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix=f"bench-memory-{args.worker}-") as tmp:
+        fn = worker_trl if args.worker == "trl" else worker_ours
+        result = fn(args, Path(args.model_dir), args.worker, Path(tmp))
+    Path(args.result).write_text(json.dumps(result))
+
+
+# --- the driver -----------------------------------------------------------------------------
+
+
+def _python(args: argparse.Namespace, log: Path, *argv: str) -> None:
+    threads = str(args.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+           "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, *shape_argv(args)]
+    with log.open("w") as fh:
+        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise RuntimeError(f"{' '.join(argv[:2])} failed (exit {proc.returncode}):\n{tail}")
+
+
+def shape_argv(args: argparse.Namespace) -> list[str]:
+    out = ["--threads", str(args.threads), "--prompts", str(args.prompts),
+           "--generations", str(args.generations),
+           "--max-completion-length", str(args.max_completion_length)]  # fmt: skip
+    for key in QWEN_05B:
+        out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return out
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
+        model_dir = Path(tmp) / "model"
+        _python(args, Path(tmp) / "build.log", "--build", str(model_dir))
+        for side in args.sides:
+            t0 = time.perf_counter()
+            result = Path(tmp) / f"{side}.json"
+            _python(args, Path(tmp) / f"{side}.log", "--worker", side, "--result", str(result),
+                    "--model-dir", str(model_dir))
+            results[side] = json.loads(result.read_text())
+            print(f"{side}: {time.perf_counter() - t0:.0f} s")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    ratio = None
+    if "trl" in results and "bf16-mixed+ckpt" in results:
+        ratio = results["bf16-mixed+ckpt"]["peak_mb"] / results["trl"]["peak_mb"]
+    params = _parameters(args)
+    return {
+        **provenance(trl=package_version("trl"), accelerate=package_version("accelerate")),
+        "settings": {
+            "model": {**{k: getattr(args, k) for k in QWEN_05B}, "parameters": params},
+            "prompts": args.prompts, "generations": args.generations,
+            "max_completion_length": args.max_completion_length, "threads": args.threads,
+            "memory": "torch.cuda.max_memory_allocated" if cuda else "peak RSS (VmHWM) of the step",
+        },  # fmt: skip
+        "results": results,
+        "ckpt_over_trl": ratio,
+    }
+
+
+def _parameters(args: argparse.Namespace) -> int:
+    h, kv = args.hidden, args.hidden // args.heads * args.kv_heads
+    layer = 2 * h * h + 2 * h * kv + 3 * h * args.mlp + 2 * h
+    return args.vocab * h + args.layers * layer + h  # tied embeddings
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"{'side':<16} {'before MB':>10} {'peak MB':>10} {'step s':>8}")
+    for side, r in report["results"].items():
+        print(f"{side:<16} {r['before_mb']:>10.0f} {r['peak_mb']:>10.0f} {r['step_s']:>8.1f}")
+    if report["ckpt_over_trl"] is not None:
+        print(f"bf16-mixed+ckpt peak / TRL peak: {report['ckpt_over_trl']:.2f}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--max-completion-length", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--sides", default=",".join(SIDES),
+                        help=f"comma-separated, of {', '.join(SIDES)}")
+    for key, value in QWEN_05B.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=value,
+                            help="model shape (default: Qwen2.5-0.5B's)")
+    parser.add_argument("--output", default="benchmarks/results/memory.json")
+    parser.add_argument("--build", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.sides = [s for s in args.sides.split(",") if s]
+    if unknown := set(args.sides) - set(SIDES):
+        parser.error(f"unknown sides {sorted(unknown)}; choose from {', '.join(SIDES)}")
+    if args.prompts < 1 or args.generations < 2 or args.max_completion_length < 2:
+        parser.error("--prompts >= 1, --generations >= 2, --max-completion-length >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.build:
+        build_model(args, Path(args.build))
+        return
+    if args.worker:
+        run_worker(args)
+        return
+    if "trl" in args.sides and importlib.util.find_spec("trl") is None:
+        sys.exit("trl is not installed; it is a benchmark-only extra: pip install -e '.[bench]'")
+    report = run_benchmark(args)
+    print_table(report)
+    write_report(args.output, report)
+
+
+if __name__ == "__main__":
+    main()

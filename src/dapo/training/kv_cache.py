@@ -1,0 +1,68 @@
+"""The key/value caches of the shared-prompt training forward.
+
+A training micro-batch forwards each distinct prompt once into a :class:`SharedPromptCache`,
+then forwards all response tokens at once on top of the prompt's keys and values
+(:meth:`SharedPromptCache.expand`). Unlike transformers' ``DynamicCache``, whose ``update``
+appends, both caches give the same result whenever ``update`` is called again with the same
+states: under activation checkpointing (``dapo.models.checkpointing``) every layer's forward
+runs a second time in backward, and an appending cache would then hand the attention twice
+the keys.
+
+- prompt pass: the cache starts empty, so ``update`` *replaces* the layer's keys and values
+  with the new ones (equal to appending to nothing), and returns them;
+- response pass: the prompts' keys and values are fixed; ``update`` returns them followed by
+  the new ones and stores nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class _PromptLayer(DynamicLayer):
+    """Keys and values of a pass that starts from nothing: ``update`` replaces them."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+class _PrefixLayer(DynamicLayer):
+    """Fixed keys and values of the prompts: ``update`` returns them followed by the new ones."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
+
+
+class SharedPromptCache(DynamicCache):
+    """A full-attention cache for the prompt pass; :meth:`expand` gives the response pass's."""
+
+    def __init__(self, layers: list[DynamicLayer]) -> None:
+        Cache.__init__(self, layers=layers)
+
+    @classmethod
+    def empty(cls, depth: int) -> SharedPromptCache:
+        return cls([_PromptLayer() for _ in range(depth)])
+
+    def expand(self, rows: torch.Tensor) -> SharedPromptCache:
+        """The cache of the response pass: prompt ``rows[i]``'s keys and values for response
+        ``i`` (an ``index_select``, so each response's gradient flows back into its prompt)."""
+        return SharedPromptCache([
+            _PrefixLayer(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
+            for layer in self.layers
+        ])  # fmt: skip

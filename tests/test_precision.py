@@ -1,0 +1,211 @@
+"""train.precision: fp32, bf16-mixed (float32 weights, bf16 autocast) and pure bf16."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from dapo.config import ConfigError, TrainConfig, load_config
+from dapo.models.precision import (
+    autocast,
+    compute_dtype,
+    reference_copy,
+    resolve_precision,
+    set_precision,
+)
+from dapo.models.tiny import build_model, build_tokenizer
+from dapo.training.batch import Sample
+from dapo.training.forward import compute_logprobs
+from dapo.training.step import (
+    LossSettings,
+    accumulate_gradients,
+    loss_denominator,
+    make_optimizer,
+    optimizer_step,
+)
+
+PAD = 0
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny(seed: int = 3) -> torch.nn.Module:
+    m = build_model(len(build_tokenizer()), seed=seed)
+    m.train()
+    return m
+
+
+def samples(seed: int = 0, groups: int = 4, size: int = 4) -> list[Sample]:
+    """Groups of responses of different lengths with signed advantages."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(groups):
+        prompt = [rng.randrange(3, 99) for _ in range(rng.randrange(4, 12))]
+        for _ in range(size):
+            resp = [rng.randrange(3, 99) for _ in range(rng.randrange(2, 30))]
+            out.append(Sample(prompt, resp, rng.choice([-1.2, -0.5, 0.6, 1.3]), [1.0] * len(resp)))
+    return out
+
+
+def grads(model: torch.nn.Module, batch: list[Sample]) -> dict[str, torch.Tensor]:
+    settings = LossSettings()
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(model, batch, settings, pad_id=PAD, token_budget=400,
+                         denominator=loss_denominator(batch, settings))
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_auto_resolves_by_device_and_old_dtype_keys_point_to_precision() -> None:
+    assert load_config().train.precision == "auto"
+    assert resolve_precision("auto", cuda=True) == "bf16-mixed"
+    assert resolve_precision("auto", cuda=False) == "fp32"
+    assert resolve_precision("bf16", cuda=False) == "bf16"
+    for key in ("model.dtype", "torch_dtype", "bf16"):
+        with pytest.raises(ConfigError, match="did you mean `train.precision`"):
+            load_config(overrides=[f"{key}=bfloat16"])
+    with pytest.raises(ConfigError, match="did you mean `train.logits_chunk_size`"):
+        load_config(overrides=["train.entropy_chunk_size=64"])
+    with pytest.raises(ConfigError, match="is not one of"):
+        load_config(overrides=["train.precision=fp16"])
+
+
+def test_one_bf16_mixed_update_at_lr_1e6_moves_every_weight_pure_bf16_rounds_it_away() -> None:
+    """The paper's learning rate: AdamW moves each weight by about 1e-6. Float32 weights
+    (bf16-mixed) take every such step; bf16 weights (spacing ~1/256 of the weight) drop
+    almost all of them."""
+    batch = samples()
+    t = TrainConfig(lr=1e-6, weight_decay=0.0)
+    changed = {}
+    for precision in ("bf16-mixed", "bf16"):
+        model = set_precision(tiny(), precision)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = make_optimizer(model, t)
+        hooked: dict[str, torch.Tensor] = {}
+        for n, p in model.named_parameters():  # the gradient each parameter received
+            p.register_post_accumulate_grad_hook(lambda p, n=n, h=hooked: h.__setitem__(n, p.grad.clone()))
+        result = optimizer_step(model, opt, batch, LossSettings(), pad_id=PAD, token_budget=400)
+        assert result.applied
+        moved = total = 0
+        for n, p in model.named_parameters():
+            assert p.dtype == (torch.float32 if precision == "bf16-mixed" else torch.bfloat16)
+            has_grad = hooked[n] != 0
+            delta = p.detach() != before[n]
+            assert not (delta & ~has_grad).any()  # no gradient, no weight decay: no change
+            moved += int((delta & has_grad).sum())
+            total += int(has_grad.sum())
+        changed[precision] = moved / total
+    assert changed["bf16-mixed"] == 1.0  # every weight that has a gradient
+    assert changed["bf16"] < 0.10
+
+
+def test_bf16_mixed_gradients_agree_with_fp32_within_bf16_rounding() -> None:
+    batch = samples(seed=1)
+    fp32 = tiny()
+    mixed = set_precision(copy.deepcopy(fp32), "bf16-mixed")
+    g32, g16 = grads(fp32, batch), grads(mixed, batch)
+    assert g32.keys() == g16.keys()
+    num = sum(float((g16[n] - g32[n]).square().sum()) for n in g32) ** 0.5
+    den = sum(float(g32[n].square().sum()) for n in g32) ** 0.5
+    assert all(g.dtype == torch.float32 for g in g16.values())  # float32 master gradients
+    assert 0 < num / den < 2e-2  # bf16 keeps 8 significant bits: ~0.4% per product
+    for n in g32:  # and no tensor is off on its own
+        cos = torch.nn.functional.cosine_similarity(g16[n].flatten(), g32[n].flatten(), dim=0)
+        assert cos > 0.99, n
+
+
+def test_bf16_mixed_computes_in_bf16_and_returns_float32_logprobs() -> None:
+    model = set_precision(tiny(), "bf16-mixed")
+    seen: list[torch.dtype] = []
+    layer = model.model.layers[0].mlp.down_proj
+    handle = layer.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    try:
+        logps = compute_logprobs(model, samples(groups=2), pad_id=PAD, temperature=1.0,
+                                 token_budget=400)
+    finally:
+        handle.remove()
+    assert seen and set(seen) == {torch.bfloat16}
+    assert all(lp.dtype == torch.float32 for lp in logps)
+    assert compute_dtype(model) == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.float32
+    # fp32 and a DDP-style wrapper: the wrapper's module carries the precision
+    wrapper = torch.nn.Module()
+    wrapper.module = model
+    assert compute_dtype(tiny()) == torch.float32
+    with autocast(wrapper):
+        assert torch.is_autocast_enabled("cpu")
+    with autocast(tiny()):
+        assert not torch.is_autocast_enabled("cpu")
+
+
+def test_reference_copy_stores_linear_weights_in_bf16_and_matches_the_policy() -> None:
+    """Under bf16-mixed autocast casts linear weights to bf16 for every product, so a
+    reference model that stores them in bf16 computes the policy's log-probs exactly."""
+    policy = set_precision(tiny(), "bf16-mixed")
+    ref = reference_copy(policy)
+    linear = [m for m in ref.modules() if isinstance(m, torch.nn.Linear)]
+    tied = ref.get_input_embeddings().weight
+    assert all(m.weight.dtype == torch.bfloat16 for m in linear if m.weight is not tied)
+    assert tied.dtype == torch.float32 and not any(p.requires_grad for p in ref.parameters())
+    batch = samples(seed=2)
+    a = compute_logprobs(policy, batch, pad_id=PAD, temperature=1.0, token_budget=400)
+    b = compute_logprobs(ref, batch, pad_id=PAD, temperature=1.0, token_budget=400)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    size = sum(p.numel() * p.element_size() for p in ref.parameters())
+    assert size < 0.8 * sum(p.numel() * p.element_size() for p in policy.parameters())
+
+
+def test_the_hf_engine_samples_in_the_trainers_precision() -> None:
+    from dapo.rollout import HFEngine, SamplingParams
+
+    seen: list[torch.dtype] = []
+    model = set_precision(tiny(), "bf16-mixed")
+    model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    params = SamplingParams(n=2, max_tokens=6, seed=0)
+    groups = HFEngine(model, 1, 0).generate([[5, 6, 7]], params)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert len(groups[0].response_ids) == 2 and not torch.is_autocast_enabled("cpu")
+
+
+def _run(tmp: Path, model_dir: Path, *extra: str) -> tuple[list[dict], list[str]]:
+    from dapo.training.trainer import Trainer
+
+    cfg = load_config(overrides=[
+        f"model.name_or_path={model_dir}", f"output_dir={tmp}", "train.steps=2",
+        "train.prompts_per_step=2", "train.mini_batch_size=2", "rollout.num_generations=4",
+        "rollout.max_completion_length=12", "algorithm.overlong_buffer=4",
+        "algorithm.dynamic_sampling=false", "evaluate=false", "logging.console=false",
+        "logging.tensorboard=false", "checkpoint.save_every=0", *extra,
+    ])
+    lines: list[str] = []
+    Trainer(cfg, log=lines.append).run()
+    rows = [json.loads(x) for x in (tmp / "metrics.jsonl").read_text().splitlines()]
+    return rows, lines
+
+
+def test_bf16_mixed_run_logs_the_engine_mismatch_without_an_extra_pass(
+    random_tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dapo.training import trainer as trainer_module
+
+    passes: list[int] = []
+    original = trainer_module.compute_logprobs
+    monkeypatch.setattr(trainer_module, "compute_logprobs",
+                        lambda m, s, **kw: passes.append(len(s)) or original(m, s, **kw))
+    rows, lines = _run(tmp_path / "mixed", random_tiny_model, "train.precision=bf16-mixed")
+    assert "precision: bf16-mixed" in lines
+    assert passes == []  # one update per step: the training forward gave the comparison
+    for row in rows:
+        # The engine decodes token by token, the trainer forwards whole responses: in bf16
+        # they round differently, by a small amount.
+        assert 0 < row["rollout/logprob_mismatch"] < 0.2
+    rows, lines = _run(tmp_path / "fp32", random_tiny_model)
+    assert "precision: fp32 (auto: no CUDA)" in lines
+    assert all("rollout/logprob_mismatch" not in r for r in rows)
+    rows, lines = _run(tmp_path / "pure", random_tiny_model, "train.precision=bf16", "train.lr=1e-6")
+    assert any(x.startswith("warning: train.precision=bf16") and "2.6e-04" in x for x in lines)
+    assert (tmp_path / "pure" / "final_model").is_dir()
