@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -63,20 +62,9 @@ def model_path(name: str, tmp: Path) -> str:
 
 
 def start_server(model: str, port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dapo", "vllm-serve", model, "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "1024"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return proc
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise RuntimeError("the server did not come up")
+    from dapo.rollout.server import launch
+
+    return launch(model, port, log=log, max_model_len=1024, env=env)
 
 
 def run(mode: str, model: str, steps: int, out: Path, env: dict[str, str], extra: list[str]) -> dict:

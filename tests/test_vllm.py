@@ -414,22 +414,10 @@ def test_dapo_eval_with_vllm_fits_long_prompts(tiny_path, tmp_path):
 
 def start_server(tiny_path: Path, port: int, log: Path) -> subprocess.Popen:
     """`dapo vllm-serve builtin-tiny` on 127.0.0.1:port, once it answers /health."""
-    import urllib.request
+    from dapo.rollout.server import launch
 
     env = dict(os.environ, DAPO_CACHE=str(tiny_path.parent), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "dapo", "vllm-serve", str(tiny_path), "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "256"]
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return proc
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise AssertionError("the server did not come up: " + log.read_text()[-3000:])
+    return launch(str(tiny_path), port, log=log, max_model_len=256, env=env, timeout_s=300)
 
 
 def health(url: str) -> dict:

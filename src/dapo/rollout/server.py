@@ -33,13 +33,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from dapo.rollout.base import Group, SamplingParams
@@ -303,3 +308,28 @@ def serve(
         pass
     finally:
         server.close()
+
+
+def launch(
+    model: str, port: int, *, log: Path, max_model_len: int, env: dict[str, str] | None = None,
+    timeout_s: float = 600.0,
+) -> subprocess.Popen:  # fmt: skip
+    """Start ``dapo vllm-serve MODEL`` on 127.0.0.1:``port`` in a subprocess (its output
+    to ``log``) and return it once it answers ``/health`` (tests and benchmarks).
+    Raises ``RuntimeError`` with the end of its log if it exits or does not come up."""
+    cmd = [sys.executable, "-m", "dapo", "vllm-serve", model, "--host", "127.0.0.1",
+           "--port", str(port), "--max-model-len", str(max_model_len)]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=dict(os.environ) if env is None else env, stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"dapo vllm-serve exited with {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                return proc
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"dapo vllm-serve did not come up in {timeout_s:g} s: {log.read_text()[-3000:]}")
