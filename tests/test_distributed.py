@@ -48,6 +48,17 @@ def test_balance_by_tokens_spreads_the_load() -> None:
     assert abs(loads[0] - loads[1]) <= 4
 
 
+def _small_run(model: Path, out: Path) -> list[str]:
+    """``-m dapo train`` arguments of a 4-prompt run with a checkpoint every step."""
+    return [
+        "-m", "dapo", "train", f"model.name_or_path={model}", f"output_dir={out}",
+        "train.prompts_per_step=4", "train.mini_batch_size=2", "rollout.num_generations=4",
+        "rollout.max_completion_length=12", "algorithm.overlong_buffer=4",
+        "algorithm.dynamic_sampling=false", "logging.tensorboard=false",
+        "checkpoint.save_every=1", "train.micro_batch_tokens=60",
+    ]  # fmt: skip
+
+
 def _dist_worker():
     sys.path.insert(0, str(HERE))
     try:
@@ -118,6 +129,98 @@ def test_two_ranks_make_the_same_step_as_one_process(mode: str, two_rank_steps: 
             got = two_ranks["optimizer"]["state"][i][key]
             torch.testing.assert_close(got, value, atol=1e-5, rtol=0)
     assert two_ranks["reload_error"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_every_loss_variant_makes_the_same_step_on_two_ranks(mode: str, tmp_path: Path) -> None:
+    """GSPO and CISPO with masked importance sampling (sequence / token), Clip-Cov, KL-Cov
+    with the entropy bonus: one 2-rank step equals the single-process step, selection and
+    denominators included (they are global over the mini-batch)."""
+    torchrun(str(HERE / "dist_worker.py"), "variants", mode, str(tmp_path / "v.pt"), cwd=tmp_path)
+    two_ranks = torch.load(tmp_path / "v.pt")
+    dist_worker = _dist_worker()
+    torch.set_num_threads(1)
+    for name in dist_worker.variant_settings():
+        single = dist_worker.variant_step("single", name)
+        got = two_ranks[name]
+        for key, value in single["params"].items():
+            torch.testing.assert_close(got["params"][key], value, atol=1e-5, rtol=0)
+        assert got["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-6)
+        assert got["loss"] == pytest.approx(single["loss"], rel=1e-6, abs=1e-9)
+        assert got["selection"] == single["selection"]
+        if "cov" in name:
+            assert single["selection"]["actor/cov_selected_frac"] > 0.05
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_lora_step_on_two_ranks_equals_one_process(mode: str, tmp_path: Path) -> None:
+    """LoRA under DDP and FSDP2 (frozen base parameters beside trainable adapters in every
+    sharded layer): the 2-rank step equals the single-process one, and the checkpointed
+    state (adapters and their AdamW moments only) reloads into a fresh wrapped model."""
+    torchrun(str(HERE / "dist_worker.py"), "lora", mode, str(tmp_path / "l.pt"), cwd=tmp_path)
+    two_ranks = torch.load(tmp_path / "l.pt")
+    dist_worker = _dist_worker()
+    torch.set_num_threads(1)
+    single = dist_worker.one_step("single", lora_rank=4)
+    assert set(single["params"]) == set(two_ranks["params"])
+    assert single["params"] and all(".lora_" in n for n in single["params"])
+    initial = {n: p.detach() for n, p in
+               dist_worker._model_and_optimizer("single", lora_rank=4)[0].named_parameters()}
+    for name, value in single["params"].items():
+        torch.testing.assert_close(two_ranks["params"][name], value, atol=1e-6, rtol=0)
+    assert max(float((v - initial[n]).abs().max()) for n, v in single["params"].items()) > 1e-4
+    assert two_ranks["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-9)
+    assert len(single["optimizer"]["state"]) == len(single["params"])
+    for i, state in single["optimizer"]["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(two_ranks["optimizer"]["state"][i][key], value, atol=1e-6, rtol=0)
+    assert two_ranks["reload_error"] == 0.0
+    # The checkpoint holds the adapters (and their AdamW state) only, in either format.
+    ckpt = tmp_path / f"checkpoints-lora-{mode}" / "step_000001"
+    if mode == "fsdp":  # torch.distributed.checkpoint shards
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = set(FileSystemReader(ckpt / "model_optim").read_metadata().state_dict_metadata)
+        model_keys = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+        assert all(".lora_" in k for k in keys if not k.startswith("optim.param_groups")), keys
+    else:
+        from safetensors.torch import load_file
+
+        model_keys = set(load_file(str(ckpt / "model.safetensors")))
+    assert model_keys == set(single["params"])
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_rank_lora_run_resumes_and_exports_merged(
+    mode: str, random_tiny_model: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    common = [
+        *_small_run(random_tiny_model, out), "evaluate=false", f"train.data_parallel={mode}",
+        "model.lora.rank=4", "train.lr=1e-2",
+        "algorithm.beta=0.01",  # the reference: the base, adapters disabled (FSDP gathers it)
+    ]
+    torchrun(*common, "train.steps=2", cwd=tmp_path)
+    torchrun(*common, "train.steps=3", "resume=true", cwd=tmp_path)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
+    from transformers import AutoModelForCausalLM
+
+    from dapo.config import LoraConfig
+    from dapo.models.lora import apply_lora, merge_state, scalings
+    from dapo.training.checkpoint import load_checkpoint
+
+    # The last checkpoint's adapters on the base model, merged, are the exported model.
+    model = AutoModelForCausalLM.from_pretrained(random_tiny_model)
+    apply_lora(model, LoraConfig(rank=4))
+    load_checkpoint(out / "checkpoints" / "step_000003", model)
+    final = AutoModelForCausalLM.from_pretrained(out / "final_model").state_dict()
+    merged = merge_state(model.state_dict(), scalings(model))
+    base = AutoModelForCausalLM.from_pretrained(random_tiny_model).state_dict()
+    assert set(final) == set(base)
+    for name, value in final.items():
+        torch.testing.assert_close(value, merged[name], atol=1e-6, rtol=0)
+    assert any(not torch.equal(final[n], base[n]) for n in base)
 
 
 def test_fsdp_checkpoint_is_written_in_shards_and_loads_into_one_process(two_rank_steps: dict) -> None:
@@ -203,18 +306,30 @@ def test_fsdp_where_it_does_not_work_is_a_clear_error(monkeypatch: pytest.Monkey
     )
 
 
-def test_dynamic_sampling_is_global_across_ranks(random_tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("reward", "extra"),
+    [("by_answer_class", ()), ("rarely_mixed", ("algorithm.max_gen_rounds=1",))],
+    ids=["full", "round-cap-short"],
+)
+def test_dynamic_sampling_is_global_across_ranks(
+    reward: str, extra: tuple[str, ...], random_tiny_model: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "run"
-    rewards = HERE / "trainer_rewards.py"
-    torchrun(str(HERE / "dist_worker.py"), "dynamic", str(random_tiny_model), str(out), str(rewards), cwd=tmp_path)
+    rewards = f"{HERE / 'trainer_rewards.py'}:{reward}"
+    torchrun(str(HERE / "dist_worker.py"), "dynamic", str(random_tiny_model), str(out), rewards,
+             *extra, cwd=tmp_path)  # fmt: skip
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert len(ranks[0]) == len(ranks[1]) == 3
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [int(m.get("sampling/trained_groups", 4)) for m in metrics]
+    assert len(ranks[0]) == len(ranks[1]) == sum(n > 0 for n in trained)
+    if extra:  # the round cap cut some batches short, the same way on both ranks
+        assert any(0 < n < 4 for n in trained), trained
     for a, b in zip(*ranks, strict=True):
         assert a["uids"] == b["uids"]  # every rank agrees on the batch
         for correct in a["groups"]:
             assert 0 < sum(correct) < len(correct)  # no uniform group trains
         # Together the ranks train every row exactly once.
-        assert sorted(a["trained_rows"] + b["trained_rows"]) == list(range(4 * 4))
+        assert sorted(a["trained_rows"] + b["trained_rows"]) == list(range(4 * len(a["uids"])))
         assert a["trained_rows"] and b["trained_rows"]
 
 
@@ -242,11 +357,7 @@ def test_two_rank_run_resumes_from_its_checkpoint(
 ) -> None:
     out = tmp_path / "run"
     common = [
-        "-m", "dapo", "train", f"model.name_or_path={random_tiny_model}", f"output_dir={out}",
-        "train.prompts_per_step=4", "train.mini_batch_size=2", "rollout.num_generations=4",
-        "rollout.max_completion_length=12", "algorithm.overlong_buffer=4",
-        "algorithm.dynamic_sampling=false", "logging.tensorboard=false",
-        "checkpoint.save_every=1", "train.micro_batch_tokens=60",
+        *_small_run(random_tiny_model, out),
         # A reference model (kept whole under FSDP) and one eval prompt: rank 1 has none.
         "algorithm.beta=0.01", "evaluate=true", "data.max_eval_prompts=1",
     ]

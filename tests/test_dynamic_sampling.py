@@ -182,7 +182,7 @@ def test_round_cap_error_message_and_carry_kept():
     # 5 rounds generate 20 groups: 1 mixed, 15 all correct (75%), 4 all wrong (20%).
     patterns = [MIXED] + [ALL_OK] * 15 + [ALL_BAD] * 4
     producer = FakeProducer(patterns)
-    sampler = DynamicSampler(4, max_rounds=5, max_prompts_per_round=4)
+    sampler = DynamicSampler(4, max_rounds=5, max_prompts_per_round=4, round_cap="stop")
     sampler.load_state_dict({"carry": [old], "keep_rate": 1.0})
 
     with pytest.raises(DynamicSamplingError) as info:
@@ -194,6 +194,7 @@ def test_round_cap_error_message_and_carry_kept():
     assert "75%" in msg and "20%" in msg, msg
     assert "algorithm.max_gen_rounds" in msg
     assert "rollout.num_generations" in msg
+    assert "algorithm.round_cap=stop" in msg and "algorithm.round_cap=train" in msg
     # The carried-in group and the one that qualified are kept, in that order.
     assert same_objects(sampler.carry, [old, producer.produced[0]])
 
@@ -206,7 +207,7 @@ def test_round_cap_error_message_and_carry_kept():
 
 def test_round_cap_without_any_qualifying_group():
     producer = FakeProducer(itertools.repeat(ALL_BAD))
-    sampler = DynamicSampler(3, max_rounds=2)
+    sampler = DynamicSampler(3, max_rounds=2, round_cap="stop")
     with pytest.raises(DynamicSamplingError) as info:
         sampler.fill(producer)
     assert len(producer.calls) == 2
@@ -214,6 +215,64 @@ def test_round_cap_without_any_qualifying_group():
     assert "100%" in msg  # all wrong
     assert re.search(r"(?<![\d.])0%", msg), msg  # none all correct
     assert sampler.carry == []
+
+
+def test_round_cap_train_returns_the_short_batch_with_a_note():
+    old = make_group(MIXED2)  # carried in from an earlier step
+    # Rounds of exactly 4 prompts: 3 rounds make 12 groups, 2 of them mixed (9 all correct,
+    # 1 all wrong), so with the carried-in one the batch has 3 of 8 groups.
+    patterns = [ALL_OK, MIXED, ALL_OK, ALL_OK] + [ALL_OK] * 4 + [ALL_BAD, ALL_OK, MIXED2, ALL_OK]
+    producer = FakeProducer(patterns)
+    sampler = DynamicSampler(8, max_rounds=3, max_prompts_per_round=4)
+    sampler.load_state_dict({"carry": [old], "keep_rate": 1.0, "empty_in_a_row": 2})
+
+    batch, stats = sampler.fill(producer)
+
+    assert producer.calls == [4, 4, 4]
+    assert same_objects(batch, [old] + producer.qualifying())
+    assert sampler.carry == []
+    assert sampler.empty_in_a_row == 0  # a step that trains ends a run of empty steps
+    assert stats.short and stats.kept == 3 and stats.rounds == 3
+    m = stats.as_metrics()
+    assert m["sampling/short_batch"] == 1.0 and m["sampling/trained_groups"] == 3.0
+    note = stats.note
+    assert "algorithm.max_gen_rounds=3 with 3 of 8 groups" in note
+    assert "training on those 3" in note and "algorithm.round_cap=stop" in note
+    assert "75% were all correct and 8% were all wrong" in note  # 9/12 and 1/12
+    assert "Raise algorithm.max_gen_rounds" in note
+
+    # A full batch has no note and is not short.
+    batch, stats = DynamicSampler(2).fill(FakeProducer(itertools.repeat(MIXED)))
+    assert len(batch) == 2 and not stats.short and stats.note == ""
+    assert stats.as_metrics()["sampling/short_batch"] == 0.0
+
+
+def test_steps_without_any_mixed_group_skip_then_stop():
+    sampler = DynamicSampler(3, max_rounds=2, max_empty_steps=3)
+    for k in (1, 2):
+        batch, stats = sampler.fill(FakeProducer(itertools.repeat(ALL_BAD)))
+        assert batch == [] and stats.short and stats.kept == 0
+        assert sampler.empty_in_a_row == k
+        assert "update is skipped" in stats.note and f"({k} such step(s) in a row" in stats.note
+        assert "algorithm.max_empty_steps=3" in stats.note
+    # The count survives a checkpoint.
+    again = DynamicSampler(3, max_rounds=2, max_empty_steps=3)
+    again.load_state_dict(pickle.loads(pickle.dumps(sampler.state_dict())))
+    assert again.empty_in_a_row == 2
+    with pytest.raises(DynamicSamplingError) as info:
+        again.fill(FakeProducer(itertools.repeat(ALL_BAD)))
+    msg = str(info.value)
+    assert "no group with a learning signal in 3 rollout steps in a row" in msg
+    assert "algorithm.max_empty_steps=3" in msg and "100% were all wrong" in msg
+    assert "Raise algorithm.max_gen_rounds" in msg and "rollout.num_generations" in msg
+
+    # A step that finds a group in between starts the count again.
+    sampler = DynamicSampler(3, max_rounds=1, max_empty_steps=2, max_prompts_per_round=3)
+    sampler.fill(FakeProducer(itertools.repeat(ALL_BAD)))
+    batch, _ = sampler.fill(FakeProducer([ALL_BAD, MIXED, ALL_BAD]))
+    assert len(batch) == 1 and sampler.empty_in_a_row == 0
+    sampler.fill(FakeProducer(itertools.repeat(ALL_BAD)))
+    assert sampler.empty_in_a_row == 1
 
 
 # --------------------------------------------------------------------------------------

@@ -79,8 +79,10 @@ def test_log_prob_only_loss_and_frozen_weights() -> None:
 
 
 def test_bf16_products_float32_results() -> None:
-    """compute_dtype=bfloat16 (mixed precision): the products round to bf16, the log-softmax
-    and entropy stay float32; the results are within bf16 rounding of the float32 ones."""
+    """compute_dtype=bfloat16 (mixed precision): the products take bf16 inputs but are summed
+    and returned in float32, so the logits are not rounded to bf16: the log-probs are those
+    of float32 arithmetic on the bf16-rounded hidden states and weight, and the gradients
+    are within bf16 rounding of the float32 ones."""
     h, w, b, y, cl, ce = inputs()
     ref = values_and_grads(lambda: reference(h, w, b, y, 1.0), h, w, b, cl, ce)
     got = values_and_grads(
@@ -88,7 +90,12 @@ def test_bf16_products_float32_results() -> None:
         h, w, b, cl, ce,
     )  # fmt: skip
     assert got[0].dtype == torch.float32 and got[2][1].dtype == torch.float32
-    assert 0 < (got[0] - ref[0]).abs().max() < 0.1
+    rounded = reference(h.detach().bfloat16().float(), w.detach().bfloat16().float(), b.detach(), y, 1.0)
+    torch.testing.assert_close(got[0], rounded[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got[1], rounded[1], atol=1e-6, rtol=1e-6)
+    bf16_logits = F.linear(h.detach().bfloat16(), w.detach().bfloat16()).float() + b.detach()
+    rounded_away = alg.token_logprobs(bf16_logits, y)  # what bf16 logits would give
+    assert (got[0] - ref[0]).abs().max() < (rounded_away - ref[0]).abs().max()
     for a, r in zip(got[2], ref[2], strict=True):
         assert (a - r).norm() / r.norm() < 2e-2
 
@@ -163,8 +170,9 @@ def _whole_logits(model, batch, temperature, shared):
 def test_model_logprobs_equal_the_whole_logits_path(shared: bool) -> None:
     """response_logprobs (the model up to its hidden states, then the chunked head) gives
     the values and parameter gradients of the whole-logits computation."""
+    from dapo.models.head import output_head
     from dapo.models.tiny import build_model, build_tokenizer
-    from dapo.training.forward import collate, output_head, response_logprobs
+    from dapo.training.forward import collate, response_logprobs
 
     model = build_model(len(build_tokenizer()), seed=3)
     model.train()
@@ -194,7 +202,8 @@ def test_heads_that_transform_the_logits_take_the_whole_logits_path() -> None:
     no plain nn.Linear: both are computed from the whole logits, with the same results."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from dapo.training.forward import output_head, response_logprobs
+    from dapo.models.head import output_head
+    from dapo.training.forward import response_logprobs
 
     torch.manual_seed(0)
     gemma = Gemma2ForCausalLM(Gemma2Config(

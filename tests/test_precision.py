@@ -160,15 +160,26 @@ def test_reference_copy_stores_linear_weights_in_bf16_and_matches_the_policy() -
 
 
 def test_the_hf_engine_samples_in_the_trainers_precision() -> None:
+    """Under bf16-mixed the engine's layers compute in bf16 and its output layer returns
+    float32 logits from bf16 products, as the trainer's log-probs are computed."""
     from dapo.rollout import HFEngine, SamplingParams
 
-    seen: list[torch.dtype] = []
+    seen: dict[str, set[torch.dtype]] = {"layer": set(), "head": set()}
     model = set_precision(tiny(), "bf16-mixed")
-    model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    model.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda m, i, o: seen["layer"].add(o.dtype))
+    model.lm_head.register_forward_hook(lambda m, i, o: seen["head"].add(o.dtype))
     params = SamplingParams(n=2, max_tokens=6, seed=0)
     groups = HFEngine(model, 1, 0).generate([[5, 6, 7]], params)
-    assert seen and set(seen) == {torch.bfloat16}
+    assert seen == {"layer": {torch.bfloat16}, "head": {torch.float32}}
     assert len(groups[0].response_ids) == 2 and not torch.is_autocast_enabled("cpu")
+    assert "forward" not in vars(model.lm_head)  # the head is itself again
+    # The engine's sampling log-probs and the trainer's forward agree to bf16 rounding.
+    response = groups[0].response_ids[0]
+    sample = Sample([5, 6, 7], response, 1.0, [1.0] * len(response))
+    (trainer,) = compute_logprobs(model, [sample], pad_id=PAD, temperature=1.0, token_budget=400)
+    gap = (trainer - torch.tensor(groups[0].logprobs[0])).abs().max()
+    assert gap < 0.05
 
 
 def _run(tmp: Path, model_dir: Path, *extra: str) -> tuple[list[dict], list[str]]:

@@ -428,11 +428,11 @@ def inject_nan(monkeypatch, trainer: Trainer, nan_at: set[tuple[int, int]]) -> d
     they were at the latest NaN update: the last good state when training stops there."""
     import dapo.training.step
 
-    real_loss = dapo.training.step.alg.policy_loss
+    real_loss = dapo.training.step.alg.compute_loss
     calls: dict[int, int] = {}
     weights_at_nan: dict[str, torch.Tensor] = {}
 
-    def policy_loss(*args, **kwargs):
+    def compute_loss(*args, **kwargs):
         step = trainer.step
         k = calls[step] = calls.get(step, -1) + 1
         loss, stats = real_loss(*args, **kwargs)
@@ -443,7 +443,7 @@ def inject_nan(monkeypatch, trainer: Trainer, nan_at: set[tuple[int, int]]) -> d
             loss = loss * float("nan")
         return loss, stats
 
-    monkeypatch.setattr(dapo.training.step.alg, "policy_loss", policy_loss)
+    monkeypatch.setattr(dapo.training.step.alg, "compute_loss", compute_loss)
     return weights_at_nan
 
 
@@ -452,7 +452,7 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_with_last_good_state(
 ):
     import dapo.training.step
 
-    real_loss = dapo.training.step.alg.policy_loss
+    real_loss = dapo.training.step.alg.compute_loss
     out = tmp_path / "run"
     trainer = Trainer(
         load_config(overrides=base_overrides(random_tiny_model, train_file, out, *NAN_EXTRA)),
@@ -480,7 +480,7 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_with_last_good_state(
         torch.equal(weights[n], t) for n, t in last_good.items() if n in weights
     )
     # The saved state resumes (the cause gone) to the end.
-    monkeypatch.setattr(dapo.training.step.alg, "policy_loss", real_loss)
+    monkeypatch.setattr(dapo.training.step.alg, "compute_loss", real_loss)
     overrides = base_overrides(random_tiny_model, train_file, out, *NAN_EXTRA, "resume=true")
     assert Trainer(load_config(overrides=overrides), log=quiet).run()["steps"] == 4
 
@@ -774,6 +774,7 @@ def bad_inputs(random_tiny_model, tmp_path_factory) -> Path:
         "config.yaml": "train:\n  lr: [1e-6\n",
         "list.yaml": "- train.lr=1e-6\n",
         "not_a_dir": "a file",
+        "fake.gguf": "not a gguf file",
     }
     for name, text in files.items():
         (d / name).write_text(text)
@@ -786,6 +787,17 @@ def bad_inputs(random_tiny_model, tmp_path_factory) -> Path:
     shutil.copytree(random_tiny_model, noweights)
     (noweights / "model.safetensors").unlink()
     (d / "has_checkpoints" / "checkpoints" / "step_000001").mkdir(parents=True)
+    (d / "header_only.gguf").write_bytes(b"GGUF" + bytes(20))
+    try:  # a GGUF file of an architecture transformers cannot read (metadata only)
+        import gguf
+
+        w = gguf.GGUFWriter(d / "rwkv.gguf", "rwkv6")
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    except ImportError:
+        pass  # its case skips
     return d
 
 
@@ -820,6 +832,24 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
     "keep-no-checkpoint": (
         ["checkpoint.keep_last=0"],
         ["`checkpoint.keep_last` = 0", "at least 1"],
+    ),
+    "gspo-token-mean": (
+        ["algorithm.policy_loss=gspo"],
+        ["`algorithm.loss_agg` = 'token-mean'", "seq-mean-token-mean"],
+    ),
+    "dual-clip-not-ppo": (
+        ["preset=cispo", "algorithm.clip_c=3"],
+        ["`algorithm.clip_c` = 3.0", "policy_loss=cispo"],
+    ),
+    "entropy-control-not-ppo": (
+        ["preset=gspo", "algorithm.entropy_control=kl_cov"],
+        ["`algorithm.entropy_control` = 'kl_cov'", "policy_loss=ppo"],
+    ),
+    "is-cap-below-1": (["algorithm.is_cap=0.5"], ["`algorithm.is_cap` = 0.5", ">= 1"]),
+    "tis-cap-renamed": (["algorithm.tis_cap=2"], ["`algorithm.tis_cap`", "`algorithm.is_cap`"]),
+    "lora-target-missing": (
+        ["model.lora.rank=4", "model.lora.target_modules=[q_prj]"],
+        ["`model.lora.target_modules`", "'q_prj'", "q_proj"],
     ),
     "skip-cap-one": (
         ["algorithm.skip_uniform_prompts=true", "algorithm.skip_max_prob=1"],
@@ -856,7 +886,7 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
     ),
     "async-with-top-p": (
         ["rollout.engine=vllm", "rollout.async_steps=1", "rollout.top_p=0.9"],
-        ["`rollout.async_steps` = 1", "algorithm.tis_cap"],
+        ["`rollout.async_steps` = 1", "algorithm.is_cap"],
     ),
     "config-file-missing": (["DIR/missing.yaml"], ["config file not found", "DIR/missing.yaml"]),
     "config-file-not-yaml": (["DIR/config.yaml"], ["DIR/config.yaml", "not valid YAML"]),
@@ -890,6 +920,15 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
     "model-is-a-file": (
         ["model.name_or_path=DIR/not_a_dir"],
         ["`model.name_or_path`", "is a file"],
+    ),
+    "gguf-not-gguf": (["model.name_or_path=DIR/fake.gguf"], ["not a GGUF file", "download it again"]),
+    "gguf-not-installed": (
+        ["model.name_or_path=DIR/header_only.gguf"],
+        ["`gguf` package", "pip install 'dapo[gguf]'"],
+    ),
+    "gguf-unsupported-architecture": (
+        ["model.name_or_path=DIR/rwkv.gguf"],
+        ["'rwkv6'", "cannot be read by transformers", "config.json"],
     ),
     "model-without-tokenizer": (
         ["model.name_or_path=DIR/model_without_tokenizer"],
@@ -941,6 +980,66 @@ def _matches(documented: str, actual: str) -> bool:
     return re.fullmatch(pattern, actual, flags=re.S) is not None
 
 
+def _documented_round_cap_messages() -> list[str]:
+    """The messages of the round-cap rows of "Problems while training" in docs/errors.md."""
+    rows = []
+    for line in ERRORS_DOC.read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) == 4 and "dynamic sampling" in cells[2]:
+            rows.append(html.unescape(cells[2].strip("`")))
+    return rows
+
+
+def _matches_with_placeholders(documented: str, actual: str) -> bool:
+    """The documented message with its placeholders: a lone capital letter (S, R, H, ...)
+    stands for a number, `(...)`, `...` and `[the advice above]` for any text."""
+    pattern = re.escape(documented)
+    for placeholder in (r"\(\.\.\.\)", r"\.\.\.", r"\[the\ advice\ above\]"):
+        pattern = pattern.replace(placeholder, ".*?")
+    pattern = re.sub(r"\b[A-Z]\b", r"\\d+", pattern)
+    return re.fullmatch(pattern, actual, flags=re.S) is not None
+
+
+def test_round_cap_messages_are_the_documented_ones():
+    """Both round_cap settings, a step without signal and the stop after max_empty_steps
+    give the messages of docs/errors.md (the trainer warns with "rollout step S: " + note)."""
+    from dapo.errors import DynamicSamplingError
+    from dapo.training.dynamic_sampling import DynamicSampler, ScoredGroup
+
+    def group(correct: list[bool]) -> ScoredGroup:
+        n = len(correct)
+        return ScoredGroup([1], [[2]] * n, [[0.0]] * n, [False] * n, [float(c) for c in correct], correct)
+
+    def produce_one_mixed(k: int) -> list[ScoredGroup]:
+        return [group([True, False])] + [group([False, False]) for _ in range(k - 1)]
+
+    def produce_all_wrong(k: int) -> list[ScoredGroup]:
+        return [group([False, False]) for _ in range(k)]
+
+    documented = _documented_round_cap_messages()
+    assert len(documented) == 4, documented
+    short_doc, skipped_doc, stopped_doc, stop_doc = documented
+
+    def sampler(cap: str) -> DynamicSampler:
+        return DynamicSampler(4, max_rounds=2, round_cap=cap, max_empty_steps=2)
+
+    train = sampler("train")
+    batch, stats = train.fill(produce_one_mixed)
+    assert 0 < len(batch) < 4 and stats.short
+    assert _matches_with_placeholders(short_doc, f"rollout step 3: {stats.note}"), (short_doc, stats.note)
+    batch, stats = train.fill(produce_all_wrong)
+    assert batch == [] and stats.short
+    assert _matches_with_placeholders(skipped_doc, f"rollout step 4: {stats.note}"), (skipped_doc, stats.note)
+    with pytest.raises(DynamicSamplingError) as stopped:
+        train.fill(produce_all_wrong)
+    assert _matches_with_placeholders(stopped_doc, str(stopped.value)), (stopped_doc, str(stopped.value))
+    with pytest.raises(DynamicSamplingError) as stop:
+        sampler("stop").fill(produce_one_mixed)
+    assert _matches_with_placeholders(stop_doc, str(stop.value)), (stop_doc, str(stop.value))
+    # The placeholders stand for numbers and elided text only: the wrong setting's message fails.
+    assert not _matches_with_placeholders(stop_doc, f"rollout step 3: {stats.note}")
+
+
 def test_every_bad_input_is_documented():
     assert set(_documented()) == set(BAD_INPUTS)
 
@@ -954,6 +1053,12 @@ def test_bad_input_gives_the_documented_error(
         from dapo.rollout import vllm_engine
 
         monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
+    if case == "gguf-not-installed":
+        from dapo.models import gguf as dapo_gguf
+
+        monkeypatch.setattr(dapo_gguf, "gguf_available", lambda: False)
+    if case == "gguf-unsupported-architecture":
+        pytest.importorskip("gguf", reason="the gguf extra is not installed")
     args, fragments = BAD_INPUTS[case]
     args = [a.replace("DIR", str(bad_inputs)).replace("HERE", str(HERE)) for a in args]
     base = [

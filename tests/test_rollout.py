@@ -331,3 +331,53 @@ def test_process_logits_top_p_applies_after_temperature_and_top_k():
     # token alone has 0.561 >= 0.55, while at temperature 1 it has only 0.4.
     assert _kept(process_logits(logits, 0.5, top_p=0.55)[0]) == {1}
     assert _kept(process_logits(logits, 1.0, top_p=0.55)[0]) == {1, 3}
+
+
+# --------------------------------------------------------------------------------------
+# The token sampler
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k"), [(1.0, 1.0, 0), (0.5, 1.0, 0), (1.0, 0.8, 0), (1.0, 1.0, 2)]
+)
+def test_sample_next_draws_from_the_processed_distribution(temperature, top_p, top_k):
+    from dapo.rollout.hf_engine import sample_next
+
+    # Probabilities of a 6-token vocabulary; token 5 has probability 0 (logit -inf).
+    logits = torch.log(torch.tensor(PROBS + [0.0]))
+    # The distribution, transcribed: p^(1/T) renormalised, then the top-k / top-p set.
+    p = torch.tensor(PROBS + [0.0]) ** (1 / temperature)
+    p = p / p.sum()
+    order = sorted(range(6), key=lambda i: -p[i])
+    keep = set(order[:top_k]) if top_k else set(range(6))
+    if top_p < 1.0:
+        mass, nucleus = 0.0, set()
+        for i in order:
+            if mass >= top_p:
+                break
+            nucleus.add(i)
+            mass += float(p[i])
+        keep &= nucleus
+    want = torch.tensor([float(p[i]) if i in keep else 0.0 for i in range(6)])
+    want = want / want.sum()
+
+    rows = 200_000
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    tok, logp = sample_next(logits.expand(rows, 6), params, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tok, minlength=6).double() / rows
+    assert all(freq[i] == 0 for i in range(6) if want[i] == 0)  # never a removed token
+    sigma = (want * (1 - want) / rows).sqrt()
+    assert ((freq - want).abs() <= 5 * sigma + 1e-12).all(), (freq, want)
+    torch.testing.assert_close(logp, want.log().float()[tok])  # the log-prob it was drawn with
+    again, _ = sample_next(logits.expand(rows, 6), params, torch.Generator().manual_seed(0))
+    assert torch.equal(tok, again)  # seeded
+
+
+def test_sample_next_is_greedy_at_temperature_zero():
+    from dapo.rollout.hf_engine import sample_next
+
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 2.0, 1.0]])
+    tok, logp = sample_next(logits, SamplingParams(temperature=0.0), torch.Generator())
+    assert tok.tolist() == [1, 0]
+    torch.testing.assert_close(logp, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])

@@ -8,10 +8,12 @@ import random
 import pytest
 import torch
 
+from dapo.errors import TrainingError
 from dapo.models.tiny import build_model, build_tokenizer
 from dapo.training.batch import Sample
+from dapo.training.corrections import attach_is_weights
 from dapo.training.forward import compute_logprobs, micro_batches, prompt_cache, response_logits
-from dapo.training.step import LossSettings, accumulate_gradients, loss_denominator
+from dapo.training.step import LossSettings, accumulate_gradients, loss_denominator, plan_updates
 
 PAD = 0
 
@@ -60,8 +62,8 @@ def reference_gradient(model: torch.nn.Module, samples: list[Sample], settings: 
     """The paper's token-level loss transcribed directly, one unpadded sequence at a time.
 
     J = 1/sum_i |o_i| * sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i),
-    counting only the tokens that are not filtered out. With ``settings.tis_cap`` each
-    term is weighted by min(exp(old_it - sampling_it), tis_cap).
+    counting only the tokens that are not filtered out. With ``settings.is_cap`` (token
+    level, truncate) each term is weighted by min(exp(old_it - sampling_it), is_cap).
     """
     model.zero_grad(set_to_none=True)
     total = sum(sum(s.loss_mask) for s in samples)
@@ -76,8 +78,8 @@ def reference_gradient(model: torch.nn.Module, samples: list[Sample], settings: 
             ratio = torch.exp(logp[t] - s.old_logprobs[t])
             clipped = torch.clamp(ratio, 1 - settings.clip_low, 1 + settings.clip_high)
             weight = 1.0
-            if settings.tis_cap is not None:
-                weight = min(math.exp(s.old_logprobs[t] - s.sampling_logprobs[t]), settings.tis_cap)
+            if settings.is_cap is not None:
+                weight = min(math.exp(s.old_logprobs[t] - s.sampling_logprobs[t]), settings.is_cap)
             objective = objective + weight * torch.minimum(ratio * s.advantage, clipped * s.advantage)
         if torch.is_tensor(objective):
             (-objective / total).backward()
@@ -166,7 +168,8 @@ def test_ratio_one_when_no_old_logprobs(model) -> None:
 
 
 def test_truncated_importance_sampling_weights_each_token(model) -> None:
-    """tis_cap: each token's clipped surrogate is weighted by min(pi_old / pi_engine, C)."""
+    """is_cap (token, truncate): each token's clipped surrogate is weighted by
+    min(pi_old / pi_engine, C)."""
     cap = 1.5
     samples = with_old_logprobs(make_samples(), seed=5)
     gen = torch.Generator().manual_seed(6)
@@ -175,7 +178,8 @@ def test_truncated_importance_sampling_weights_each_token(model) -> None:
         s.sampling_logprobs = s.old_logprobs + noise
     weights = torch.cat([torch.exp(s.old_logprobs - s.sampling_logprobs) for s in samples])
     assert (weights > cap).any() and (weights < 0.8).any()  # precondition: capped and small
-    settings = LossSettings(loss_agg="token-mean", tis_cap=cap)
+    settings = LossSettings(loss_agg="token-mean", is_cap=cap)
+    attach_is_weights(samples, settings)
     ref = reference_gradient(model, samples, settings)
     plain = reference_gradient(model, samples, LossSettings(loss_agg="token-mean"))
     assert not torch.allclose(ref, plain, atol=1e-5)
@@ -185,6 +189,7 @@ def test_truncated_importance_sampling_weights_each_token(model) -> None:
     # Engine log-probs equal to the trainer's: weight 1, the plain step.
     for s in samples:
         s.sampling_logprobs = s.old_logprobs.clone()
+    attach_is_weights(samples, settings)
     torch.testing.assert_close(step_gradient(model, samples, settings, 10**6), plain,
                                atol=1e-5, rtol=1e-5)
 
@@ -335,3 +340,272 @@ def test_prompt_cache_only_where_the_cache_is_exact(model) -> None:
         num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
     ))
     assert prompt_cache(sliding) is None
+
+
+# --------------------------------------------------------------------------------------
+# The update plan: full and short batches
+# --------------------------------------------------------------------------------------
+
+
+def test_a_full_batch_is_cut_into_equal_mini_batches() -> None:
+    g, n, mbs, epochs, seed = 3, 12, 4, 2, 17
+    plan = plan_updates(n * g, g, n, mbs, epochs, seed=seed)
+    # Transcription of the rule: per epoch one seeded permutation of the groups, cut into
+    # prompts_per_step / mini_batch_size slices of mini_batch_size groups.
+    gen = torch.Generator().manual_seed(seed)
+    expected = []
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=gen).tolist()
+        for m in range(n // mbs):
+            expected.append((epoch, [k * g + j for k in order[m * mbs : (m + 1) * mbs] for j in range(g)]))
+    assert plan == expected
+
+
+@pytest.mark.parametrize(
+    ("groups", "prompts_per_step", "mbs", "sizes"),
+    [(29, 32, 16, [15, 14]), (17, 32, 16, [9, 8]), (3, 32, 8, [3]), (10, 16, 4, [4, 3, 3]), (1, 4, 4, [1])],
+)
+def test_a_short_batch_gets_ceil_n_over_mini_batch_updates_of_near_equal_size(
+    groups: int, prompts_per_step: int, mbs: int, sizes: list[int]
+) -> None:
+    g, epochs = 2, 2
+    plan = plan_updates(groups * g, g, prompts_per_step, mbs, epochs, seed=5)
+    assert len(plan) == epochs * math.ceil(groups / mbs)
+    for epoch in range(epochs):
+        updates = [idx for e, idx in plan if e == epoch]
+        assert [len(idx) // g for idx in updates] == sizes
+        rows = [i for idx in updates for i in idx]
+        assert sorted(rows) == list(range(groups * g))  # every response once per epoch
+        for idx in updates:  # whole groups, each response of a group in order
+            gids = [i // g for i in idx[::g]]
+            assert idx == [k * g + j for k in gids for j in range(g)]
+
+
+def test_more_groups_than_the_batch_is_an_error() -> None:
+    with pytest.raises(TrainingError, match="exceed train.prompts_per_step=4"):
+        plan_updates(5 * 2, 2, 4, 2, 1, seed=0)
+
+
+# ======================================================================================
+# The loss variants, importance-sampling corrections and entropy controls: each is exact
+# under any micro-batch split (and, tests/test_distributed.py, any number of ranks).
+# ======================================================================================
+
+VARIANTS = {
+    "gspo": LossSettings(policy_loss="gspo", clip_low=0.05, clip_high=0.08,
+                         loss_agg="seq-mean-token-mean"),
+    "cispo": LossSettings(policy_loss="cispo", clip_low=1.0, clip_high=0.3),
+    "is-token-truncate": LossSettings(is_cap=1.5, is_level="token", is_mode="truncate"),
+    "is-token-mask": LossSettings(is_cap=1.5, is_level="token", is_mode="mask"),
+    "is-sequence-truncate": LossSettings(is_cap=1.5, is_level="sequence", is_mode="truncate"),
+    "is-sequence-mask": LossSettings(is_cap=1.5, is_level="sequence", is_mode="mask"),
+    "gspo+is-sequence-mask": LossSettings(policy_loss="gspo", clip_low=0.05, clip_high=0.08,
+                                          loss_agg="seq-mean-token-mean", is_cap=1.5,
+                                          is_level="sequence", is_mode="mask"),
+    "clip_cov": LossSettings(entropy_control="clip_cov", clip_low=1.0, clip_high=1.0,
+                             clip_cov_ratio=0.1, clip_cov_low=0.05, clip_cov_high=5.0),
+    "kl_cov": LossSettings(entropy_control="kl_cov", kl_cov_ratio=0.1, kl_cov_coef=1.0),
+    "entropy-token-mean": LossSettings(entropy_coef=0.05),
+    "entropy-seq-mean": LossSettings(entropy_coef=0.05, loss_agg="seq-mean-token-mean"),
+    "entropy-sum-norm": LossSettings(entropy_coef=0.05, loss_agg="seq-mean-token-sum-norm",
+                                     max_len=64),
+}
+
+
+def variant_samples(seed: int) -> list[Sample]:
+    """make_samples with old log-probs and engine log-probs that differ from them (some
+    token ratios and some response products beyond the IS cap 1.5)."""
+    samples = with_old_logprobs(make_samples(), seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    for s in samples:
+        s.sampling_logprobs = s.old_logprobs + 0.25 * torch.randn(len(s.response_ids), generator=gen,
+                                                                   dtype=torch.float64)
+    return samples
+
+
+def variant_gradient(model, samples, settings, budget, *, seed: int = 0) -> torch.Tensor:
+    """One step's gradient as optimizer_step computes it on one process: IS weights, the
+    covariance selection and the denominator first, then the micro-batches."""
+    from dapo.training.corrections import cov_selection
+
+    attach_is_weights(samples, settings)
+    selected, _ = cov_selection(samples, list(range(len(samples))), settings, seed=seed)
+    model.zero_grad(set_to_none=True)
+    accumulate_gradients(model, samples, settings, pad_id=PAD, token_budget=budget,
+                         denominator=loss_denominator(samples, settings), selected=selected)
+    return grads(model)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_variant_is_exact_under_any_micro_batch_split(model, name) -> None:
+    settings = VARIANTS[name]
+    samples = variant_samples(seed=11)
+    whole = variant_gradient(model, samples, settings, 10**6)
+    plain = step_gradient(model, with_old_logprobs(make_samples(), seed=11), LossSettings(), 10**6)
+    assert whole.abs().max() > 1e-4
+    assert not torch.allclose(whole, plain, atol=1e-6)  # the variant changes the step
+    for budget in (70, 130, 250):
+        assert len(micro_batches(samples, budget)) > 1
+        torch.testing.assert_close(variant_gradient(model, samples, settings, budget), whole,
+                                   atol=1e-5, rtol=1e-5)
+
+
+def _sequence_logprobs(model, s: Sample) -> torch.Tensor:
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+
+
+def test_gspo_and_sequence_masked_is_match_a_transcription(model) -> None:
+    """GSPO, J = 1/G sum_i min(s_i A_i, clip(s_i) A_i) with s_i the length-normalised sequence
+    ratio over the loss tokens, and sequence-level masked IS: a response whose engine ratio
+    prod_t pi_old / pi_engine exceeds C is dropped, the others weighted by it. One unpadded
+    forward per response; G counts every response (as for overlong-filtered ones)."""
+    settings = VARIANTS["gspo+is-sequence-mask"]
+    samples = variant_samples(seed=12)
+    attach_is_weights(samples, settings)
+    rhos = [math.exp(float((s.old_logprobs - s.sampling_logprobs).sum())) for s in samples]
+    assert any(r > 1.5 for r in rhos) and any(r <= 1.5 and sum(s.loss_mask) for r, s in
+                                               zip(rhos, samples, strict=True))
+    model.zero_grad(set_to_none=True)
+    G = len(samples)
+    for s, rho in zip(samples, rhos, strict=True):
+        if rho > 1.5 or sum(s.loss_mask) == 0:
+            continue
+        logp = _sequence_logprobs(model, s)
+        log_ratio = sum(logp[t] - s.old_logprobs[t] for t in range(len(logp)))
+        ratio = torch.exp(log_ratio / len(logp))
+        clipped = torch.clamp(ratio, 1 - 0.05, 1 + 0.08)
+        (-rho * torch.minimum(ratio * s.advantage, clipped * s.advantage) / G).backward()
+    ref = grads(model)
+    torch.testing.assert_close(variant_gradient(model, samples, settings, 130), ref,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_cispo_and_token_masked_is_match_a_transcription(model) -> None:
+    """CISPO with token-level masked IS: J = 1/N sum sg(clip(r)) rho A log pi over the loss
+    tokens with rho = pi_old / pi_engine <= C; N counts only those tokens."""
+    settings = LossSettings(policy_loss="cispo", clip_low=1.0, clip_high=0.3, is_cap=1.5,
+                            is_level="token", is_mode="mask")
+    samples = variant_samples(seed=13)  # ratios pi / pi_old far from 1, some above 1.3
+    attach_is_weights(samples, settings)
+    kept = [(i, t) for i, s in enumerate(samples) for t in range(len(s.response_ids))
+            if s.loss_mask[t] and math.exp(s.old_logprobs[t] - s.sampling_logprobs[t]) <= 1.5]
+    n = len(kept)
+    assert 0 < n < sum(sum(s.loss_mask) for s in samples)
+    model.zero_grad(set_to_none=True)
+    logps = {i: _sequence_logprobs(model, s) for i, s in enumerate(samples)}
+    objective, clipped = 0.0, 0
+    for i, t in kept:
+        s = samples[i]
+        rho = math.exp(s.old_logprobs[t] - s.sampling_logprobs[t])
+        r = math.exp(logps[i][t].item() - s.old_logprobs[t])
+        clipped += r > 1.3
+        objective = objective + min(max(r, 0.0), 1.3) * rho * s.advantage * logps[i][t] / n
+    assert clipped > 0
+    (-objective).backward()
+    ref = grads(model)
+    assert loss_denominator(samples, settings) == n
+    torch.testing.assert_close(variant_gradient(model, samples, settings, 70), ref,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_masked_responses_leave_the_loss_and_its_denominator(model) -> None:
+    """Sequence-level masking drops a response exactly as overlong filtering does: the step
+    equals the step on the batch without it (token-mean)."""
+    settings = LossSettings(is_cap=2.0, is_level="sequence", is_mode="mask")
+    samples = with_old_logprobs(make_samples(), seed=14)
+    for j, s in enumerate(samples):
+        s.sampling_logprobs = s.old_logprobs - (1.0 if j in (0, 5) else 0.0)  # rho e^|y| or 1
+    without = [s for j, s in enumerate(samples) if j not in (0, 5)]
+    expected = step_gradient(model, [s for s in without if sum(s.loss_mask)], LossSettings(), 10**6)
+    metrics = attach_is_weights(samples, settings)
+    assert metrics["rollout/is_masked_frac"] == pytest.approx(2 / 10)  # of the 10 with loss tokens
+    assert metrics["rollout/is_weight_mean"] == pytest.approx(1.0)
+    torch.testing.assert_close(variant_gradient(model, samples, settings, 130), expected,
+                               atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_cov_selection_equals_the_single_batch_algorithm(name) -> None:
+    """The mini-batch selection (global means, global top-k) equals the pure algorithm run
+    on the whole batch at once, with the same random draws."""
+    from dapo import algorithms as alg
+    from dapo.seeding import mix_seed
+    from dapo.training.corrections import cov_selection
+
+    def pad(rows):
+        return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(x, dtype=torch.float64)
+                                                for x in rows], batch_first=True)
+
+    settings = VARIANTS[name]
+    samples = variant_samples(seed=15)
+    selected, metrics = cov_selection(samples, list(range(len(samples))), settings, seed=3)
+    lp = pad([s.old_logprobs for s in samples])
+    mask = pad([s.loss_mask for s in samples])
+    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float64)
+    if name == "clip_cov":
+        priority = pad([torch.rand(len(s.response_ids), dtype=torch.float64,
+                                   generator=torch.Generator().manual_seed(mix_seed(3, i)))
+                        for i, s in enumerate(samples)])  # fmt: skip
+        want = alg.clip_cov_select(lp, adv, mask, priority, ratio=0.1, low=0.05, high=5.0)
+    else:
+        want = alg.kl_cov_select(lp, adv, mask, ratio=0.1)
+    got = pad(selected) > 0
+    assert want.sum() == int(0.1 * mask.sum()) > 3
+    assert torch.equal(got, want)
+    assert metrics["actor/cov_selected_frac"] == pytest.approx(float(want.sum() / mask.sum()))
+
+
+class FakeRanks:
+    """``all_gather_objects`` across threads, one per simulated rank."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        self.barrier = threading.Barrier(n)
+        self.slots: list = [None] * n
+        self.local = threading.local()
+
+    def all_gather_objects(self, obj):
+        self.slots[self.local.rank] = obj
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()
+        return out
+
+
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_cov_selection_is_the_same_on_any_number_of_ranks(monkeypatch, name, world) -> None:
+    import threading
+
+    from dapo.training import corrections
+
+    settings = VARIANTS[name]
+    samples = variant_samples(seed=16)
+    single, single_metrics = corrections.cov_selection(samples, list(range(len(samples))),
+                                                       settings, seed=5)
+    fake = FakeRanks(world)
+    monkeypatch.setattr(corrections, "all_gather_objects", fake.all_gather_objects)
+    order = list(range(len(samples)))
+    random.Random(world).shuffle(order)
+    parts = [order[r::world] for r in range(world)]
+    results: dict[int, tuple] = {}
+
+    def run(rank: int) -> None:
+        fake.local.rank = rank
+        ids = parts[rank]
+        results[rank] = corrections.cov_selection([samples[i] for i in ids], ids, settings, seed=5)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for rank, ids in enumerate(parts):
+        sel, metrics = results[rank]
+        for i, x in zip(ids, sel, strict=True):
+            assert torch.equal(x, single[i]), (rank, i)
+        assert metrics == single_metrics
+    assert sum(int(x.sum()) for x in single) > 3

@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from dapo.config import load_config
+from dapo.errors import DynamicSamplingWarning
+from dapo.metrics.logger import read_metrics
 from dapo.training.dynamic_sampling import DynamicSamplingError, is_uniform
 from dapo.training.trainer import Trainer, TrainingError
 
@@ -92,13 +95,76 @@ def test_round_cap_gives_the_documented_error(random_tiny_model, tmp_path):
         tmp_path / "run",
         f"reward.functions=[{{name: '{REWARDS}:always_wrong'}}]",
         "algorithm.max_gen_rounds=3",
+        "algorithm.round_cap=stop",
     )
     with pytest.raises(DynamicSamplingError) as info:
         Trainer(cfg, log=lambda _: None).run()
     msg = str(info.value)
-    assert "after 3 generation rounds" in msg
+    assert "after 3 generation rounds (algorithm.max_gen_rounds=3, algorithm.round_cap=stop)" in msg
     assert "100% were all wrong" in msg and "0% were all correct" in msg
     assert "algorithm.max_gen_rounds" in msg and "rollout.num_generations" in msg
+
+
+def test_round_cap_train_trains_short_batches_exactly_planned(random_tiny_model, tmp_path):
+    cfg = small_config(
+        random_tiny_model,
+        tmp_path / "run",
+        f"reward.functions=[{{name: '{REWARDS}:rarely_mixed'}}]",
+        "algorithm.max_gen_rounds=1",
+        "train.steps=3",
+    )
+    trainer = Trainer(cfg, log=lambda _: None)
+    trained: list[int] = []
+    original = trainer.build_samples
+    trainer.build_samples = lambda groups: trained.append(len(groups)) or original(groups)
+    with pytest.warns(DynamicSamplingWarning) as caught:
+        trainer.run()
+    metrics = read_metrics(tmp_path / "run")
+    assert len(metrics) == 3
+    short = [m for m in metrics if 0 < m["sampling/trained_groups"] < 4]
+    assert short, "no step trained a short batch: the test needs the round cap to bite"
+    sizes = iter(trained)
+    for m in metrics:
+        n = int(m["sampling/trained_groups"])
+        assert (m["sampling/short_batch"] == 1.0) == (n < 4)
+        if n:
+            assert next(sizes) == n
+            # A short batch of n groups: ceil(n / mini_batch_size=2) updates.
+            assert m["actor/updates"] == -(-n // 2)
+        else:
+            assert m["actor/updates"] == 0.0
+    notes = [str(w.message) for w in caught if "short batch" in str(w.message)]
+    assert len(notes) == sum(0 < m["sampling/trained_groups"] < 4 for m in metrics)
+    assert all("algorithm.round_cap=train" in x and "algorithm.round_cap=stop" in x for x in notes)
+
+
+def test_steps_without_signal_skip_the_update_then_stop_also_after_resume(random_tiny_model, tmp_path):
+    out = tmp_path / "run"
+    extra = (
+        f"reward.functions=[{{name: '{REWARDS}:always_wrong'}}]",
+        "algorithm.max_gen_rounds=2",
+        "checkpoint.save_every=1",
+    )
+    trainer = Trainer(small_config(random_tiny_model, out, *extra, "train.steps=1"), log=lambda _: None)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.warns(DynamicSamplingWarning, match="update is skipped"):
+        trainer.run()
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no update was made
+    assert trainer.optimizer.state == {}
+    (m,) = read_metrics(out)
+    assert m["actor/updates"] == 0.0 and m["sampling/trained_groups"] == 0.0
+    assert m["sampling/short_batch"] == 1.0
+
+    # The count of empty steps in a row is checkpointed: with the default
+    # algorithm.max_empty_steps=3 the resumed run skips step 1 and stops at step 2.
+    resumed = Trainer(small_config(random_tiny_model, out, *extra, "train.steps=5", "resume=true"), log=lambda _: None)
+    with pytest.warns(DynamicSamplingWarning), pytest.raises(DynamicSamplingError) as info:
+        resumed.run()
+    assert resumed.step == 2
+    msg = str(info.value)
+    assert "no group with a learning signal in 3 rollout steps in a row" in msg
+    assert "algorithm.max_empty_steps=3" in msg and "Raise algorithm.max_gen_rounds" in msg
 
 
 def test_existing_checkpoints_are_not_overwritten_without_resume(random_tiny_model, tmp_path):
@@ -271,3 +337,41 @@ def test_only_rank_zero_prints_start_up_lines(random_tiny_model, tmp_path, monke
         Trainer(cfg, log=heard[rank].append).close()
     assert any("dropped 4 training prompts" in m for m in heard[0])
     assert heard[1] == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "logged"),
+    [
+        (["preset=gspo"], []),
+        (["preset=cispo", "algorithm.is_cap=1.0", "algorithm.is_level=token", "algorithm.is_mode=mask"],
+         ["rollout/is_weight_mean", "rollout/is_masked_frac"]),
+        (["preset=clip_cov", "algorithm.clip_cov_ratio=0.05", "algorithm.clip_cov_low=-5"],
+         ["actor/cov_selected_frac"]),
+        (["preset=kl_cov", "algorithm.entropy_coef=0.01", "algorithm.is_cap=2.0",
+          "algorithm.is_level=sequence"],
+         ["actor/cov_selected_frac", "actor/entropy_bonus", "rollout/is_truncated_frac"]),
+    ],
+)  # fmt: skip
+def test_loss_variants_train_and_log_their_metrics(random_tiny_model, tmp_path, extra, logged):
+    import json
+
+    # No overlong filtering: the random model's responses are mostly truncated.
+    cfg = small_config(random_tiny_model, tmp_path / "run", "train.steps=2",
+                       "algorithm.dynamic_sampling=false", "algorithm.overlong_filter=false", *extra)
+    Trainer(cfg, log=lambda _: None).run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "actor/loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["actor/updates"] == 2 and r["actor/skipped_updates"] == 0
+        for key in logged:
+            assert key in r, key
+        assert 0 <= r.get("rollout/is_masked_frac", 0) <= 1
+        assert 0 <= r.get("rollout/is_truncated_frac", 0) <= 1
+        if "actor/cov_selected_frac" in logged:  # int(r N) of N ~ 8 x 12 loss tokens
+            assert 0 < r["actor/cov_selected_frac"] <= 0.06
+        if "actor/entropy_bonus" in logged:  # coef x the entropy, subtracted from the loss
+            assert r["actor/entropy_bonus"] == pytest.approx(0.01 * r["actor/entropy"], rel=0.3)
+            assert r["actor/loss"] == pytest.approx(r["actor/pg_loss"] - r["actor/entropy_bonus"])
+        else:
+            assert "actor/entropy_bonus" not in r

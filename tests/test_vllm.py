@@ -329,7 +329,7 @@ def test_train_with_vllm_engine_raises_accuracy(tmp_path, tiny_path):
 @pytest.mark.slow
 def test_sync_every_two_updates_tis_and_resume(tmp_path, tiny_path):
     out = tmp_path / "run"
-    common = ["evaluate=false", "rollout.vllm_sync_every=2", "algorithm.tis_cap=2.0"]
+    common = ["evaluate=false", "rollout.vllm_sync_every=2", "algorithm.is_cap=2.0"]
     lines = train(tiny_path, out, "train.steps=3", *common)
     by_step = {x["step"]: x for x in lines}
     mismatch = {k: v["rollout/logprob_mismatch"] for k, v in by_step.items()}
@@ -338,7 +338,7 @@ def test_sync_every_two_updates_tis_and_resume(tmp_path, tiny_path):
     assert mismatch[1] < 1e-5 and mismatch[3] < 1e-5, mismatch
     assert mismatch[2] > 1e-4, mismatch
     assert ["perf/weight_sync_s" in by_step[k] for k in (1, 2, 3)] == [False, True, False]
-    assert all(0.5 < v["actor/tis_weight"] < 2.0 for v in by_step.values())
+    assert all(0.5 < v["rollout/is_weight_mean"] < 2.0 for v in by_step.values())
     # Resumed from step 3: the engine starts from the resumed weights, not the initial ones.
     lines = train(tiny_path, out, "train.steps=4", "resume=true", *common)
     assert [x["rollout/logprob_mismatch"] for x in lines if x["step"] == 4][0] < 1e-5
@@ -368,6 +368,27 @@ def test_every_rank_has_its_own_engine_in_step_with_its_trainer(mode, random_tin
         # Every step's rollouts came from the weights the trainer had (pushed to both ranks).
         assert all(m is not None and m < 1e-4 for m in r["mismatch"]), r["mismatch"]
     assert ranks[0]["responses"] != ranks[1]["responses"]  # each rank sampled its own share
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_lora_policy_reaches_the_engine_merged(tmp_path, tiny_path):
+    """A LoRA policy with rollout.engine=vllm: the engine gets W + (alpha/r) B A under the
+    base names. Synced every 2 updates: in sync at steps 1 and 3 (log-probs within 1e-5 of
+    the trainer's), one update behind at step 2 (the adapters did move the policy); the same
+    after a resume, which pushes the resumed adapters merged."""
+    out = tmp_path / "run"
+    common = ["evaluate=false", "rollout.vllm_sync_every=2", "model.lora.rank=4", "train.lr=1e-2"]
+    lines = train(tiny_path, out, "train.steps=3", *common)
+    mismatch = {x["step"]: x["rollout/logprob_mismatch"] for x in lines}
+    assert mismatch[1] < 1e-5 and mismatch[3] < 1e-5, mismatch
+    assert mismatch[2] > 1e-4, mismatch
+    lines = train(tiny_path, out, "train.steps=4", "resume=true", *common)
+    assert [x["rollout/logprob_mismatch"] for x in lines if x["step"] == 4][0] < 1e-5
+    from safetensors.torch import load_file
+
+    adapters = load_file(out / "checkpoints" / "step_000004" / "model.safetensors")
+    assert adapters and all(".lora_A." in k or ".lora_B." in k for k in adapters)
 
 
 @needs_vllm

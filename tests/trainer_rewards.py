@@ -17,3 +17,11 @@ def by_answer_class(response: str, ground_truth: str) -> float:
 
 def always_wrong(response: str, ground_truth: str) -> float:
     return -1.0
+
+
+def rarely_mixed(response: str, ground_truth: str) -> float:
+    """Mixed groups for answers divisible by 4 (right when the response length is odd), all
+    wrong otherwise: a round of a few prompts seldom fills a batch."""
+    if int(ground_truth) % 4 == 0:
+        return 1.0 if len(response) % 2 else -1.0
+    return -1.0

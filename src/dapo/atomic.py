@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -52,3 +53,27 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     """:func:`atomic_write` of UTF-8 text."""
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+@contextlib.contextmanager
+def staged_dir(final: Path) -> Iterator[Path]:
+    """A fresh temporary sibling of the directory ``final`` to fill, renamed to ``final``
+    when the block ends without error (readers see a complete directory or none).
+
+    If another process published ``final`` first, its copy is kept and this one dropped.
+    On any error the temporary directory is removed and ``final`` is untouched.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not final.is_dir():  # not a lost race: a real failure
+                raise
+        fsync_dir(final.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -75,7 +75,9 @@ def _eval(argv: list[str]) -> int:
         description=_EVAL_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", help="local model directory, hub id, or builtin:tiny")
+    parser.add_argument(
+        "model", help="local model directory, hub id, .gguf file (dequantised), or builtin:tiny"
+    )
     parser.add_argument(
         "--data",
         required=True,

@@ -28,7 +28,8 @@ class TrainingError(DapoError, RuntimeError):
 
 
 class DynamicSamplingError(TrainingError):
-    """The round cap was reached before the batch was full."""
+    """The round cap was reached before the batch was full (``algorithm.round_cap=stop``),
+    or too many rollout steps in a row found no group with a learning signal."""
 
 
 class CheckpointError(DapoError, RuntimeError):
@@ -54,3 +55,8 @@ class RolloutServerError(TrainingError):
 
 class RewardFunctionWarning(UserWarning):
     """A reward function timed out, raised, or returned a non-number (the sample scored -1)."""
+
+
+class DynamicSamplingWarning(UserWarning):
+    """The round cap cut a batch short (it trains on fewer groups), or a rollout step found
+    no group with a learning signal (its update is skipped)."""

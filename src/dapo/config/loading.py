@@ -37,6 +37,20 @@ _ALIASES = {
     "max_new_tokens": "rollout.max_completion_length",
     "max_response_length": "rollout.max_completion_length",
     "model_name_or_path": "model.name_or_path",
+    # dapo's own renamed keys
+    "tis_cap": "algorithm.is_cap",
+    # verl / TRL names of the loss variants and corrections
+    "loss_mode": "algorithm.policy_loss",
+    "importance_sampling_level": "algorithm.policy_loss",
+    "vllm_importance_sampling_mode": "algorithm.is_mode",
+    "vllm_importance_sampling_clip_max": "algorithm.is_cap",
+    "vllm_importance_sampling_cap": "algorithm.is_cap",
+    "rollout_is_threshold": "algorithm.is_cap",
+    "rollout_is": "algorithm.is_level",
+    "entropy_coeff": "algorithm.entropy_coef",
+    "clip_cov_lb": "algorithm.clip_cov_low",
+    "clip_cov_ub": "algorithm.clip_cov_high",
+    "ppo_kl_coef": "algorithm.kl_cov_coef",
     # Precision is a training setting (weights, autocast and optimizer state together).
     "dtype": "train.precision",
     "torch_dtype": "train.precision",
@@ -323,23 +337,60 @@ def _check_rollout_engine(cfg: Config) -> None:
         )  # fmt: skip
         exact = r.top_p == 1.0 and r.top_k == 0
         _check(
-            exact or a.tis_cap is not None, "rollout.async_steps", r.async_steps,
+            exact or a.is_cap is not None, "rollout.async_steps", r.async_steps,
             "with rollout.top_p < 1 or rollout.top_k > 0 the engine's log-probs are not the "
             "sampling policy's, so the one-step-old batch is uncorrected: set "
-            "algorithm.tis_cap (e.g. 2.0), or sample with top_p=1 and top_k=0",
+            "algorithm.is_cap (e.g. 2.0; algorithm.is_level / is_mode choose the correction), "
+            "or sample with top_p=1 and top_k=0",
         )  # fmt: skip
+
+
+def _validate_loss_variants(cfg: Config) -> None:
+    """The policy-loss variant, its corrections and entropy controls: values and the
+    combinations that make no sense."""
+    a = cfg.algorithm
+    if a.policy_loss == "gspo":
+        _check(
+            a.loss_agg == "seq-mean-token-mean", "algorithm.loss_agg", a.loss_agg,
+            "policy_loss=gspo has one ratio per response and optimises 1/G sum_i of the "
+            "response terms; a token-level mode would weigh each response by its length. Use "
+            "algorithm.loss_agg=seq-mean-token-mean (preset=gspo sets it)",
+        )  # fmt: skip
+    if a.clip_c is not None:
+        _check(a.clip_c > 1, "algorithm.clip_c", a.clip_c, "dual clip needs a value > 1 (e.g. 3.0) or null")
+        _check(
+            a.policy_loss == "ppo", "algorithm.clip_c", a.clip_c,
+            f"dual clip bounds PPO's per-token surrogate; policy_loss={a.policy_loss} has none. "
+            "Set algorithm.clip_c=null or algorithm.policy_loss=ppo",
+        )  # fmt: skip
+    if a.is_cap is not None:
+        _check(a.is_cap >= 1, "algorithm.is_cap", a.is_cap, "use a cap >= 1 (e.g. 2.0 to truncate, 3.0 to mask) or null")
+    _check(a.entropy_coef >= 0, "algorithm.entropy_coef", a.entropy_coef, "use 0 (off) or a small positive coefficient, e.g. 1e-3")
+    if a.entropy_control != "none":
+        _check(
+            a.policy_loss == "ppo", "algorithm.entropy_control", a.entropy_control,
+            f"Clip-Cov and KL-Cov act on PPO's per-token ratio; policy_loss={a.policy_loss} "
+            "has another objective. Use algorithm.policy_loss=ppo, or entropy_control=none",
+        )  # fmt: skip
+    _check(0 < a.clip_cov_ratio <= 1, "algorithm.clip_cov_ratio", a.clip_cov_ratio, "use a share in (0, 1], e.g. 2e-4")
+    _check(
+        a.clip_cov_low < a.clip_cov_high, "algorithm.clip_cov_high", a.clip_cov_high,
+        f"the covariance window (clip_cov_low, clip_cov_high) is empty: use a value above "
+        f"algorithm.clip_cov_low ({a.clip_cov_low}), e.g. 5",
+    )  # fmt: skip
+    _check(0 < a.kl_cov_ratio <= 1, "algorithm.kl_cov_ratio", a.kl_cov_ratio, "use a share in (0, 1], e.g. 2e-3")
+    _check(a.kl_cov_coef >= 0, "algorithm.kl_cov_coef", a.kl_cov_coef, "use a value >= 0, e.g. 1")
 
 
 def validate(cfg: Config) -> None:
     """Raise :class:`ConfigError` for values that cannot work together."""
     _check_choices(cfg)
     a, r, t, d = cfg.algorithm, cfg.rollout, cfg.train, cfg.data
-    _check(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "use a value in [0, 1), e.g. 0.2")
+    _check(0 <= a.clip_low <= 1, "algorithm.clip_low", a.clip_low, "use a value in [0, 1], e.g. 0.2 (1: no lower bound)")
     _check(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "use a value >= 0, e.g. 0.28")
-    if a.clip_c is not None:
-        _check(a.clip_c > 1, "algorithm.clip_c", a.clip_c, "dual clip needs a value > 1 (e.g. 3.0) or null")
     _check(a.beta >= 0, "algorithm.beta", a.beta, "use 0 (no KL, DAPO) or a positive coefficient")
     _check(a.max_gen_rounds >= 1, "algorithm.max_gen_rounds", a.max_gen_rounds, "use at least 1")
+    _check(a.max_empty_steps >= 1, "algorithm.max_empty_steps", a.max_empty_steps, "use at least 1")
     _check(
         0 <= a.skip_max_prob < 1,
         "algorithm.skip_max_prob",
@@ -391,9 +442,14 @@ def validate(cfg: Config) -> None:
         r.vllm_gpu_memory_utilization,
         "use a share in (0, 1], e.g. 0.3",
     )
-    if a.tis_cap is not None:
-        _check(a.tis_cap >= 1, "algorithm.tis_cap", a.tis_cap, "use a cap >= 1 (e.g. 2.0) or null")
+    _validate_loss_variants(cfg)
     _check_rollout_engine(cfg)
+    lora = cfg.model.lora
+    _check(lora.rank >= 0, "model.lora.rank", lora.rank, "use 0 (no LoRA) or a positive rank, e.g. 16")
+    _check(lora.alpha > 0, "model.lora.alpha", lora.alpha, "use a positive alpha, e.g. 2 x the rank")
+    _check(0 <= lora.dropout < 1, "model.lora.dropout", lora.dropout, "use a value in [0, 1)")
+    _check(bool(lora.target_modules), "model.lora.target_modules", lora.target_modules,
+           "name at least one linear layer, e.g. [q_proj, v_proj], or use [all-linear]")
     _check(r.max_completion_length >= 1, "rollout.max_completion_length", r.max_completion_length, "use at least 1")
     _check(r.generation_batch_size >= 1, "rollout.generation_batch_size", r.generation_batch_size, "use at least 1")
     _check(d.max_prompt_length >= 1, "data.max_prompt_length", d.max_prompt_length, "use at least 1")

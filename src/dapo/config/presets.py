@@ -1,4 +1,5 @@
-"""Named algorithm settings: the DAPO paper's ablation ladder (Table 1) and Dr. GRPO.
+"""Named algorithm settings: the DAPO paper's ablation ladder (Table 1), Dr. GRPO, and the
+loss variants (GSPO, CISPO, Clip-Cov, KL-Cov) on top of DAPO with their papers' values.
 
 A preset is a set of ``section.key: value`` settings applied over the defaults and under the
 YAML file and the command-line overrides. ``dapo presets`` lists them.
@@ -48,7 +49,55 @@ def _build_presets() -> dict[str, tuple[str, dict[str, Any]]]:
             "algorithm.loss_agg": "seq-mean-token-sum-norm",
         },
     )
+    dapo = presets["dapo"][1]
+    for name, text, delta in _VARIANTS:
+        presets[name] = (text, {**dapo, **delta})
     return presets
+
+
+# Each changes only what its paper changes, on top of the `dapo` preset.
+_VARIANTS: list[tuple[str, str, dict[str, Any]]] = [
+    (
+        "gspo",
+        "DAPO with GSPO's sequence-level ratio: clip 3e-4/4e-4 on it, per-response loss mean "
+        "(arXiv 2507.18071, v2 section 5.1)",
+        {
+            "algorithm.policy_loss": "gspo",
+            "algorithm.clip_low": 3e-4,
+            "algorithm.clip_high": 4e-4,
+            "algorithm.loss_agg": "seq-mean-token-mean",
+        },
+    ),
+    (
+        "cispo",
+        "DAPO with CISPO: clipped IS weight as a stop-gradient coefficient, no lower bound, "
+        "weight cap 5 (MiniMax-M1 arXiv 2506.13585; cap from ScaleRL arXiv 2510.13786)",
+        {"algorithm.policy_loss": "cispo", "algorithm.clip_low": 1.0, "algorithm.clip_high": 4.0},
+    ),
+    (
+        "clip_cov",
+        "DAPO with Clip-Cov: drop the gradient of 2e-4 of the tokens with covariance in "
+        "(1, 5), ratio clip range 1 (arXiv 2505.22617, the authors' scripts)",
+        {
+            "algorithm.entropy_control": "clip_cov",
+            "algorithm.clip_low": 1.0,
+            "algorithm.clip_high": 1.0,
+            "algorithm.clip_cov_ratio": 2e-4,
+            "algorithm.clip_cov_low": 1.0,
+            "algorithm.clip_cov_high": 5.0,
+        },
+    ),
+    (
+        "kl_cov",
+        "DAPO with KL-Cov: |log-ratio| penalty (coefficient 1) on the 2e-3 of the tokens "
+        "with the largest covariance, unclipped ratio (arXiv 2505.22617, 7B scripts)",
+        {
+            "algorithm.entropy_control": "kl_cov",
+            "algorithm.kl_cov_ratio": 2e-3,
+            "algorithm.kl_cov_coef": 1.0,
+        },
+    ),
+]
 
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = _build_presets()

@@ -27,10 +27,15 @@ from dapo.choices import (
     DATA_PARALLEL_MODES,
     DYNAMIC_SAMPLING_METRICS,
     ENGINES,
+    ENTROPY_CONTROLS,
+    IS_LEVELS,
+    IS_MODES,
     KL_KINDS,
     LOSS_AGG_MODES,
     LR_SCHEDULES,
+    POLICY_LOSSES,
     PRECISIONS,
+    ROUND_CAP_ACTIONS,
 )
 from dapo.config.presets import PRESETS
 
@@ -55,13 +60,36 @@ def opt(
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (peft, the ``lora`` extra): train low-rank updates ``(alpha/r) B A`` of
+    the target layers instead of the whole model; rank 0 trains the whole model."""
+
+    rank: int = opt(
+        0,
+        "LoRA rank r; 0 disables LoRA (full fine-tuning). With r > 0 checkpoints hold the "
+        "adapters and their optimizer state only, and final_model the merged weights.",
+    )
+    alpha: float = opt(
+        32.0, "LoRA alpha: the update is scaled by alpha / rank (peft's lora_alpha)."
+    )
+    target_modules: list[str] = opt(
+        help="Names of the linear layers that get adapters (peft matches the end of each "
+        "module path, e.g. q_proj, v_proj); [all-linear]: every linear layer but the output layer.",
+        factory=lambda: ["all-linear"],
+    )
+    dropout: float = opt(0.0, "Dropout on the adapters' input (peft's lora_dropout), in [0, 1).")
+
+
+@dataclass
 class ModelConfig:
     """The policy to train."""
 
     name_or_path: str = opt(
         "builtin:tiny",
-        "The policy: a local directory, a Hugging Face hub id, or builtin:tiny (a ~1M-parameter Llama "
-        "warmed up on column addition, trains on a CPU). The DAPO paper trains Qwen2.5-32B base.",
+        "The policy: a local directory, a Hugging Face hub id, a .gguf file (dequantised to "
+        "transformers format once, cached in the dapo cache), or builtin:tiny (a ~1M-parameter "
+        "Llama warmed up on column addition, trains on a CPU). The DAPO paper trains "
+        "Qwen2.5-32B base.",
     )
     tokenizer: str | None = opt(
         None, "Tokenizer directory or hub id; null: the one of model.name_or_path."
@@ -77,6 +105,8 @@ class ModelConfig:
         "keeping them: activation memory of one layer instead of all, about a third more "
         "compute per update. Works with train.shared_prompt_forward.",
     )
+    lora: LoraConfig = opt(help="LoRA adapters; model.lora.rank > 0 turns them on.",
+                           factory=LoraConfig)
 
 
 @dataclass
@@ -288,21 +318,33 @@ class RewardConfig:
 class AlgorithmConfig:
     """The DAPO knobs; presets set these (``dapo presets`` lists them)."""
 
+    policy_loss: str = opt(
+        "ppo",
+        "The policy-gradient loss (verl: policy_loss.loss_mode). ppo: PPO's clipped "
+        "per-token ratio, with DAPO's decoupled bounds; gspo: GSPO's one ratio per response, "
+        "the length-normalised sequence likelihood ratio, clipped as a whole (arXiv "
+        "2507.18071; needs loss_agg=seq-mean-token-mean, preset=gspo); cispo: CISPO's "
+        "clipped importance weight as a stop-gradient coefficient of log pi, every token "
+        "keeps its gradient (MiniMax-M1, arXiv 2506.13585; preset=cispo).",
+        choices=POLICY_LOSSES,
+    )
     clip_low: float = opt(
         0.2,
         "Lower clip range eps_low: the probability ratio is clipped below at 1 - eps_low "
-        "(TRL: epsilon). The DAPO paper keeps it at 0.2; a large one pushes probabilities to 0.",
+        "(TRL: epsilon). The DAPO paper keeps it at 0.2; a large one pushes probabilities to 0. "
+        "1 removes the lower bound (CISPO). GSPO's paper uses 3e-4 on its sequence ratio.",
     )
     clip_high: float = opt(
         0.28,
         "Upper clip range eps_high (Clip-Higher): the ratio is clipped above at 1 + eps_high "
-        "(TRL: epsilon_high); the DAPO paper uses 0.28, GRPO a symmetric 0.2. Clipping acts "
-        "only with several optimizer updates per rollout step.",
+        "(TRL: epsilon_high); the DAPO paper uses 0.28, GRPO a symmetric 0.2, GSPO 4e-4, "
+        "CISPO (as ScaleRL) 4 (a weight cap of 5). Clipping acts only with several "
+        "optimizer updates per rollout step.",
     )
     clip_c: float | None = opt(
         None,
         "Dual-clip constant c > 1 (Ye et al. 2020, dual-clip PPO): for negative advantages "
-        "the loss is also bounded by c * A; null disables it (as in DAPO).",
+        "the loss is also bounded by c * A; null disables it (as in DAPO). policy_loss=ppo only.",
     )
     loss_agg: str = opt(
         "token-mean",
@@ -344,8 +386,21 @@ class AlgorithmConfig:
     )
     max_gen_rounds: int = opt(
         8,
-        "Generation rounds dynamic sampling may take in one rollout step to fill the batch "
-        "before it stops with an error (groups already kept are not lost).",
+        "Generation rounds dynamic sampling may take in one rollout step to fill the batch; "
+        "algorithm.round_cap says what happens when they do not fill it.",
+    )
+    round_cap: str = opt(
+        "train",
+        "When algorithm.max_gen_rounds rounds leave the batch short: train on the groups "
+        "with a learning signal found so far (fewer updates, see train.mini_batch_size; no "
+        "update when there are none) with a warning, or stop the run with an error (the "
+        "groups found are kept for resume=true; the reference recipe stops).",
+        choices=ROUND_CAP_ACTIONS,
+    )
+    max_empty_steps: int = opt(
+        3,
+        "With algorithm.round_cap=train: this many rollout steps in a row without any group "
+        "with a learning signal (their updates skipped) stop the run.",
     )
     skip_uniform_prompts: bool = opt(
         False,
@@ -386,11 +441,60 @@ class AlgorithmConfig:
         1.0,
         "Multiplier of the soft overlong penalty; 1.0 (DAPO) lets it reach -1 at L_max.",
     )
-    tis_cap: float | None = opt(
+    is_cap: float | None = opt(
         None,
-        "Truncated importance sampling cap C: weight each token's loss by min(pi_old / "
-        "pi_engine, C), correcting the gap between the engine's sampling log-probs and the "
-        "trainer's (matters with engine=vllm); null disables it.",
+        "Correct the gap between the rollout engine's sampling distribution and the "
+        "trainer's (vLLM kernels, bf16, weights synced every k updates) with the importance "
+        "ratio rho = pi_trainer_old / pi_engine of the sampled tokens, bounded by this cap "
+        "C >= 1 (algorithm.is_level, algorithm.is_mode); null disables it. TIS (Yao et al. "
+        "2025) uses token truncate with C = 2; TRL defaults to sequence mask with C = 3.",
+    )
+    is_level: str = opt(
+        "token",
+        "is_cap: token weighs each token by its own rho_t; sequence weighs every token of a "
+        "response by the response's rho = prod_t rho_t (its likelihood ratio).",
+        choices=IS_LEVELS,
+    )
+    is_mode: str = opt(
+        "truncate",
+        "is_cap: truncate weighs by min(rho, C) (TIS); mask weighs by rho and drops the "
+        "tokens (is_level=token) or responses (sequence) with rho > C from the loss and "
+        "from its denominator, as overlong filtering does.",
+        choices=IS_MODES,
+    )
+    entropy_coef: float = opt(
+        0.0,
+        "Entropy bonus: subtract entropy_coef x the policy entropy (aggregated like the "
+        "policy loss) from the loss, to keep exploring (verl: entropy_coeff; 0 in DAPO). "
+        "Sensitive: the entropy paper (arXiv 2505.22617) saw 1e-4..1e-3 do little and 1e-2 "
+        "blow the entropy up.",
+    )
+    entropy_control: str = opt(
+        "none",
+        "Covariance-based entropy control (arXiv 2505.22617), on the few tokens whose "
+        "log-prob and advantage covary most: clip_cov drops the gradient of a random "
+        "algorithm.clip_cov_ratio share of the tokens with covariance in (clip_cov_low, "
+        "clip_cov_high); kl_cov adds kl_cov_coef x |log pi - log pi_old| to the top "
+        "algorithm.kl_cov_ratio share and uses the unclipped ratio (clip_low/high unused). "
+        "Selected over the whole mini-batch from the old policy's log-probs. policy_loss=ppo only.",
+        choices=ENTROPY_CONTROLS,
+    )
+    clip_cov_ratio: float = opt(
+        2e-4, "entropy_control=clip_cov: share of the loss tokens whose gradient is dropped (paper: 2e-4)."
+    )
+    clip_cov_low: float = opt(
+        1.0, "entropy_control=clip_cov: lower covariance bound of the candidates (paper: 1)."
+    )
+    clip_cov_high: float = opt(
+        5.0, "entropy_control=clip_cov: upper covariance bound of the candidates (paper: 5)."
+    )
+    kl_cov_ratio: float = opt(
+        2e-3,
+        "entropy_control=kl_cov: share of the loss tokens (largest covariance) that get the "
+        "KL penalty (paper: 2e-3 for Qwen2.5-7B, 2e-4 for 32B).",
+    )
+    kl_cov_coef: float = opt(
+        1.0, "entropy_control=kl_cov: coefficient of the |log-ratio| penalty (paper: 1)."
     )
 
 
@@ -411,7 +515,9 @@ class TrainConfig:
         16,
         "Prompts per optimizer update; must divide train.prompts_per_step, and "
         "prompts_per_step / mini_batch_size is the number of updates per rollout step. "
-        "The DAPO paper: 512 / 32 prompts (512 responses) = 16 updates.",
+        "The DAPO paper: 512 / 32 prompts (512 responses) = 16 updates. A short batch of "
+        "n prompts (algorithm.round_cap=train) gets ceil(n / mini_batch_size) updates of "
+        "near-equal size.",
     )
     epochs: int = opt(1, "Passes over each rollout batch (PPO epochs).")
     micro_batch_tokens: int = opt(
@@ -619,10 +725,19 @@ def describe_config(width: int = 92) -> str:
             out += _entry(f.name, f, width)
     for sec in sections:
         out += ["", f"{sec.name}: {sec.metadata['help']}"]
+        section_hints = typing.get_type_hints(hints[sec.name])
+        subsections = []
         for f in dataclasses.fields(hints[sec.name]):
+            if dataclasses.is_dataclass(section_hints[f.name]):  # listed after the section
+                subsections.append(f)
+                continue
             out += _entry(f"{sec.name}.{f.name}", f, width)
             if f.name == "functions":  # the fields of each item of the list
                 for item in dataclasses.fields(RewardFunctionConfig):
                     path = f"{sec.name}.functions[i].{item.name}"
                     out += ["    " + line for line in _entry(path, item, width - 4)]
+        for sub in subsections:  # e.g. model.lora
+            out += ["", f"{sec.name}.{sub.name}: {sub.metadata['help']}"]
+            for f in dataclasses.fields(section_hints[sub.name]):
+                out += _entry(f"{sec.name}.{sub.name}.{f.name}", f, width)
     return "\n".join(out)

@@ -1,7 +1,9 @@
-"""Loading the policy and its tokenizer from a local path, a hub id, or ``builtin:tiny``."""
+"""Loading the policy and its tokenizer from a local path, a hub id, a ``.gguf`` file
+(:mod:`dapo.models.gguf`), or ``builtin:tiny``."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,11 @@ _TOKENIZER_FILES = (
 )
 
 
+def cache_root() -> Path:
+    """Where dapo caches built and converted models: ``$DAPO_CACHE`` or ``~/.cache/dapo``."""
+    return Path(os.environ.get("DAPO_CACHE", Path.home() / ".cache" / "dapo"))
+
+
 def _is_local_path(name: str) -> bool:
     """True when ``name`` can only be a local path (hub ids are ``name`` or ``owner/name``)."""
     return name.startswith(("/", "./", "../", "~", ".\\", "..\\")) or name.count("/") > 1
@@ -42,6 +49,10 @@ def resolve_model_path(name_or_path: str, log: Callable[[str], None] = print) ->
             f"`model.name_or_path` = {name_or_path!r}: the only built-in model is {BUILTIN_MODEL!r}"
         )
     path = Path(name_or_path).expanduser()
+    if is_gguf(path):  # dequantised once into a transformers directory, cached
+        from dapo.models import gguf
+
+        return str(gguf.convert_gguf(path, name_or_path, log=log))
     if _is_local_path(name_or_path) and not path.exists():
         raise ModelError(
             f"`model.name_or_path` = {name_or_path!r}: no such directory (resolved to "
@@ -52,9 +63,20 @@ def resolve_model_path(name_or_path: str, log: Callable[[str], None] = print) ->
     if path.is_file():
         raise ModelError(
             f"`model.name_or_path` = {name_or_path!r} is a file; give the model's directory "
-            "(the one holding config.json and the weights)"
+            "(the one holding config.json and the weights) or a .gguf file"
         )
     return name_or_path
+
+
+def is_gguf(path: Path) -> bool:
+    """True for a path named ``*.gguf`` or a file that starts with the GGUF magic bytes."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:  # a directory, a hub id, a missing path
+        return False
 
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any:

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from dapo.logprobs import Float32Linear
+from dapo.models.head import head_replaced, output_head
 from dapo.models.inputs import device_of
 from dapo.parallel.sharding import is_fsdp
 
@@ -79,6 +81,21 @@ def autocast(model: nn.Module) -> Iterator[None]:
         yield
         return
     with torch.autocast(device_of(model).type, dtype=dtype):
+        yield
+
+
+@contextlib.contextmanager
+def float32_logits(model: nn.Module) -> Iterator[None]:
+    """Inside, a bf16 ``model``'s output layer returns float32 logits: bf16 inputs, products
+    summed in float32 (:class:`~dapo.logprobs.Float32Linear`), as the training log-probs are
+    computed, instead of logits rounded to bf16. A no-op in fp32 and for heads that are not
+    a plain linear layer."""
+    head = output_head(model)
+    dtype = compute_dtype(model)
+    if head is None or dtype not in (torch.bfloat16, torch.float16):
+        yield
+        return
+    with head_replaced(head, Float32Linear(head.weight.detach(), head.bias, dtype)):
         yield
 
 

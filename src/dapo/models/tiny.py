@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from dapo.atomic import staged_dir
 from dapo.data.tasks.addition import sft_example
-from dapo.models.loading import BUILTIN_MODEL
+from dapo.models.loading import BUILTIN_MODEL, cache_root
 
 NAME = BUILTIN_MODEL
 _VERSION = "v3"  # bump when the task, tokenizer, model or warm-up change
@@ -79,9 +78,8 @@ def build_model(vocab_size: int, seed: int = 0):
 
 
 def cache_dir() -> Path:
-    """Where the warmed-up model lives (``$DAPO_CACHE`` or ``~/.cache/dapo``)."""
-    root = Path(os.environ.get("DAPO_CACHE", Path.home() / ".cache" / "dapo"))
-    return root / f"builtin-tiny-{_VERSION}"
+    """Where the warmed-up model lives (under ``$DAPO_CACHE`` or ``~/.cache/dapo``)."""
+    return cache_root() / f"builtin-tiny-{_VERSION}"
 
 
 def _sft_batch(tok, rng: random.Random, size: int) -> tuple[torch.Tensor, ...]:
@@ -134,18 +132,13 @@ def warm_up(
         opt.zero_grad(set_to_none=True)
         if (step + 1) % max(1, steps // 10) == 0:
             log(f"warm-up {step + 1}/{steps}: loss {loss.item():.3f} ({time.time() - start:.0f}s)")
-    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     model.eval()
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / "builtin.json").write_text(
-        json.dumps({"version": _VERSION, "steps": steps, "seed": seed, "seconds": time.time() - start})
-    )
-    if out_dir.exists():  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
+    with staged_dir(out_dir) as tmp:  # another process may finish first: then its copy stays
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "builtin.json").write_text(
+            json.dumps({"version": _VERSION, "steps": steps, "seed": seed, "seconds": time.time() - start})
+        )
     return out_dir
 
 

@@ -129,6 +129,8 @@ class VLLMEngine:
         enforce_eager: no CUDA graphs / torch.compile (default: on CPU, so that the engine
             starts in seconds; measured start-up here: 6-25 s with 2 cores).
         seed: the engine's base seed (each request gets its own seed anyway).
+        state_dict: the weights to start from, in the base model's names, instead of
+            ``model``'s own (a LoRA policy's merged weights).
         **llm_kwargs: passed on to ``vllm.LLM``.
     """
 
@@ -146,6 +148,7 @@ class VLLMEngine:
         enforce_eager: bool | None = None,
         seed: int = 0,
         distributed: bool | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
         **llm_kwargs: Any,
     ) -> None:
         vllm = import_vllm()
@@ -186,12 +189,12 @@ class VLLMEngine:
             elif self.distributed:
                 # transformers writes weights on rank 0 only (and FSDP holds shards): every
                 # rank writes the config, starts with placeholder weights and loads the full
-                # ones below.
+                # ones (``state_dict``'s, when given) below.
                 config.save_pretrained(self._dir)
                 model_dir = self._dir
                 kwargs["load_format"] = "dummy"
             else:
-                model.save_pretrained(self._dir, safe_serialization=True)
+                model.save_pretrained(self._dir, safe_serialization=True, state_dict=state_dict)
                 model_dir = self._dir
             if self.distributed:
                 kwargs["distributed_executor_backend"] = "external_launcher"
@@ -240,7 +243,8 @@ class VLLMEngine:
         if self.distributed and not from_dir:
             from dapo.parallel.sharding import full_named_parameters
 
-            self.load_weights(full_named_parameters(model))  # every rank: a collective
+            # every rank; gathering FSDP shards is a collective
+            self.load_weights(state_dict.items() if state_dict is not None else full_named_parameters(model))
 
     # --- weights --------------------------------------------------------------------------
 

@@ -27,11 +27,21 @@ class Sample:
     loss_mask: list[float]  # per response token; all 0 for a filtered (truncated) response
     old_logprobs: torch.Tensor | None = None  # [len(response_ids)], trainer's, no grad
     ref_logprobs: torch.Tensor | None = None
-    sampling_logprobs: torch.Tensor | None = None  # the rollout engine's, for tis_cap
+    sampling_logprobs: torch.Tensor | None = None  # the rollout engine's, for algorithm.is_*
+    # Engine-vs-trainer importance weights per response token (algorithm.is_cap), and the
+    # tokens they keep (0: dropped by is_mode=mask); None: no correction.
+    is_weight: torch.Tensor | None = None
+    is_keep: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    def train_mask(self) -> torch.Tensor:
+        """The tokens that count in the loss ``[len(response_ids)]``: the loss mask (overlong
+        filtering) without the tokens dropped by masked importance sampling."""
+        mask = torch.tensor(self.loss_mask, dtype=torch.float32)
+        return mask if self.is_keep is None else mask * self.is_keep.to(mask)
 
 
 def build_samples(
@@ -46,10 +56,10 @@ def build_samples(
     """One :class:`Sample` per response of ``groups``, in order.
 
     ``keep_engine_logprobs`` attaches the engine's sampling log-probs (for the mismatch
-    metric and ``algorithm.tis_cap``). A group carried over from an earlier step than
-    ``step`` takes its ratio against the policy that generated it: its old log-probs are the
-    engine's, when those are the exact sampling distribution (``exact_sampling_logprobs``:
-    no top-p / top-k truncation).
+    metric and the importance-sampling correction, ``algorithm.is_cap``). A group carried
+    over from an earlier step than ``step`` takes its ratio against the policy that
+    generated it: its old log-probs are the engine's, when those are the exact sampling
+    distribution (``exact_sampling_logprobs``: no top-p / top-k truncation).
     """
     g_size = groups[0].size
     if any(g.size != g_size for g in groups):

@@ -19,6 +19,9 @@ size):
   (DCP reshards) and into a plain model in a single process.
 
 ``trainer_state.pt`` (step, data position, RNG, carry-over) is written by rank 0 in both.
+A model with frozen parameters (LoRA) checkpoints its trainable ones only, in either format:
+the adapters, their optimizer state and the trainer state; the frozen base comes from the
+model path.
 """
 
 from __future__ import annotations
@@ -149,7 +152,32 @@ class FullState:
 def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> FullState:
     """The state to checkpoint. For an FSDP model every rank must call this (it gathers the
     shards); rank 0 gets the state, the others empty dicts."""
-    return FullState(full_model_state(model), full_optimizer_state(model, optimizer))
+    return FullState(_trainable_only(model, full_model_state(model)),
+                     full_optimizer_state(model, optimizer))
+
+
+def trainable_names(model: torch.nn.Module) -> set[str] | None:
+    """The names a checkpoint holds when ``model`` has frozen parameters (LoRA): its trainable
+    parameters; None when everything trains (the whole state dict is checkpointed)."""
+    params = list(model.named_parameters())
+    if all(p.requires_grad for _, p in params):
+        return None
+    return {n for n, p in params if p.requires_grad}
+
+
+def _trainable_only(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` without the frozen parameters when ``model`` has some (LoRA), the tied
+    output layer (a second name of the frozen embedding) included."""
+    names = trainable_names(model)
+    return state if names is None else {k: v for k, v in state.items() if k in names}
+
+
+def _dcp_options(model: torch.nn.Module) -> Any:
+    """``StateDictOptions`` of the sharded format: frozen parameters (LoRA's base) left out."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = trainable_names(model) is not None
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def save_checkpoint(
@@ -258,7 +286,9 @@ def _save_sharded(
     main = current().is_main
     pid = all_gather_objects(os.getpid())[0]  # one temporary name, rank 0's
     tmp = root / f".tmp-{step_dir(root, step).name}-{pid}"
-    model_state, optim_state = get_state_dict(model, optimizer)  # local shards, no gather
+    # local shards, no gather
+    model_state, optim_state = get_state_dict(model, optimizer, options=_dcp_options(model))
+    model_state = _trainable_only(model, model_state)
     need = (_tensor_bytes(model_state) + _tensor_bytes(optim_state)) * current().world_size + 2**20
     failure: Exception | None = None
 
@@ -361,17 +391,21 @@ def _load_whole(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
     """model.safetensors and optimizer.pt into ``model`` (sharded or not) and ``optimizer``."""
     weights = _read(path / "model.safetensors", lambda p: load_file(str(p)))
     sharded = is_fsdp(model)
-    if sharded:  # every rank holds the full tensors and keeps its shards of them
-        expected = set(model.state_dict())
+    names = trainable_names(model)
+    if sharded or names is not None:  # FSDP: every rank holds the full tensors
+        expected = set(model.state_dict()) if names is None else names
         missing = sorted(expected - set(weights))
         unexpected = sorted(set(weights) - expected)
+        if not sharded and not (missing or unexpected):
+            model.load_state_dict(weights, strict=False)
     else:
         missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [m for m in missing if not _is_tied(model, m)]
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {path} does not match the model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}; was it written for another model.name_or_path?"
+            f"unexpected {unexpected[:5]}; was it written for another model.name_or_path or "
+            "model.lora setting?"
         )
     if sharded:
         load_full_model_state(model, weights)
@@ -402,9 +436,10 @@ def _load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
         set_optimizer_state_dict,
     )
 
-    target = {"model": get_model_state_dict(model)}
+    options = _dcp_options(model)
+    target = {"model": _trainable_only(model, get_model_state_dict(model, options=options))}
     if optimizer is not None:  # creates AdamW's state (a zero-lr step) for DCP to fill
-        target["optim"] = get_optimizer_state_dict(model, optimizer)
+        target["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
     try:
         with warnings.catch_warnings():  # "assuming ... single process": yes, on purpose
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
@@ -413,12 +448,12 @@ def _load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
         raise CheckpointError(
             f"checkpoint {path}: could not load {path / _SHARDED} into this model "
             f"({type(exc).__name__}: {str(exc)[:300]}); was it written for another "
-            "model.name_or_path? If a file is damaged, delete the directory to resume from "
+            "model.name_or_path or model.lora setting? If a file is damaged, delete the directory to resume from "
             "the previous checkpoint."
         ) from exc
-    set_model_state_dict(model, target["model"])
+    set_model_state_dict(model, target["model"], options=options)
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, target["optim"])
+        set_optimizer_state_dict(model, optimizer, target["optim"], options=options)
 
 
 class _LegacyUnpickler(pickle.Unpickler):

@@ -5,6 +5,11 @@ everywhere and contributes no gradient. DAPO keeps sampling until the batch hold
 wanted number of groups with ``0 < correct < G``. Unlike the reference recipe, qualifying
 groups beyond the batch size are carried over to the next rollout step instead of being
 thrown away, so no qualifying rollout is wasted.
+
+When ``max_rounds`` generation rounds do not fill the batch, ``round_cap="train"`` (the
+default) trains on the qualifying groups found (a short batch, or no update at all when
+there are none; ``max_empty_steps`` such empty steps in a row stop the run) and
+``round_cap="stop"`` stops the run, keeping the groups found for a resumed run.
 """
 
 from __future__ import annotations
@@ -14,7 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dapo.choices import RoundCap
 from dapo.errors import DynamicSamplingError
+
+ADVICE = (
+    "Raise algorithm.max_gen_rounds, raise rollout.num_generations (more responses per "
+    "prompt make mixed groups likelier), use harder prompts if most groups are all correct "
+    "or easier ones (or a stronger model) if most are all wrong, or set "
+    "algorithm.dynamic_sampling=false."
+)
 
 
 @dataclass
@@ -62,6 +75,8 @@ class FillStats:
     carried_in: int = 0  # groups taken from the previous step's surplus
     carried_out: int = 0  # surplus kept for the next step
     dropped: int = 0  # generated groups neither trained nor kept for a later step
+    short: bool = False  # the round cap cut the batch short (round_cap="train")
+    note: str = ""  # what happened at the round cap, for the caller to warn with
 
     def as_metrics(self) -> dict[str, float]:
         gen = max(1, self.generated_groups)
@@ -77,6 +92,8 @@ class FillStats:
             # Only dropped groups are waste: with dynamic sampling off every generated group
             # trains (uniform ones too, with zero advantage), and carried-over ones train later.
             "sampling/wasted_frac": self.dropped / gen,
+            "sampling/short_batch": float(self.short),
+            "sampling/trained_groups": float(self.kept),
         }
 
 
@@ -85,6 +102,7 @@ class DynamicSampler:
 
     ``produce(k)`` must generate and score ``k`` new prompts' groups. With ``enabled=False``
     one round of exactly ``target`` prompts is produced and every group is kept (GRPO).
+    ``round_cap`` and ``max_empty_steps``: see the module docstring.
     """
 
     def __init__(
@@ -95,6 +113,8 @@ class DynamicSampler:
         metric: str = "acc",
         max_rounds: int = 8,
         max_prompts_per_round: int | None = None,
+        round_cap: RoundCap = "train",
+        max_empty_steps: int = 3,
     ) -> None:
         self.target = target
         self.enabled = enabled
@@ -103,6 +123,9 @@ class DynamicSampler:
         self.max_prompts_per_round = max_prompts_per_round or 4 * target
         self.carry: list[ScoredGroup] = []
         self.keep_rate = 1.0  # running estimate of the share of groups that qualify
+        self.round_cap = round_cap
+        self.max_empty_steps = max_empty_steps
+        self.empty_in_a_row = 0  # steps in a row without any qualifying group
 
     def fill(self, produce: Callable[[int], list[ScoredGroup]]) -> tuple[list[ScoredGroup], FillStats]:
         stats = FillStats()
@@ -122,8 +145,7 @@ class DynamicSampler:
         stats.carried_in = len(batch)
         while len(batch) < self.target:
             if stats.rounds >= self.max_rounds:
-                self.carry = batch + self.carry  # nothing qualifying is lost
-                raise DynamicSamplingError(self._cap_message(stats, len(batch)))
+                return self._at_cap(batch, stats)
             groups = produce(self._round_size(self.target - len(batch)))
             stats.rounds += 1
             stats.generated_groups += len(groups)
@@ -147,6 +169,7 @@ class DynamicSampler:
         batch = batch[: self.target]
         stats.kept = len(batch)
         stats.carried_out = len(self.carry)
+        self.empty_in_a_row = 0
         return batch, stats
 
     def first_round_size(self) -> int:
@@ -161,22 +184,63 @@ class DynamicSampler:
         """Prompts to generate for ``need`` more groups: over-sampled by the keep rate."""
         return min(self.max_prompts_per_round, max(need, math.ceil(need / max(self.keep_rate, 0.05) * 1.1)))
 
-    def _cap_message(self, stats: FillStats, have: int) -> str:
+    def _at_cap(
+        self, batch: list[ScoredGroup], stats: FillStats
+    ) -> tuple[list[ScoredGroup], FillStats]:
+        """The round cap is reached with ``len(batch) < target`` (the carry-over is empty
+        then): stop, train a short batch, or skip the update (none qualified)."""
+        have, cap = len(batch), f"algorithm.max_gen_rounds={self.max_rounds}"
+        seen = self._situation(stats)
+        if self.round_cap == "stop":
+            self.carry = batch + self.carry  # nothing qualifying is lost
+            raise DynamicSamplingError(
+                f"dynamic sampling stopped after {stats.rounds} generation rounds ({cap}, "
+                f"algorithm.round_cap=stop) with {have} of {self.target} groups that have a "
+                f"learning signal. {seen} {ADVICE} With algorithm.round_cap=train the step "
+                "would train on the groups found (or skip its update if none) instead."
+            )
+        stats.kept, stats.short = have, True
+        if have:
+            self.empty_in_a_row = 0
+            stats.note = (
+                f"dynamic sampling reached {cap} with {have} of {self.target} groups that "
+                f"have a learning signal: training on those {have} (a short batch, "
+                f"algorithm.round_cap=train). {seen} {ADVICE} algorithm.round_cap=stop stops "
+                "the run at the cap instead."
+            )
+            return batch, stats
+        self.empty_in_a_row += 1
+        limit = f"algorithm.max_empty_steps={self.max_empty_steps}"
+        if self.empty_in_a_row >= self.max_empty_steps:
+            raise DynamicSamplingError(
+                f"dynamic sampling found no group with a learning signal in "
+                f"{self.empty_in_a_row} rollout steps in a row ({stats.rounds} generation "
+                f"rounds each, {cap}; {limit}); stopped. {seen} {ADVICE}"
+            )
+        stats.note = (
+            f"dynamic sampling found no group with a learning signal in {stats.rounds} "
+            f"generation rounds ({cap}): this step's update is skipped ({self.empty_in_a_row} "
+            f"such step(s) in a row; {limit} stops the run). {seen} {ADVICE}"
+        )
+        return batch, stats
+
+    @staticmethod
+    def _situation(stats: FillStats) -> str:
         gen = max(1, stats.generated_groups)
         return (
-            f"dynamic sampling stopped after {stats.rounds} generation rounds "
-            f"(algorithm.max_gen_rounds={self.max_rounds}) with {have} of {self.target} groups "
-            f"that have a learning signal. Of {stats.generated_groups} groups generated this "
-            f"step, {stats.all_correct / gen:.0%} were all correct and "
-            f"{stats.all_wrong / gen:.0%} were all wrong. Raise algorithm.max_gen_rounds, raise "
-            "rollout.num_generations (more responses per prompt make mixed groups likelier), "
-            "use harder prompts if most groups are all correct or easier ones (or a stronger "
-            "model) if most are all wrong, or set algorithm.dynamic_sampling=false."
+            f"Of {stats.generated_groups} groups generated this step, "
+            f"{stats.all_correct / gen:.0%} were all correct and "
+            f"{stats.all_wrong / gen:.0%} were all wrong."
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"carry": self.carry, "keep_rate": self.keep_rate}
+        return {
+            "carry": self.carry,
+            "keep_rate": self.keep_rate,
+            "empty_in_a_row": self.empty_in_a_row,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.carry = list(state["carry"])
         self.keep_rate = float(state["keep_rate"])
+        self.empty_in_a_row = int(state.get("empty_in_a_row", 0))  # older checkpoints lack it

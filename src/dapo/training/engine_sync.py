@@ -3,20 +3,22 @@
 The transformers engine samples from the policy module itself; vLLM (in this process, one
 engine per rank under ``torchrun``) and the rollout server hold their own copy of the
 weights. :class:`EngineSync` counts optimizer updates, pushes the policy's weights to the
-engine every ``rollout.vllm_sync_every`` updates (gathered from FSDP shards one layer at a
-time, :func:`dapo.parallel.sharding.full_named_parameters`; with DDP the local module's
-parameters) and records which policy the engine holds (:attr:`EngineSync.version`), from
-which the trainer reports how stale its rollouts are.
+engine every ``rollout.vllm_sync_every`` updates (from the trainer's weight source: FSDP
+shards gathered one layer at a time, :func:`dapo.parallel.sharding.full_named_parameters`;
+with DDP the local module's parameters; a LoRA policy's merged weights under the base
+model's names) and records which policy the engine holds (:attr:`EngineSync.version`),
+from which the trainer reports how stale its rollouts are.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from dapo.parallel.sharding import full_named_parameters
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
 class EngineSync:
@@ -24,17 +26,24 @@ class EngineSync:
 
     Args:
         engine: the rollout engine (``load_weights``, optionally ``sleep``).
-        model: the policy (plain, DDP's inner module, or FSDP-sharded).
+        weights: the policy's ``(name, tensor)`` pairs as the engine loads them, made anew
+            for each push (every rank iterates them: with FSDP they gather).
         separate: whether the engine holds its own weights (every engine but ``hf``).
         sync_every: push after this many optimizer updates (``rollout.vllm_sync_every``).
         sleep: let a GPU engine sleep while the trainer trains (``rollout.vllm_sleep``).
     """
 
     def __init__(
-        self, engine: Any, model: torch.nn.Module, *, separate: bool, sync_every: int, sleep: bool
+        self,
+        engine: Any,
+        weights: Callable[[], NamedTensors],
+        *,
+        separate: bool,
+        sync_every: int,
+        sleep: bool,
     ) -> None:
         self.engine = engine
-        self.model = model
+        self.weights = weights
         self.separate = separate
         self.sync_every = sync_every
         self.sleep = sleep
@@ -72,7 +81,7 @@ class EngineSync:
         FSDP it gathers); the seconds it took."""
         t0 = time.perf_counter()
         if self.separate:  # the transformers engine samples from the policy module itself
-            self.engine.load_weights(full_named_parameters(self.model))
+            self.engine.load_weights(self.weights())
         self.updates_since_sync = 0
         self.due = False
         self.version = step

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +10,7 @@ import torch
 
 from dapo import algorithms as alg
 from dapo.logprobs import chunked_logprobs
+from dapo.models.head import head_replaced, output_head
 from dapo.models.inputs import device_of, left_pad, right_pad
 from dapo.models.precision import autocast, compute_dtype
 from dapo.parallel import sharding
@@ -73,47 +73,6 @@ def prompt_cache(model: torch.nn.Module) -> SharedPromptCache | None:
     return SharedPromptCache.empty(depth)
 
 
-# Config fields of heads that scale or cap the logits after the output layer (Gemma 2's
-# soft-capping, Cohere's and Granite's scales): such models take the full-logits path.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
-                     "lm_head_multiplier", "output_multiplier_scale")  # fmt: skip
-
-
-def output_head(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """The model's output layer when its logits are exactly that ``nn.Linear`` applied to the
-    final hidden states, else None.
-
-    None for heads that are not a plain ``nn.Linear`` (e.g. wrapped by an adapter) and for
-    models whose config scales or caps the logits (:data:`_LOGIT_TRANSFORMS`, e.g. Gemma 2's
-    ``final_logit_softcapping``, Cohere's ``logit_scale``): those fall back to computing the
-    whole ``[tokens x vocabulary]`` logits (:func:`response_logits`).
-    """
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if type(head) is not torch.nn.Linear:
-        return None
-    config = getattr(model, "config", None)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    for name in _LOGIT_TRANSFORMS:
-        if getattr(text, name, None) not in (None, 1, 1.0):
-            return None
-    return head
-
-
-@contextlib.contextmanager
-def _head_bypassed(head: torch.nn.Module | None) -> Iterator[None]:
-    """Inside, ``head`` passes its input through: the model's "logits" are its final hidden
-    states. The module stays registered (FSDP still gathers its weight with the root's)."""
-    if head is None:
-        yield
-        return
-    head.forward = _identity
-    try:
-        yield
-    finally:
-        del head.forward
-
-
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -136,11 +95,11 @@ def response_logprobs(
     layer, log-softmax and entropy are applied ``chunk_size`` positions at a time and
     recomputed in backward (:func:`dapo.logprobs.chunked_logprobs`), so no ``[tokens x
     vocabulary]`` logits exist. Models whose head is not a plain linear layer
-    (:func:`output_head`) take the whole logits. The forward passes: see
+    (:func:`~dapo.models.head.output_head`) take the whole logits. The forward passes: see
     :func:`response_logits`.
     """
     head = output_head(model)
-    with autocast(model), _head_bypassed(head):
+    with autocast(model), head_replaced(head, _identity):  # the "logits" are hidden states
         out = _response_outputs(model, samples, pad_id=pad_id, shared_prompt=shared_prompt,
                                 ddp=ddp)  # [b, R, H] hidden states, or [b, R, V] logits
     device = out.device
@@ -155,9 +114,7 @@ def response_logprobs(
     else:
         logits = out[valid].float()
         logits = logits / temperature if temperature != 1.0 else logits
-        logp = alg.token_logprobs(logits, targets)
-        log_p = torch.log_softmax(logits, -1)
-        entropy = -(log_p.exp() * log_p).sum(-1)
+        logp, entropy = alg.token_logprobs(logits, targets), alg.token_entropy(logits)
     full = torch.zeros(valid.shape, dtype=torch.float32, device=device)
     return full.masked_scatter(valid, logp), full.masked_scatter(valid, entropy)
 

@@ -18,47 +18,33 @@ from typing import TYPE_CHECKING
 import torch
 
 from dapo import algorithms as alg
-from dapo.choices import LossAgg
+from dapo.algorithms import LossSettings
 from dapo.errors import TrainingError
 from dapo.models.inputs import device_of
 from dapo.models.precision import autocast
 from dapo.parallel import sharding
 from dapo.parallel.distributed import all_reduce_max, all_reduce_sum, current, token_share
 from dapo.training.batch import Sample
+from dapo.training.corrections import cov_selection
 from dapo.training.forward import collate, micro_batches, pad_rows, response_logprobs
 
 if TYPE_CHECKING:
     from dapo.config import Config, TrainConfig
 
 
-@dataclass
-class LossSettings:
-    """The algorithm knobs the loss needs."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    clip_c: float | None = None
-    loss_agg: LossAgg = "token-mean"
-    beta: float = 0.0
-    kl_estimator: str = "k3"
-    temperature: float = 1.0
-    max_len: int = 1  # L_max, for seq-mean-token-sum-norm
-    tis_cap: float | None = None  # truncated importance sampling cap C; None disables
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> LossSettings:
-        """The loss knobs of a run: the ``algorithm`` fields of the same names, the sampling
-        temperature and L_max (``rollout.max_completion_length``)."""
-        shared = {
-            f.name: getattr(cfg.algorithm, f.name)
-            for f in dataclasses.fields(cls)
-            if hasattr(cfg.algorithm, f.name)
-        }
-        return cls(
-            **shared,
-            temperature=cfg.rollout.temperature,
-            max_len=cfg.rollout.max_completion_length,
-        )
+def loss_settings(cfg: Config) -> LossSettings:
+    """The loss knobs of a run: the ``algorithm`` fields of the same names, the sampling
+    temperature and L_max (``rollout.max_completion_length``)."""
+    shared = {
+        f.name: getattr(cfg.algorithm, f.name)
+        for f in dataclasses.fields(LossSettings)
+        if hasattr(cfg.algorithm, f.name)
+    }
+    return LossSettings(
+        **shared,
+        temperature=cfg.rollout.temperature,
+        max_len=cfg.rollout.max_completion_length,
+    )
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -76,25 +62,42 @@ def plan_updates(
     *, seed: int,
 ) -> list[tuple[int, list[int]]]:  # fmt: skip
     """``(epoch, sample indices)`` of every optimizer update of a rollout step: whole groups,
-    shuffled per epoch (seeded), cut into mini-batches of ``mini_batch_size`` prompts."""
+    shuffled per epoch (seeded), cut into mini-batches of ``mini_batch_size`` prompts.
+
+    A full batch (``prompts_per_step`` groups) makes ``prompts_per_step / mini_batch_size``
+    updates per epoch. A short batch of ``n`` groups (the round cap with
+    ``algorithm.round_cap=train``) makes ``ceil(n / mini_batch_size)`` updates whose sizes
+    differ by at most one group (29 groups with mini-batches of 16: 15 + 14, not 16 + 13),
+    so no update is a sliver and no sample is used more often than in a full batch. Each
+    update is still normalised by its own global token count.
+    """
     n_groups, rest = divmod(n_samples, group_size)
     if rest:
         raise TrainingError(f"{n_samples} samples do not make groups of {group_size} responses")
+    if n_groups > prompts_per_step:
+        raise TrainingError(f"{n_groups} groups exceed train.prompts_per_step={prompts_per_step}")
+    n_updates = -(-n_groups // mini_batch_size)  # = prompts_per_step // mini_batch_size if full
+    base, extra = divmod(n_groups, max(n_updates, 1))
+    sizes = [base + (m < extra) for m in range(n_updates)]
     gen = torch.Generator().manual_seed(seed)
     plan = []
     for epoch in range(epochs):
         order = torch.randperm(n_groups, generator=gen).tolist()
-        for m in range(prompts_per_step // mini_batch_size):
-            gids = order[m * mini_batch_size : (m + 1) * mini_batch_size]
+        start = 0
+        for size in sizes:
+            gids = order[start : start + size]
+            start += size
             plan.append((epoch, [g * group_size + j for g in gids for j in range(group_size)]))
     return plan
 
 
 def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not on biases, norms or other vectors)."""
+    """AdamW over the trainable parameters (all of them, or LoRA's adapters), with weight
+    decay on matrices only (not on biases, norms or other vectors)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (no_decay if p.dim() < 2 or "norm" in name else decay).append(p)
+        if p.requires_grad:
+            (no_decay if p.dim() < 2 or "norm" in name else decay).append(p)
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=t.lr,
@@ -105,12 +108,13 @@ def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimi
 def loss_denominator(samples: Sequence[Sample], settings: LossSettings) -> float:
     """The global normaliser of a mini-batch for the configured aggregation.
 
-    ``token-mean``: loss tokens (masked, e.g. truncated, responses do not count);
+    ``token-mean``: loss tokens (masked ones do not count: truncated responses under
+    overlong filtering, tokens or responses dropped by masked importance sampling);
     ``seq-mean-token-mean``: responses; ``seq-mean-token-sum-norm``: responses x L_max.
     In data-parallel training the caller sums this over ranks.
     """
     if settings.loss_agg == "token-mean":
-        return float(sum(sum(s.loss_mask) for s in samples))
+        return float(sum(float(s.train_mask().sum()) for s in samples))
     if settings.loss_agg == "seq-mean-token-mean":
         return float(len(samples))
     return float(len(samples) * settings.max_len)
@@ -124,7 +128,6 @@ STAT_KEYS = (
     "actor/gen_prob",
     "actor/entropy",
     "actor/kl_ref",
-    "actor/tis_weight",
 )
 
 
@@ -136,6 +139,7 @@ class GradStats:
     tokens: float = 0.0
     loss: float = 0.0  # the mini-batch loss (sum of the micro-batch losses)
     pg_loss: float = 0.0  # its policy-gradient part
+    entropy_bonus: float = 0.0  # entropy_coef x aggregated entropy, subtracted from the loss
 
     def add(self, name: str, value: float, weight: float) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + value * weight
@@ -146,15 +150,18 @@ class GradStats:
         self.tokens += other.tokens
         self.loss += other.loss
         self.pg_loss += other.pg_loss
+        self.entropy_bonus += other.entropy_bonus
 
     def all_reduce(self) -> None:
         """Sum over data-parallel ranks; a rank that trained nothing may lack keys."""
         keys = STAT_KEYS
         values = [self.sums.get(k, 0.0) for k in keys] + [float(k in self.sums) for k in keys]
-        totals = all_reduce_sum(values + [self.tokens, self.loss, self.pg_loss])
+        totals = all_reduce_sum(
+            values + [self.tokens, self.loss, self.pg_loss, self.entropy_bonus]
+        )
         n = len(keys)
         self.sums = {k: totals[i] for i, k in enumerate(keys) if totals[n + i] > 0}
-        self.tokens, self.loss, self.pg_loss = totals[2 * n :]
+        self.tokens, self.loss, self.pg_loss, self.entropy_bonus = totals[2 * n :]
 
     def means(self) -> dict[str, float]:
         return {k: v / max(self.tokens, 1.0) for k, v in self.sums.items()}
@@ -173,6 +180,7 @@ def accumulate_gradients(
     scale: float = 1.0,
     ddp: torch.nn.Module | None = None,
     shared_prompt: bool = True,
+    selected: Sequence[torch.Tensor | None] | None = None,
 ) -> GradStats:
     """Backpropagate the mini-batch loss through ``model`` in micro-batches.
 
@@ -181,6 +189,8 @@ def accumulate_gradients(
     loss (the world size, when the gradient reduction averages over ranks). Samples
     without ``old_logprobs`` use the current policy's (detached), i.e. ratio 1, and keep them
     as their ``old_logprobs`` (the trainer compares them with the engine's).
+    ``selected``: the Clip-Cov / KL-Cov token selection of each sample
+    (:func:`dapo.training.corrections.cov_selection`), when ``entropy_control`` is on.
 
     With ``ddp`` (the DistributedDataParallel wrapper of ``model``) each micro-batch runs one
     forward through it (see :func:`~dapo.training.forward.response_logits`) and only the last micro-batch's
@@ -215,7 +225,8 @@ def accumulate_gradients(
                                       denominator=denominator, scale=scale,
                                       logits_chunk_size=logits_chunk_size,
                                       with_entropy=with_entropy, ddp=ddp,
-                                      shared_prompt=shared_prompt)
+                                      shared_prompt=shared_prompt,
+                                      selected=None if selected is None else [selected[i] for i in idx])
         stats.merge(stats_chunk)
     return stats
 
@@ -243,6 +254,7 @@ def _micro_step(
     with_entropy: bool,
     ddp: torch.nn.Module | None,
     shared_prompt: bool,
+    selected: Sequence[torch.Tensor | None] | None = None,
 ) -> GradStats:
     """Forward and backward of one micro-batch; its share of the mini-batch loss."""
     stats = GradStats()
@@ -251,69 +263,48 @@ def _micro_step(
     logp, entropy = response_logprobs(model, chunk, pad_id=pad_id, temperature=settings.temperature,
                                       chunk_size=logits_chunk_size, shared_prompt=shared_prompt,
                                       ddp=ddp)
-    # (b) the loss
+    # (b) the loss from them
     r = batch.response_len
+    device = logp.device
     old = logp.detach().clone()
     for j, s in enumerate(chunk):
         if s.old_logprobs is not None:
             old[j, : s.old_logprobs.numel()] = s.old_logprobs
         else:  # ratio 1: this forward is the old policy (kept to compare with the engine's)
             s.old_logprobs = old[j, : len(s.response_ids)].clone()
-    adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype, device=logp.device)
-    tis = None
-    if settings.tis_cap is not None:
-        # Truncated importance sampling: the responses come from the rollout engine, whose
-        # distribution differs from the trainer's old policy (numerics, weights synced every
-        # k updates). Each token's loss is weighted by w = min(pi_old / pi_engine, C). w is
-        # positive and carries no gradient, so weighting the per-token advantage weights
-        # the clipped (and dual-clipped) surrogate itself: min(r A w, clip(r) A w) = w s.
-        tis = tis_weights(old, chunk, settings.tis_cap)
-        adv = adv[:, None] * tis
-    loss, pstats = alg.policy_loss(
-        logp,
-        old,
-        adv,
-        batch.loss_mask,
-        clip_low=settings.clip_low,
-        clip_high=settings.clip_high,
-        clip_c=settings.clip_c,
-        agg=settings.loss_agg,
-        num_tokens=denominator,
-        max_len=settings.max_len,
-    )
-    pg_loss = loss.detach()
+    mask = pad_rows([s.train_mask() for s in chunk], r).to(device=device, dtype=logp.dtype)
+    adv = torch.tensor([s.advantage for s in chunk], dtype=logp.dtype, device=device)
+    is_w = None
+    if any(s.is_weight is not None for s in chunk):
+        rows = [s.is_weight if s.is_weight is not None else torch.ones(len(s.response_ids))
+                for s in chunk]  # fmt: skip
+        is_w = pad_rows(rows, r).to(device=device, dtype=logp.dtype)
+    chosen = None
+    if selected is not None and any(x is not None for x in selected):
+        rows = [x if x is not None else torch.zeros(len(s.response_ids), dtype=torch.bool)
+                for x, s in zip(selected, chunk, strict=True)]  # fmt: skip
+        chosen = pad_rows([x.float() for x in rows], r).to(device) > 0
+    ref = None
     if settings.beta > 0:
-        ref = pad_rows([s.ref_logprobs for s in chunk], r).to(logp.device)
-        kl = alg.kl_penalty(logp, ref, settings.kl_estimator)
-        kl_loss = alg.aggregate_loss(
-            kl, batch.loss_mask, settings.loss_agg, num_tokens=denominator, max_len=settings.max_len
-        )
-        loss = loss + settings.beta * kl_loss
-        stats.add("actor/kl_ref", alg.masked_mean(kl.detach(), batch.loss_mask).item(), batch.loss_mask.sum().item())
+        ref = pad_rows([s.ref_logprobs for s in chunk], r).to(device)
+    loss, terms = alg.compute_loss(
+        logp, old, adv, mask, settings, denominator=denominator, is_weights=is_w,
+        selected=chosen, ref_logprobs=ref,
+        entropy=entropy if settings.entropy_coef > 0 else None,
+    )  # fmt: skip
     (loss * scale).backward()
-    n_tok = batch.loss_mask.sum().item()
+    n_tok = mask.sum().item()
     stats.tokens += n_tok
     stats.loss += loss.item()
-    stats.pg_loss += pg_loss.item()
-    for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "ppo_kl"):
-        stats.add(f"actor/{key}", float(pstats[key]), n_tok)
-    stats.add("actor/gen_prob", alg.gen_prob(logp.detach(), batch.loss_mask).item(), n_tok)
-    if tis is not None:
-        stats.add("actor/tis_weight", alg.masked_mean(tis, batch.loss_mask).item(), n_tok)
+    stats.pg_loss += terms["pg_loss"].item()
+    stats.entropy_bonus += terms["entropy_bonus"].item() if "entropy_bonus" in terms else 0.0
+    for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "ppo_kl", "kl_ref"):
+        if key in terms:
+            stats.add(f"actor/{key}", float(terms[key]), n_tok)
+    stats.add("actor/gen_prob", alg.gen_prob(logp.detach(), mask).item(), n_tok)
     if with_entropy:
-        stats.add("actor/entropy", alg.masked_mean(entropy.detach(), batch.loss_mask).item(), n_tok)
+        stats.add("actor/entropy", alg.masked_mean(entropy.detach(), mask).item(), n_tok)
     return stats
-
-
-def tis_weights(old: torch.Tensor, chunk: Sequence[Sample], cap: float) -> torch.Tensor:
-    """``min(exp(old - sampling), cap)`` per response token ``[b, R]``; 1 where a sample has
-    no engine log-probs (or on padding)."""
-    w = torch.ones_like(old)
-    for j, s in enumerate(chunk):
-        if s.sampling_logprobs is not None:
-            k = s.sampling_logprobs.numel()
-            w[j, :k] = torch.exp(old[j, :k] - s.sampling_logprobs.to(old)).clamp(max=cap)
-    return w
 
 
 @dataclass
@@ -323,6 +314,7 @@ class StepResult:
     stats: GradStats
     grad_norm: float
     applied: bool
+    selection: dict[str, float] = field(default_factory=dict)  # actor/cov_selected_frac
 
 
 def optimizer_step(
@@ -338,6 +330,7 @@ def optimizer_step(
     with_entropy: bool = True,
     ddp: torch.nn.Module | None = None,
     shared_prompt: bool = True,
+    seed: int = 0,
 ) -> StepResult:
     """One exact optimizer step on a mini-batch, on one process or across data-parallel ranks.
 
@@ -347,16 +340,19 @@ def optimizer_step(
     the summed gradient is the one a single process computes on the whole mini-batch.
     ``model`` may be sharded with FSDP (``dapo.parallel.sharding``); then the gradient norm is
     the global one over all shards. Non-finite gradients are not applied
-    (``applied=False``); the caller decides what to do.
+    (``applied=False``); the caller decides what to do. ``seed`` draws Clip-Cov's random
+    token choice (:func:`dapo.training.corrections.cov_selection`).
     """
     info = current()
-    mine = [samples[i] for i in token_share([s.length for s in samples], info)]
+    ids = token_share([s.length for s in samples], info)
+    mine = [samples[i] for i in ids]
+    selected, selection = cov_selection(mine, ids, settings, seed=seed)
     (denominator,) = all_reduce_sum([loss_denominator(mine, settings)])
     stats = accumulate_gradients(
         model, mine, settings, pad_id=pad_id, token_budget=token_budget,
         denominator=denominator, logits_chunk_size=logits_chunk_size,
         with_entropy=with_entropy, scale=float(info.world_size), ddp=ddp if info.enabled else None,
-        shared_prompt=shared_prompt,
+        shared_prompt=shared_prompt, selected=selected,
     )
     params = [p for p in model.parameters() if p.grad is not None]
     norm = sharding.grad_norm(params, max_grad_norm)
@@ -367,4 +363,4 @@ def optimizer_step(
         sharding.reshard(model)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(stats, float(norm), applied)
+    return StepResult(stats, float(norm), applied, selection)

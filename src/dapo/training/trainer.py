@@ -8,10 +8,12 @@ Read :meth:`Trainer.train_step` and :meth:`Trainer.run` top to bottom.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,15 @@ import torch
 from dapo.atomic import write_text_atomic
 from dapo.config import Config
 from dapo.data.prompts import encode_prompts, load_prompt_set
-from dapo.errors import TrainingError, VLLMEngineError, VLLMUnavailableError
+from dapo.errors import (
+    DynamicSamplingWarning,
+    TrainingError,
+    VLLMEngineError,
+    VLLMUnavailableError,
+)
 from dapo.evaluation.run import engine_accuracy
 from dapo.metrics import MetricsLogger, plot_dashboard
-from dapo.models import context_length, load_policy, load_tokenizer, resolve_model_path
+from dapo.models import context_length, load_policy, load_tokenizer, lora, resolve_model_path
 from dapo.models.precision import (
     bf16_rounding_warning,
     load_dtype,
@@ -45,13 +52,14 @@ from dapo.training.checkpoint import (
     save_checkpoint,
     step_dir,
 )
+from dapo.training.corrections import attach_is_weights
 from dapo.training.dynamic_sampling import DynamicSampler, ScoredGroup
 from dapo.training.engine_sync import EngineSync
 from dapo.training.forward import compute_logprobs, logprob_mismatch
 from dapo.training.prefetch import RolloutPrefetcher
 from dapo.training.prompt_selection import PromptSelector
 from dapo.training.step import (
-    LossSettings,
+    loss_settings,
     lr_at,
     make_optimizer,
     optimizer_step,
@@ -71,6 +79,12 @@ class Trainer:
         _check_output_dir(self.out)
         seed_everything(cfg.seed)
 
+        # A separate engine (vLLM, the rollout server) holds its own copy of the weights:
+        # they are pushed to it every `rollout.vllm_sync_every` optimizer updates, and its
+        # sampling log-probs are compared with (and can correct, `algorithm.is_cap`) the
+        # trainer's.
+        self.separate_engine = cfg.rollout.engine != "hf"
+        self.engine_logprobs = self.separate_engine or cfg.algorithm.is_cap is not None
         self._load_model()
         self._load_prompts()
         self.engine: RolloutEngine = self._make_engine()
@@ -87,23 +101,19 @@ class Trainer:
             enabled=cfg.algorithm.dynamic_sampling,
             metric=cfg.algorithm.dynamic_sampling_metric,
             max_rounds=cfg.algorithm.max_gen_rounds,
+            round_cap=cfg.algorithm.round_cap,
+            max_empty_steps=cfg.algorithm.max_empty_steps,
         )
         # The prompt stream, with algorithm.skip_uniform_prompts and data.curriculum.
         self.prompts = PromptSelector(cfg, self.train_records)
-        self.loss_settings = LossSettings.from_config(cfg)
+        self.loss_settings = loss_settings(cfg)
         self.step = 0
         self.summary: dict[str, Any] = {}
         self.reward_failures = 0
         self.nonfinite_in_a_row = 0
         self.samples_generated = 0  # every response generated, trained on or not
-        # A separate engine (vLLM, the rollout server) holds its own copy of the weights:
-        # they are pushed to it every `rollout.vllm_sync_every` optimizer updates, and its
-        # sampling log-probs are compared with (and can correct, `algorithm.tis_cap`) the
-        # trainer's.
-        self.separate_engine = cfg.rollout.engine != "hf"
-        self.engine_logprobs = self.separate_engine or cfg.algorithm.tis_cap is not None
         self.engine_sync = EngineSync(
-            self.engine, self.model, separate=self.separate_engine,
+            self.engine, self._engine_weights, separate=self.separate_engine,
             sync_every=cfg.rollout.vllm_sync_every, sleep=cfg.rollout.vllm_sleep,
         )  # fmt: skip
         self.prefetcher = RolloutPrefetcher()  # rollout.async_steps=1: the next round, ahead
@@ -132,12 +142,22 @@ class Trainer:
             gradient_checkpointing=cfg.model.gradient_checkpointing,
         )
         set_precision(self.model, self.precision)
+        self.peft = None  # the peft handle of a LoRA policy (model.lora.rank > 0)
+        if cfg.model.lora.rank > 0:
+            self.peft = lora.apply_lora(self.model, cfg.model.lora)
+        self.parameter_counts = lora.parameter_counts(self.model)
+        if self.peft is not None:
+            trainable, total = self.parameter_counts
+            self.log(f"LoRA: rank {cfg.model.lora.rank}, alpha {cfg.model.lora.alpha:g}, "
+                     f"layers {', '.join(cfg.model.lora.target_modules)}: {trainable:,} of "
+                     f"{total:,} parameters trained ({trainable / total:.2%})")
         self.model.train()
         if torch.cuda.is_available():  # one GPU per rank; the CPU path is the tested one
             self.model.to(f"cuda:{self.dist.local_rank}")
         self.ref_model = None
-        if cfg.algorithm.beta > 0:  # beta = 0 (DAPO) needs no reference model at all
-            # A plain copy on every rank, taken before the policy is sharded.
+        if cfg.algorithm.beta > 0 and self.peft is None:  # beta = 0 (DAPO): no reference
+            # A plain copy on every rank, taken before the policy is sharded. (With LoRA the
+            # reference is the base model: the policy with its adapters disabled.)
             self.ref_model = reference_copy(self.model)
         self.ddp = None
         self.data_parallel = None
@@ -182,6 +202,8 @@ class Trainer:
                 sleep=r.vllm_sleep,
                 server_url=r.server_url,
                 server_timeout_s=r.server_timeout_s,
+                # A separate engine starts from base-model weights: LoRA's merged ones.
+                state_dict=dict(self._engine_weights()) if self.peft is not None and r.engine == "vllm" else None,
             )
         except (VLLMUnavailableError, VLLMEngineError) as exc:
             raise TrainingError(str(exc)) from exc
@@ -195,8 +217,11 @@ class Trainer:
         groups, metrics = self.fill_batch(step)  # 1-3. sample, score, filter
         self.generate_ahead(step + 1)  # async: the next step's first round, while we train
         t1 = time.perf_counter()
-        samples = self.build_samples(groups)  # 4. advantages and loss masks
-        metrics.update(self.update(samples, step))  # 5. update the policy
+        if groups:  # none: no group with a learning signal at the round cap, no update
+            samples = self.build_samples(groups)  # 4. advantages and loss masks
+            metrics.update(self.update(samples, step))  # 5. update the policy
+        else:
+            metrics["actor/updates"] = 0.0
         metrics.update(self.prefetcher.collect())  # async: the next round is in
         metrics.update(self.engine_sync.after_update(step + 1))  # 6. a separate engine follows
         t2 = time.perf_counter()
@@ -247,6 +272,8 @@ class Trainer:
             return scored
 
         batch, fill = self.sampler.fill(produce)
+        if fill.note and self.dist.is_main:  # the round cap: a short batch or no update
+            warnings.warn(f"rollout step {step}: {fill.note}", DynamicSamplingWarning, stacklevel=2)
         self.samples_generated += sum(g.size for g in generated)
         tokens = sum(len(x) for g in generated for x in g.response_ids)
         skips = {} if not self.prompts.skip else {
@@ -351,6 +378,7 @@ class Trainer:
         mine = sorted({i for _, idx in plan for i in self._my_share(samples, idx)})
         fresh = [samples[i] for i in mine if samples[i].old_logprobs is None]
         metrics = self._fill_logprobs(samples, mine, plan)
+        metrics.update(attach_is_weights([samples[i] for i in mine], self.loss_settings))
         metrics.update(self._apply_updates(samples, plan, step))
         if self.keep_engine_logprobs and "rollout/logprob_mismatch" not in metrics:
             # One update per step: the training forward itself gave the old log-probs.
@@ -358,6 +386,15 @@ class Trainer:
         metrics["actor/lr"] = lr
         metrics["train/loss_tokens"] = float(sum(sum(s.loss_mask) for s in samples))
         return metrics
+
+    def _engine_weights(self) -> Any:
+        """``(name, tensor)`` of the whole policy for a separate rollout engine (every rank
+        iterates them: with FSDP they are gathered; see ``full_named_parameters``), or for a
+        LoRA policy the merged ``W + (alpha/r) B A`` under the base names (an engine loads
+        base-model checkpoints; the policy is not changed)."""
+        if self.peft is not None and self.separate_engine:
+            return lora.merged_parameters(self.model, sharding.full_named_parameters(self.model))
+        return sharding.full_named_parameters(self.model)
 
     def _fill_logprobs(
         self, samples: list[Sample], mine: list[int], plan: list[tuple[int, list[int]]]
@@ -370,17 +407,22 @@ class Trainer:
             logits_chunk_size=t.logits_chunk_size,
         )  # fmt: skip
         metrics: dict[str, float] = {}
-        if len(plan) > 1 or self.engine_logprobs:
+        if len(plan) > 1 or self.engine_logprobs or cfg.algorithm.entropy_control != "none":
             # The ratio is taken against the policy that produced the batch: this one, now.
-            # (With one update per rollout step it is the policy being trained: ratio 1.)
+            # (With one update per rollout step it is the policy being trained: ratio 1;
+            # Clip-Cov / KL-Cov select their tokens from these log-probs before the update.)
             todo = [i for i in mine if samples[i].old_logprobs is None]
             old = compute_logprobs(self.model, [samples[i] for i in todo], **forward)
             for i, lp in zip(todo, old, strict=True):
                 samples[i].old_logprobs = lp
             if self.keep_engine_logprobs:  # compared with the engine's
                 metrics.update(logprob_mismatch([samples[i] for i in todo]))
-        if self.ref_model is not None:
-            ref = compute_logprobs(self.ref_model, [samples[i] for i in mine], **forward)
+        if cfg.algorithm.beta > 0:
+            # The reference policy: the initial model, or LoRA's base (adapters disabled).
+            off = self.peft.disable_adapter() if self.peft is not None else contextlib.nullcontext()
+            with off:
+                model = self.model if self.ref_model is None else self.ref_model
+                ref = compute_logprobs(model, [samples[i] for i in mine], **forward)
             for i, lp in zip(mine, ref, strict=True):
                 samples[i].ref_logprobs = lp
         return metrics
@@ -392,14 +434,16 @@ class Trainer:
         t = self.cfg.train
         sums: dict[str, float] = {}
         weight = 0.0
-        grad_norms, losses, pg_losses = [], [], []
+        grad_norms, losses, pg_losses, bonuses = [], [], [], []
+        selected: list[float] = []
         skipped = 0
-        for epoch, idx in plan:
+        for n, (epoch, idx) in enumerate(plan):
             result = optimizer_step(
                 self.model, self.optimizer, [samples[i] for i in idx], self.loss_settings,
                 pad_id=self.tokenizer.pad_token_id, token_budget=t.micro_batch_tokens,
                 max_grad_norm=t.max_grad_norm, logits_chunk_size=t.logits_chunk_size,
                 with_entropy=epoch == 0, ddp=self.ddp, shared_prompt=t.shared_prompt_forward,
+                seed=mix_seed(self.cfg.seed, step, n, 7919),
             )  # fmt: skip
             if not result.applied:  # skipped: the weights stay at the last good state
                 skipped += 1
@@ -411,10 +455,17 @@ class Trainer:
             grad_norms.append(result.grad_norm)
             losses.append(result.stats.loss)
             pg_losses.append(result.stats.pg_loss)
+            bonuses.append(result.stats.entropy_bonus)
+            if "actor/cov_selected_frac" in result.selection:
+                selected.append(result.selection["actor/cov_selected_frac"])
             for k, v in result.stats.sums.items():
                 sums[k] = sums.get(k, 0.0) + v
             weight += result.stats.tokens
         metrics = {k: v / max(weight, 1.0) for k, v in sums.items()}
+        if self.loss_settings.entropy_coef > 0:
+            metrics["actor/entropy_bonus"] = mean(bonuses)
+        if self.loss_settings.entropy_control != "none":
+            metrics["actor/cov_selected_frac"] = mean(selected)
         metrics.update(
             {
                 "actor/pg_loss": mean(pg_losses),
@@ -592,6 +643,9 @@ class Trainer:
             self.save()
         if self.cfg.checkpoint.save_final_model:
             weights = sharding.pretrained_state(self.model)  # all ranks gather with FSDP
+            if self.peft is not None:  # a plain transformers model: the merged weights
+                state = self.model.state_dict() if weights is None else weights
+                weights = lora.merge_state(state, lora.scalings(self.model))
             if self.dist.is_main:
                 final = self.out / "final_model"
                 self.model.save_pretrained(final, state_dict=weights)
@@ -605,6 +659,8 @@ class Trainer:
                 "wall_seconds": round(time.time() - start, 1),
                 "preset": self.cfg.preset,
                 "resumed_from_step": resumed_from,
+                "trainable_parameters": self.parameter_counts[0],
+                "parameters": self.parameter_counts[1],
             }
         )
         if not self.dist.is_main:

@@ -1,0 +1,63 @@
+"""Importance weights that correct for the rollout engine sampling from another distribution
+than the trainer's old policy (vLLM kernels, bf16, weights synced every k updates).
+
+The responses come from ``pi_engine``; the loss's ratio is taken against the trainer's
+``pi_old`` (the same weights, recomputed). The gap is corrected with the importance ratio
+``rho = pi_old / pi_engine`` of the sampled tokens, either per token or per response, and
+large ratios are either truncated (TIS, a biased, low-variance weight) or the token or
+response is dropped from the loss (masked IS, rejection). Papers and peers: "Your
+Efficient RL Framework Secretly Brings You Off-Policy RL Training" (Yao et al., 2025,
+token-level TIS, cap 2); verl's ``rollout_corr`` (token or sequence, truncate or reject);
+TRL's ``vllm_importance_sampling_mode`` (default ``sequence_mask``, cap 3.0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dapo.choices import IS_LEVELS, IS_MODES, ISLevel, ISMode
+
+SAFETY_BOUND = 20.0  # |log rho| beyond this is clamped before exp (as verl): no inf * 0
+
+
+def is_weights(
+    old_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cap: float,
+    level: ISLevel = "token",
+    mode: ISMode = "truncate",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Engine-vs-trainer importance weights of ``[B, T]`` sampled tokens (no gradient).
+
+    ``level="token"``: ``rho_t = pi_old(o_t) / pi_engine(o_t) = exp(logp_old_t - logp_engine_t)``.
+    ``level="sequence"``: one ratio per response, the likelihood ratio of the whole response,
+    ``rho_i = prod_t rho_it = exp(sum_t (logp_old_it - logp_engine_it))`` over the tokens
+    where ``mask`` is 1 (the response tokens), applied to all of them. The product, not the
+    geometric mean: it is the importance weight of the response as a sample (unbiased), as
+    in verl and TRL; a geometric mean is the GSPO *ratio*, a different quantity.
+
+    ``mode="truncate"``: ``w = min(rho, cap)``, every token kept. ``mode="mask"``:
+    ``w = rho`` where ``rho <= cap``; a token (or response) above the cap is dropped: weight
+    0 and ``keep`` 0, so that it leaves the loss *and* its denominator, like a response
+    removed by overlong filtering.
+
+    Returns ``(weights, keep, over_cap)``: weights, the 0/1 keep mask, and where ``rho``
+    exceeded the cap (truncated or dropped), each ``[B, T]`` and 0 where ``mask`` is 0.
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown importance-sampling level {level!r}; choose one of {IS_LEVELS}")
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown importance-sampling mode {mode!r}; choose one of {IS_MODES}")
+    with torch.no_grad():
+        mask = mask.to(old_logprobs.dtype)
+        log_rho = (old_logprobs - sampling_logprobs.to(old_logprobs)) * mask
+        if level == "sequence":
+            log_rho = log_rho.sum(-1, keepdim=True).expand_as(mask)
+        rho = torch.exp(log_rho.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        over = (rho > cap).to(mask) * mask
+        if mode == "truncate":
+            return rho.clamp(max=cap) * mask, mask.clone(), over
+        keep = mask * (1.0 - over)
+        return rho * keep, keep, over
