@@ -528,6 +528,35 @@ def test_train_against_a_rollout_server_that_dies_then_resume(tmp_path, tiny_pat
     assert len(resumed) == 2 and max(resumed) < 1e-5, resumed  # the new server got the weights
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_lora_policy_reaches_the_rollout_server_merged(tmp_path, tiny_path):
+    """A LoRA policy against the rollout server: rank 0 pushes W + (alpha/r) B A under the
+    base names (the server's vLLM knows no adapters). Synced every 2 updates: the server
+    scores like the trainer at steps 1 and 3, one update behind at step 2 (the adapters
+    did move the policy)."""
+    from dapo.rollout.weight_channel import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, DAPO_CACHE=str(tiny_path.parent), OMP_NUM_THREADS="1")
+    server = start_server(tiny_path, port, tmp_path / "server.log")
+    try:
+        out = tmp_path / "run"
+        overrides = [*SERVER_RUN, f"rollout.server_url={url}", "train.steps=3", "model.lora.rank=4",
+                     "train.lr=1e-2", "rollout.vllm_sync_every=2", "train.mini_batch_size=4"]
+        proc = subprocess.run(dapo_cmd(tiny_path, out, *overrides), env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    mismatch = {x["step"]: x["rollout/logprob_mismatch"] for x in lines if "actor/loss" in x}
+    assert mismatch[1] < 1e-5 and mismatch[3] < 1e-5, mismatch
+    assert mismatch[2] > 1e-4, mismatch
+
+
 # --------------------------------------------------------------------------------------
 # rollout.async_steps=1: the next batch is generated while the trainer trains
 # --------------------------------------------------------------------------------------
