@@ -8,7 +8,7 @@ Modes:
   variants DP OUT   one step per loss variant (VARIANTS) with DP; rank 0 saves the parameters
   lora DP OUT       as step, with LoRA adapters (rank 4): the checkpointed (adapter) state
   vllm DP MODEL OUT two rollout steps with a vLLM engine per rank; each rank compares its
-                    engine's log-probs with its trainer's
+                    engine's log-probs with its trainer's (DP+lora: a LoRA policy)
   skip MODEL OUT REWARDS DATA  a run with algorithm.skip_uniform_prompts; each rank records the
                     prompts it drew, skipped and generated, and its prompt history
 """
@@ -226,10 +226,11 @@ def no_grad_passes_match(data_parallel: str) -> bool:
     return same and all(torch.equal(a, b) for a, b in zip(*logps, strict=True))
 
 
-def vllm_colocated(data_parallel: str, model_path: str, out: Path) -> dict:
+def vllm_colocated(data_parallel: str, model_path: str, out: Path, lora: bool = False) -> dict:
     """Two rollout steps with a vLLM engine per rank (2 updates each, weights pushed after
     each step); then every rank samples its own prompts with its engine and compares the
-    engine's log-probs with its trainer's, and with those of the initial weights."""
+    engine's log-probs with its trainer's, and with those of the initial weights. ``lora``:
+    a LoRA policy (rank 4), whose engines get the merged weights."""
     from transformers import AutoModelForCausalLM
 
     from dapo.config import load_config
@@ -244,7 +245,7 @@ def vllm_colocated(data_parallel: str, model_path: str, out: Path) -> dict:
         "train.mini_batch_size=2", "rollout.num_generations=4", "rollout.max_completion_length=12",
         "algorithm.overlong_buffer=4", "algorithm.dynamic_sampling=false", "evaluate=false",
         "logging.tensorboard=false", "logging.console=false", "checkpoint.save_every=0",
-        "train.lr=3e-3",
+        *(["model.lora.rank=4", "train.lr=3e-2"] if lora else ["train.lr=3e-3"]),
     ])
     trainer = Trainer(cfg, log=lambda _: None)
     try:
@@ -365,7 +366,8 @@ def main() -> None:
         (out / f"rank{info.rank}.json").write_text(json.dumps(seen))
     elif mode == "vllm":
         out = Path(sys.argv[4])
-        result = vllm_colocated(sys.argv[2], sys.argv[3], out)
+        dp, _, lora = sys.argv[2].partition("+")  # e.g. fsdp+lora
+        result = vllm_colocated(dp, sys.argv[3], out, lora=lora == "lora")
         (out / f"rank{info.rank}.json").write_text(json.dumps(result))
     elif mode == "skip":
         skip_run(*sys.argv[2:6], rank=info.rank)

@@ -346,11 +346,12 @@ def test_sync_every_two_updates_tis_and_resume(tmp_path, tiny_path):
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp+lora"])
 def test_every_rank_has_its_own_engine_in_step_with_its_trainer(mode, random_tiny_model, tmp_path):
     """torchrun with 2 ranks: each rank's engine (vLLM's external_launcher executor, tensor
     parallel 1) generates its own prompts and, after the weight pushes (DDP: the local
-    module; FSDP: gathered layer by layer), scores them like its trainer."""
+    module; FSDP: gathered layer by layer; LoRA: gathered, then merged under the base
+    names), scores them like its trainer."""
     here = Path(__file__).parent
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
