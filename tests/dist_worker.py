@@ -7,6 +7,8 @@ Modes:
                     a short training run with uniform groups; each rank records what it trained
   variants DP OUT   one step per loss variant (VARIANTS) with DP; rank 0 saves the parameters
   lora DP OUT       as step, with LoRA adapters (rank 4): the checkpointed (adapter) state
+  vllm DP MODEL OUT two rollout steps with a vLLM engine per rank; each rank compares its
+                    engine's log-probs with its trainer's (DP+lora: a LoRA policy)
   skip MODEL OUT REWARDS DATA  a run with algorithm.skip_uniform_prompts; each rank records the
                     prompts it drew, skipped and generated, and its prompt history
 """
@@ -224,6 +226,52 @@ def no_grad_passes_match(data_parallel: str) -> bool:
     return same and all(torch.equal(a, b) for a, b in zip(*logps, strict=True))
 
 
+def vllm_colocated(data_parallel: str, model_path: str, out: Path, lora: bool = False) -> dict:
+    """Two rollout steps with a vLLM engine per rank (2 updates each, weights pushed after
+    each step); then every rank samples its own prompts with its engine and compares the
+    engine's log-probs with its trainer's, and with those of the initial weights. ``lora``:
+    a LoRA policy (rank 4), whose engines get the merged weights."""
+    from transformers import AutoModelForCausalLM
+
+    from dapo.config import load_config
+    from dapo.training.batch import Sample
+    from dapo.training.forward import compute_logprobs
+    from dapo.training.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = load_config(overrides=[
+        f"model.name_or_path={model_path}", f"output_dir={out}", "rollout.engine=vllm",
+        f"train.data_parallel={data_parallel}", "train.steps=2", "train.prompts_per_step=4",
+        "train.mini_batch_size=2", "rollout.num_generations=4", "rollout.max_completion_length=12",
+        "algorithm.overlong_buffer=4", "algorithm.dynamic_sampling=false", "evaluate=false",
+        "logging.tensorboard=false", "logging.console=false", "checkpoint.save_every=0",
+        *(["model.lora.rank=4", "train.lr=3e-2"] if lora else ["train.lr=3e-3"]),
+    ])
+    trainer = Trainer(cfg, log=lambda _: None)
+    try:
+        steps = [trainer.train_step()[0] for _ in range(2)]
+        rank = trainer.dist.rank
+        prompts = [trainer.train_ids[i] for i in range(rank, 8, 2)]  # this rank's own prompts
+        groups = trainer.generate(prompts, step=99, round_no=0)
+        samples = [Sample(g.prompt_ids, r, 0.0, [1.0] * len(r)) for g in groups for r in g.response_ids]
+        forward = dict(pad_id=trainer.tokenizer.pad_token_id, temperature=1.0, token_budget=4096)
+        trained = compute_logprobs(trainer.model, samples, **forward)
+        initial = AutoModelForCausalLM.from_pretrained(model_path).float()
+        before = compute_logprobs(initial, samples, **forward)
+        engine = [torch.tensor(lp) for g in groups for lp in g.logprobs]
+        return {
+            "rank": rank,
+            "engine_vs_trainer": max(float((e - t).abs().max()) for e, t in zip(engine, trained, strict=True)),
+            "engine_vs_initial": max(float((e - b).abs().max()) for e, b in zip(engine, before, strict=True)),
+            "responses": [g.response_ids for g in groups],
+            "mismatch": [m.get("rollout/logprob_mismatch") for m in steps],
+            "synced": ["perf/weight_sync_s" in m for m in steps],
+            "updates": [m["actor/updates"] for m in steps],
+        }
+    finally:
+        trainer.close()
+
+
 def skip_run(model: str, out: str, rewards: str, data: str, rank: int) -> None:
     from dapo.config import load_config
     from dapo.training.trainer import Trainer
@@ -316,6 +364,11 @@ def main() -> None:
         trainer.build_samples = record
         trainer.run()
         (out / f"rank{info.rank}.json").write_text(json.dumps(seen))
+    elif mode == "vllm":
+        out = Path(sys.argv[4])
+        dp, _, lora = sys.argv[2].partition("+")  # e.g. fsdp+lora
+        result = vllm_colocated(dp, sys.argv[3], out, lora=lora == "lora")
+        (out / f"rank{info.rank}.json").write_text(json.dumps(result))
     elif mode == "skip":
         skip_run(*sys.argv[2:6], rank=info.rank)
     D.destroy()

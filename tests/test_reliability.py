@@ -868,6 +868,26 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
         ["data.difficulty_key='reward_model'", "not a finite number"],
     ),
     "vllm-not-installed": (["rollout.engine=vllm"], ["vLLM is not installed", "pip install 'dapo[vllm]'"]),
+    "server-without-url": (
+        ["rollout.engine=vllm-server"],
+        ["`rollout.server_url` = None", "dapo vllm-serve"],
+    ),
+    "server-not-running": (
+        ["rollout.engine=vllm-server", "rollout.server_url=http://127.0.0.1:9", "rollout.server_timeout_s=1"],
+        ["no rollout server answers at http://127.0.0.1:9", "dapo vllm-serve MODEL --port 9"],
+    ),
+    "async-steps-not-0-or-1": (
+        ["rollout.engine=vllm", "rollout.async_steps=2"],
+        ["`rollout.async_steps` = 2", "use 0"],
+    ),
+    "async-with-hf-engine": (
+        ["rollout.async_steps=1"],
+        ["`rollout.async_steps` = 1", "rollout.engine=vllm or vllm-server"],
+    ),
+    "async-with-top-p": (
+        ["rollout.engine=vllm", "rollout.async_steps=1", "rollout.top_p=0.9"],
+        ["`rollout.async_steps` = 1", "algorithm.is_cap"],
+    ),
     "config-file-missing": (["DIR/missing.yaml"], ["config file not found", "DIR/missing.yaml"]),
     "config-file-not-yaml": (["DIR/config.yaml"], ["DIR/config.yaml", "not valid YAML"]),
     "config-file-not-mapping": (["DIR/list.yaml"], ["DIR/list.yaml", "mapping"]),

@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -345,6 +346,33 @@ def test_sync_every_two_updates_tis_and_resume(tmp_path, tiny_path):
 
 @needs_vllm
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp+lora"])
+def test_every_rank_has_its_own_engine_in_step_with_its_trainer(mode, random_tiny_model, tmp_path):
+    """torchrun with 2 ranks: each rank's engine (vLLM's external_launcher executor, tensor
+    parallel 1) generates its own prompts and, after the weight pushes (DDP: the local
+    module; FSDP: gathered layer by layer; LoRA: gathered, then merged under the base
+    names), scores them like its trainer."""
+    here = Path(__file__).parent
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(here / "dist_worker.py"), "vllm", mode, str(random_tiny_model), str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        print(f"{mode} rank {r['rank']}: engine vs trainer {r['engine_vs_trainer']:.1e}, "
+              f"vs initial weights {r['engine_vs_initial']:.1e}, mismatch {r['mismatch']}")
+        assert r["updates"] == [2.0, 2.0] and r["synced"] == [True, True]
+        assert r["engine_vs_initial"] > 1e-2  # precondition: training moved the weights
+        assert r["engine_vs_trainer"] < 1e-4
+        # Every step's rollouts came from the weights the trainer had (pushed to both ranks).
+        assert all(m is not None and m < 1e-4 for m in r["mismatch"]), r["mismatch"]
+    assert ranks[0]["responses"] != ranks[1]["responses"]  # each rank sampled its own share
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_lora_policy_reaches_the_engine_merged(tmp_path, tiny_path):
     """A LoRA policy with rollout.engine=vllm: the engine gets W + (alpha/r) B A under the
     base names. Synced every 2 updates: in sync at steps 1 and 3 (log-probs within 1e-5 of
@@ -362,19 +390,6 @@ def test_lora_policy_reaches_the_engine_merged(tmp_path, tiny_path):
 
     adapters = load_file(out / "checkpoints" / "step_000004" / "model.safetensors")
     assert adapters and all(".lora_A." in k or ".lora_B." in k for k in adapters)
-
-
-def test_vllm_with_several_ranks_is_refused(monkeypatch, tmp_path):
-    """vLLM runs colocated in one process; a torchrun job must be told to use `hf`."""
-    from dapo.config import load_config
-    from dapo.parallel import distributed as D
-    from dapo.training.trainer import Trainer, TrainingError
-
-    monkeypatch.setattr(D, "init_distributed", lambda: D.DistInfo(rank=0, world_size=2))
-    cfg = load_config(overrides=["rollout.engine=vllm", f"output_dir={tmp_path / 'run'}"])
-    with pytest.raises(TrainingError, match="rollout.engine=hf with torchrun"):
-        Trainer(cfg)
-    assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
 @needs_vllm
@@ -412,3 +427,195 @@ def test_dapo_eval_with_vllm_fits_long_prompts(tiny_path, tmp_path):
     assert main(args) == 0
     report = json.loads(out.read_text())
     assert report["problems"] == 30 and report["dropped_too_long"] == 0
+
+
+# --------------------------------------------------------------------------------------
+# rollout.engine=vllm-server: a real `dapo vllm-serve` subprocess
+# --------------------------------------------------------------------------------------
+
+
+def start_server(tiny_path: Path, port: int, log: Path) -> subprocess.Popen:
+    """`dapo vllm-serve builtin-tiny` on 127.0.0.1:port, once it answers /health."""
+    from dapo.rollout.server import launch
+
+    env = dict(os.environ, DAPO_CACHE=str(tiny_path.parent), OMP_NUM_THREADS="1")
+    return launch(str(tiny_path), port, log=log, max_model_len=256, env=env, timeout_s=300)
+
+
+def health(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def dapo_cmd(tiny_path: Path, out: Path, *overrides: str, ranks: int = 1) -> list[str]:
+    launch = [sys.executable, "-m", "dapo"] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+        str(ranks), "-m", "dapo"]  # fmt: skip
+    return [*launch, "train", "logging.tensorboard=false", "evaluate=false",
+            f"model.name_or_path={tiny_path}", f"output_dir={out}", *overrides]
+
+
+SERVER_RUN = ["rollout.engine=vllm-server", "train.prompts_per_step=4", "train.mini_batch_size=2",
+              "rollout.num_generations=4", "rollout.max_completion_length=32",
+              "algorithm.overlong_buffer=8", "algorithm.dynamic_sampling=false",
+              "checkpoint.save_every=1", "rollout.server_timeout_s=60"]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_train_against_a_rollout_server_that_dies_then_resume(tmp_path, tiny_path):
+    from dapo.rollout.weight_channel import free_port
+    from dapo.training.checkpoint import latest_checkpoint
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, DAPO_CACHE=str(tiny_path.parent), OMP_NUM_THREADS="1")
+    common = [*SERVER_RUN, f"rollout.server_url={url}"]
+    server = start_server(tiny_path, port, tmp_path / "server1.log")
+    try:
+        # 1. Three steps, one process: the server samples with the weights just trained.
+        out = tmp_path / "run"
+        proc = subprocess.run(dapo_cmd(tiny_path, out, *common, "train.steps=3"), env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        mismatch = [x["rollout/logprob_mismatch"] for x in lines if "actor/loss" in x]
+        assert len(mismatch) == 3 and max(mismatch) < 1e-5, mismatch
+        assert health(url)["weight_version"] == 4  # pushed at the start and after each step
+        # 2. Two ranks against the same server: both send prompts, rank 0 pushes, and
+        # neither samples with stale weights.
+        two = tmp_path / "two"
+        proc = subprocess.run(dapo_cmd(tiny_path, two, *common, "train.steps=2", ranks=2),
+                              env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+        mismatch = [x["rollout/logprob_mismatch"] for x in lines if "actor/loss" in x]
+        assert len(mismatch) == 2 and max(mismatch) < 1e-5, mismatch
+        # 3. Continue the first run; the server dies (SIGKILL) after step 5's checkpoint.
+        trainer = subprocess.Popen(dapo_cmd(tiny_path, out, *common, "train.steps=40", "resume=true"),
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 600
+        while not (out / "checkpoints" / "step_000005").exists():
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()
+            time.sleep(0.2)
+        server.kill()
+        server.wait()
+        stdout, stderr = trainer.communicate(timeout=300)
+    finally:
+        server.kill()
+    assert trainer.returncode == 1, stdout[-2000:] + stderr[-2000:]
+    error = stderr.strip().splitlines()[-1]
+    print(error)
+    assert error.startswith(f"dapo: error: the rollout server at {url} ")
+    assert "resume=true" in error and "dapo vllm-serve" in error
+    last = latest_checkpoint(out / "checkpoints")
+    assert last is not None and int(last.name.split("_")[1]) >= 5
+    # 4. A new server on the same address; the run resumes from its last checkpoint.
+    server = start_server(tiny_path, port, tmp_path / "server2.log")
+    try:
+        steps = int(last.name.split("_")[1]) + 2
+        proc = subprocess.run(dapo_cmd(tiny_path, out, *common, f"train.steps={steps}", "resume=true"),
+                              env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    finally:
+        server.terminate()
+        assert server.wait(timeout=60) == 0  # SIGTERM stops it cleanly
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == steps - 2 and summary["steps"] == steps
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    resumed = [x["rollout/logprob_mismatch"] for x in lines if "actor/loss" in x and x["step"] > steps - 2]
+    assert len(resumed) == 2 and max(resumed) < 1e-5, resumed  # the new server got the weights
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_lora_policy_reaches_the_rollout_server_merged(tmp_path, tiny_path):
+    """A LoRA policy against the rollout server: rank 0 pushes W + (alpha/r) B A under the
+    base names (the server's vLLM knows no adapters). Synced every 2 updates: the server
+    scores like the trainer at steps 1 and 3, one update behind at step 2 (the adapters
+    did move the policy)."""
+    from dapo.rollout.weight_channel import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, DAPO_CACHE=str(tiny_path.parent), OMP_NUM_THREADS="1")
+    server = start_server(tiny_path, port, tmp_path / "server.log")
+    try:
+        out = tmp_path / "run"
+        overrides = [*SERVER_RUN, f"rollout.server_url={url}", "train.steps=3", "model.lora.rank=4",
+                     "train.lr=1e-2", "rollout.vllm_sync_every=2", "train.mini_batch_size=4"]
+        proc = subprocess.run(dapo_cmd(tiny_path, out, *overrides), env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    mismatch = {x["step"]: x["rollout/logprob_mismatch"] for x in lines if "actor/loss" in x}
+    assert mismatch[1] < 1e-5 and mismatch[3] < 1e-5, mismatch
+    assert mismatch[2] > 1e-4, mismatch
+
+
+# --------------------------------------------------------------------------------------
+# rollout.async_steps=1: the next batch is generated while the trainer trains
+# --------------------------------------------------------------------------------------
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_async_rollouts_learn_one_step_behind(tmp_path, tiny_path):
+    out = tmp_path / "run"
+    lines = train(
+        tiny_path, out, "rollout.async_steps=1", "train.steps=20", "data.max_eval_prompts=200",
+        "checkpoint.save_every=0",
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    before, after = summary["accuracy_before"], summary["accuracy_after"]
+    print(f"held-out accuracy with rollout.async_steps=1: {before:.1%} -> {after:.1%}")
+    assert after > before + 0.05, (before, after)
+    steps = [x for x in lines if "actor/loss" in x]
+    staleness = [x["rollout/staleness"] for x in steps]
+    # Step 1 samples synchronously; every later batch (its first round) was generated during
+    # the previous update, by the policy one rollout step older.
+    assert len(steps) == 20 and staleness[0] == 0 and set(staleness[1:]) == {1.0}, staleness
+    assert all(x["perf/async_gen_s"] > 0 for x in steps[:-1])
+    assert "perf/async_gen_s" not in steps[-1]  # nothing is generated past the last step
+    # Rounds generated synchronously (dynamic sampling's extra rounds) are the current
+    # policy's: the engine was synced after every update.
+    mismatch = [x["rollout/logprob_mismatch"] for x in steps if "rollout/logprob_mismatch" in x]
+    assert max(mismatch, default=0.0) < 1e-4, mismatch
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_async_run_resumes_where_it_stopped(tmp_path, tiny_path):
+    """A checkpoint holds the batch generated ahead: a run resumed from step 2 trains on the
+    same batches (identical rewards and staleness) and ends with the uninterrupted run's
+    weights (to float rounding: the resumed step 3 trains without generation overlapping)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    common = ["evaluate=false", "rollout.async_steps=1", "train.steps=4", "checkpoint.save_every=1",
+              "checkpoint.keep_last=10", "train.prompts_per_step=4", "train.mini_batch_size=2"]
+    whole = tmp_path / "whole"
+    lines = train(tiny_path, whole, *common)
+    state = torch.load(whole / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)
+    ahead = state["prefetch"]
+    assert ahead["step"] == 2 and ahead["version"] == 1 and len(ahead["groups"]) == len(ahead["indices"])
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(whole / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
+    again = train(tiny_path, resumed, *common, "resume=true")
+    a = load_file(whole / "checkpoints" / "step_000004" / "model.safetensors")
+    b = load_file(resumed / "checkpoints" / "step_000004" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+    for step in (3, 4):
+        x = next(x for x in lines if x["step"] == step and "actor/loss" in x)
+        y = next(y for y in again if y["step"] == step and "actor/loss" in y)
+        assert x["reward/mean"] == y["reward/mean"] and x["rollout/staleness"] == y["rollout/staleness"] == 1
+        assert x["actor/pg_loss"] == pytest.approx(y["actor/pg_loss"], rel=1e-4, abs=1e-7), step

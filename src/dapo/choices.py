@@ -27,7 +27,7 @@ POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)  # algorithm.policy_loss
 IS_LEVELS: tuple[str, ...] = get_args(ISLevel)  # algorithm.is_level
 IS_MODES: tuple[str, ...] = get_args(ISMode)  # algorithm.is_mode
 ENTROPY_CONTROLS: tuple[str, ...] = get_args(EntropyControl)  # algorithm.entropy_control
-ENGINES: tuple[str, ...] = ("hf", "vllm")  # rollout.engine: dapo.rollout.make_engine
+ENGINES: tuple[str, ...] = ("hf", "vllm", "vllm-server")  # rollout.engine: dapo.rollout.make_engine
 # train.precision: dapo.models.precision (auto resolves to one of the others at start-up)
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16-mixed", "bf16")
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")  # train.lr_schedule

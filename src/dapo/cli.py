@@ -140,6 +140,50 @@ def _eval(argv: list[str]) -> int:
     return 0
 
 
+_SERVE_DESCRIPTION = """\
+Serve MODEL with vLLM for trainers started with rollout.engine=vllm-server
+rollout.server_url=http://HOST:PORT. The trainer sends its prompts over HTTP and pushes
+its weights after every update over a process group of their own (NCCL on GPUs, gloo on
+CPU), so the server must reach the trainer's rank 0 back. Run it on its own GPUs; Ctrl-C
+(or SIGTERM) stops it. No authentication: use a network only the trainers reach.
+"""
+
+
+def _vllm_serve(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dapo vllm-serve",
+        description=_SERVE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", help="the model the trainer trains: a directory, hub id or builtin:tiny")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=8000, help="default 8000")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over (default 1)"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9,
+        help="share of each GPU vLLM may take (default 0.9: the GPUs are the server's own)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="longest prompt + response in tokens (default: the model's context)",
+    )  # fmt: skip
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences generated together")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.tensor_parallel_size < 1 or not 0 < args.gpu_memory_utilization <= 1:
+        parser.error("--tensor-parallel-size must be >= 1 and --gpu-memory-utilization in (0, 1]")
+    from dapo.rollout.server import serve
+
+    serve(
+        args.model, host=args.host, port=args.port, tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, seed=args.seed,
+    )  # fmt: skip
+    return 0
+
+
 def _plot(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dapo plot", description="Draw the dashboard of a run.")
     parser.add_argument("run_dir")
@@ -153,20 +197,21 @@ def _plot(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": _train, "eval": _eval, "plot": _plot}
+    commands = {"train": _train, "eval": _eval, "plot": _plot, "vllm-serve": _vllm_serve}
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: dapo {train,eval,presets,plot} ...\n")
-        print("  train    train a policy (no arguments: the built-in default run)")
-        print("  eval     avg@k / pass@k / maj@k of a model on an evaluation set")
-        print("  presets  list the named algorithm presets")
-        print("  plot     draw the dashboard PNG of a run directory")
+        print("usage: dapo {train,eval,presets,plot,vllm-serve} ...\n")
+        print("  train       train a policy (no arguments: the built-in default run)")
+        print("  eval        avg@k / pass@k / maj@k of a model on an evaluation set")
+        print("  presets     list the named algorithm presets")
+        print("  plot        draw the dashboard PNG of a run directory")
+        print("  vllm-serve  serve a model with vLLM for rollout.engine=vllm-server")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "presets":
         print("\n".join(describe_presets()))
         return 0
     if cmd not in commands:
-        print(f"dapo: unknown command {cmd!r}; use train, eval, presets or plot", file=sys.stderr)
+        print(f"dapo: unknown command {cmd!r}; use train, eval, presets, plot or vllm-serve", file=sys.stderr)
         return 2
     try:
         return commands[cmd](rest)

@@ -48,6 +48,11 @@ class VLLMEngineError(DapoError, RuntimeError):
     """The vLLM engine could not start or failed; the message says what to change."""
 
 
+class RolloutServerError(TrainingError):
+    """The rollout server (``dapo vllm-serve``) cannot be reached, failed or is unsuitable;
+    the message names its URL and what to do."""
+
+
 class RewardFunctionWarning(UserWarning):
     """A reward function timed out, raised, or returned a non-number (the sample scored -1)."""
 

@@ -317,6 +317,34 @@ def _check_choices(obj: Any, prefix: str = "") -> None:
             _check_choices(value, f"{prefix}{f.name}.")
 
 
+def _check_rollout_engine(cfg: Config) -> None:
+    """The rollout server and asynchronous rollouts: values and combinations."""
+    r, a = cfg.rollout, cfg.algorithm
+    if r.engine == "vllm-server":
+        _check(
+            bool(r.server_url), "rollout.server_url", r.server_url,
+            "rollout.engine=vllm-server needs the server's address, e.g. "
+            "rollout.server_url=http://HOST:8000 (start the server with dapo vllm-serve MODEL)",
+        )  # fmt: skip
+    _check(r.server_timeout_s > 0, "rollout.server_timeout_s", r.server_timeout_s, "use a positive number of seconds")
+    _check(r.async_steps in (0, 1), "rollout.async_steps", r.async_steps,
+           "use 0 (generate, then train) or 1 (generate the next batch while training)")  # fmt: skip
+    if r.async_steps:
+        _check(
+            r.engine != "hf", "rollout.async_steps", r.async_steps,
+            "asynchronous rollouts need an engine with its own weights: the hf engine samples "
+            "from the very module being trained; use rollout.engine=vllm or vllm-server",
+        )  # fmt: skip
+        exact = r.top_p == 1.0 and r.top_k == 0
+        _check(
+            exact or a.is_cap is not None, "rollout.async_steps", r.async_steps,
+            "with rollout.top_p < 1 or rollout.top_k > 0 the engine's log-probs are not the "
+            "sampling policy's, so the one-step-old batch is uncorrected: set "
+            "algorithm.is_cap (e.g. 2.0; algorithm.is_level / is_mode choose the correction), "
+            "or sample with top_p=1 and top_k=0",
+        )  # fmt: skip
+
+
 def _validate_loss_variants(cfg: Config) -> None:
     """The policy-loss variant, its corrections and entropy controls: values and the
     combinations that make no sense."""
@@ -415,6 +443,7 @@ def validate(cfg: Config) -> None:
         "use a share in (0, 1], e.g. 0.3",
     )
     _validate_loss_variants(cfg)
+    _check_rollout_engine(cfg)
     lora = cfg.model.lora
     _check(lora.rank >= 0, "model.lora.rank", lora.rank, "use 0 (no LoRA) or a positive rank, e.g. 16")
     _check(lora.alpha > 0, "model.lora.alpha", lora.alpha, "use a positive alpha, e.g. 2 x the rank")

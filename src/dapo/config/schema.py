@@ -189,10 +189,29 @@ class RolloutConfig:
 
     engine: str = opt(
         "hf",
-        "Generation backend: hf (dapo's sampling loop on the transformers policy itself) or vllm (the "
-        "vllm extra; a separate engine that receives the policy's weights, see "
-        "rollout.vllm_sync_every).",
+        "Generation backend: hf (dapo's sampling loop on the transformers policy itself), vllm "
+        "(the vllm extra: an engine in the training process, one per rank under torchrun, that "
+        "receives the policy's weights, see rollout.vllm_sync_every) or vllm-server (a `dapo "
+        "vllm-serve` process at rollout.server_url, on its own GPUs; weights pushed to it from "
+        "rank 0 over a process group).",
         choices=ENGINES,
+    )
+    server_url: str | None = opt(
+        None,
+        "engine=vllm-server: the rollout server's address, http://HOST:PORT (what `dapo "
+        "vllm-serve` prints). Every rank sends its prompts there; the server must reach the "
+        "trainer's rank 0 back for the weight pushes.",
+    )
+    server_timeout_s: float = opt(
+        600.0,
+        "engine=vllm-server: seconds to wait for the server to come up, and for each of its "
+        "answers (a whole generation call), before stopping with an error that names it.",
+    )
+    async_steps: int = opt(
+        0,
+        "1: one-step-asynchronous rollouts: the engine generates the next step's batch while "
+        "the trainer trains on this one (sampled by the policy one update older; "
+        "rollout/staleness). Needs engine=vllm or vllm-server. 0: generate, then train.",
     )
     num_generations: int = opt(
         8,

@@ -260,8 +260,9 @@ def _check_options(
         raise EvalError(f"--max-prompt-length must be >= 1, got {max_prompt_length}")
     if batch_size < 1:
         raise EvalError(f"--batch-size must be >= 1, got {batch_size}")
-    if engine not in ENGINES:
-        raise EvalError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}")
+    if engine not in ENGINES or engine == "vllm-server":
+        local = [e for e in ENGINES if e != "vllm-server"]  # a server serves a trainer's weights
+        raise EvalError(f"unknown engine {engine!r}; choose one of: {', '.join(local)}")
 
 
 def _load_problems(

@@ -16,7 +16,7 @@ model is saved from it and a separate rollout engine (vLLM) is given it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -132,11 +132,16 @@ def merge_state(
     return out
 
 
-def merged_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_parameters(
+    model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(base name, merged tensor)`` of every parameter, for an engine that loads base-model
-    checkpoints (vLLM's ``load_weights``); the trained model is not changed."""
+    checkpoints (vLLM's ``load_weights``); the trained model is not changed. ``named``: the
+    model's ``(name, tensor)`` pairs when they must be gathered (FSDP:
+    :func:`dapo.parallel.sharding.full_named_parameters`, all consumed before the first
+    merged tensor comes out); default ``model.named_parameters()``."""
     with torch.no_grad():
-        state = {n: p.detach() for n, p in model.named_parameters()}
+        state = {n: p.detach() for n, p in (model.named_parameters() if named is None else named)}
         yield from merge_state(state, scalings(model)).items()
 
 

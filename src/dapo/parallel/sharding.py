@@ -151,6 +151,67 @@ def full_params(model: nn.Module) -> Iterator[None]:
         model._dapo_full_params = False
 
 
+def _param_units(model: nn.Module) -> list[tuple[Any, list[str]]]:
+    """``model.named_parameters()`` names grouped by the sharded module that gathers them
+    (the innermost ``fully_shard`` module around each), outermost module first; one group
+    with every name and no module for an unsharded model."""
+    names = [n for n, _ in model.named_parameters()]
+    if not is_fsdp(model) or getattr(model, "_dapo_full_params", False):
+        return [(None, names)]
+    prefixes = {m: p for p, m in model.named_modules() if isinstance(m, FSDPModule)}
+    units: dict[Any, list[str]] = {m: [] for m in prefixes}
+    for name in names:
+        owner = max(
+            (m for m, p in prefixes.items() if not p or name.startswith(p + ".")),
+            key=lambda m: len(prefixes[m]),
+        )
+        units[owner].append(name)
+    return [(m, ns) for m, ns in units.items() if ns]
+
+
+class FullParameters:
+    """A model's parameters as whole tensors under their checkpoint names (those of
+    ``named_parameters()``, tied parameters once), for a rollout engine that holds its own
+    copy of the weights: iterate over it for ``(name, tensor)`` pairs.
+
+    With FSDP one sharded module (the root's embeddings, norm and head, then each decoder
+    layer) is gathered at a time and resharded before the next, so a rank never holds more
+    than one module twice; the tensors are copies that outlive the reshard. Iterating is
+    then a collective: every rank must consume the whole iterator, in step. Without FSDP the
+    tensors are the parameters themselves (DDP: the local module's). :attr:`specs` names
+    dtype and full shape of each tensor, in iteration order, before any is gathered.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.units = _param_units(model)
+        params = dict(model.named_parameters())
+        self.specs = [
+            (n, params[n].dtype, tuple(params[n].shape)) for _, names in self.units for n in names
+        ]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        model = self.model
+        if self.units[0][0] is None:
+            params = dict(model.named_parameters())
+            for name in self.units[0][1]:
+                yield name, params[name].detach()
+            return
+        model._get_fsdp_state()._lazy_init()
+        for module, names in self.units:
+            module.unshard()
+            try:
+                for name in names:
+                    yield name, model.get_parameter(name).detach().clone()
+            finally:
+                module.reshard()
+
+
+def full_named_parameters(model: nn.Module) -> FullParameters:
+    """:class:`FullParameters` of ``model`` (see there: with FSDP, a collective)."""
+    return FullParameters(model)
+
+
 def reshard(model: nn.Module) -> None:
     """Make sure the registered parameters are the shards (before the optimizer changes them).
 

@@ -60,16 +60,21 @@ def make_engine(
     seed: int = 0,
     gpu_memory_utilization: float = 0.3,
     sleep: bool = True,
+    server_url: str | None = None,
+    server_timeout_s: float = 600.0,
     state_dict: dict[str, torch.Tensor] | None = None,
 ) -> RolloutEngine:
-    """The engine ``name`` (``hf`` or ``vllm``) sampling from ``model``.
+    """The engine ``name`` (``hf``, ``vllm`` or ``vllm-server``) sampling from ``model``.
 
     ``batch_size`` sequences are generated together; ``max_model_len`` (prompt + response
     tokens) sizes vLLM's context. ``gpu_memory_utilization`` and ``sleep`` apply to vLLM on
     a GPU. ``state_dict``: the weights a separate engine (vLLM) starts from, in the base
-    model's names, instead of ``model``'s own (a LoRA policy's merged weights). Raises
-    :class:`~dapo.errors.VLLMUnavailableError` / ``VLLMEngineError`` when vLLM is missing or
-    cannot start.
+    model's names, instead of ``model``'s own (a LoRA policy's merged weights).
+    ``vllm-server`` generates on the rollout server at ``server_url`` (which must hold
+    ``max_model_len``) and starts with the server's weights: push the policy's (merged, for
+    LoRA). Raises :class:`~dapo.errors.VLLMUnavailableError` / ``VLLMEngineError`` when vLLM
+    is missing or cannot start, :class:`~dapo.errors.RolloutServerError` when the server
+    does not answer or does not fit.
     """
     if name == "hf":
         from dapo.rollout.hf_engine import HFEngine
@@ -88,6 +93,15 @@ def make_engine(
             enable_sleep_mode=None if sleep else False,  # None: on a GPU only
             seed=seed,
             state_dict=state_dict,
+        )
+    if name == "vllm-server":
+        from dapo.rollout.server_client import ServerEngine
+
+        return ServerEngine(
+            server_url or "",
+            max_model_len=max_model_len,
+            eos_token_id=tokenizer.eos_token_id,
+            timeout_s=server_timeout_s,
         )
     raise ValueError(f"unknown rollout engine {name!r}; choose one of: {', '.join(ENGINES)}")
 

@@ -9,7 +9,14 @@ How it works:
 
 - **Start.** The policy is written with ``save_pretrained`` to a temporary directory and
   ``vllm.LLM`` is built from it, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
-  that the engine's model lives in the trainer's address space.
+  that the engine's model lives in the trainer's address space. Under ``torchrun`` (a
+  process group of several ranks) every rank builds its own engine with vLLM's
+  ``external_launcher`` executor: vLLM joins the trainer's process group instead of making
+  its own, and with tensor parallel size 1 every rank is a tensor-parallel group of one, so
+  the engines generate independently. Each rank writes only the model's config and vLLM
+  starts with placeholder weights (``load_format="dummy"``); the policy's full weights
+  (gathered from FSDP shards, :func:`dapo.parallel.sharding.full_named_parameters`) are
+  then loaded as after an update. A model directory (the rollout server) is read as is.
 - **Weights.** :meth:`VLLMEngine.load_weights` pushes the trainer's tensors into the running
   engine in place, with vLLM's own ``reload_weights`` worker method (it accepts checkpoint
   names, i.e. those of ``named_parameters()`` of the transformers model, stacks q/k/v and
@@ -129,7 +136,7 @@ class VLLMEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | str | os.PathLike,
         eos_token_id: int,
         pad_token_id: int | None = None,
         *,
@@ -140,23 +147,26 @@ class VLLMEngine:
         enable_sleep_mode: bool | None = None,
         enforce_eager: bool | None = None,
         seed: int = 0,
+        distributed: bool | None = None,
         state_dict: dict[str, torch.Tensor] | None = None,
         **llm_kwargs: Any,
     ) -> None:
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise VLLMEngineError(
-                "rollout.engine=vllm runs one engine in one process; data-parallel training "
-                "(torchrun with more than one process) is supported with rollout.engine=hf only"
-            )
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = pad_token_id
         self.on_cpu = bool(current_platform.is_cpu())
-        config = model.config
+        self.distributed = _in_process_group() if distributed is None else distributed
+        if self.distributed and not _in_process_group():
+            raise VLLMEngineError(
+                "a vLLM engine per rank needs the trainer's torch.distributed process group: "
+                "initialise it (torchrun) before building the engine"
+            )
+        from_dir = isinstance(model, (str, os.PathLike))
+        config = _load_config(model) if from_dir else model.config
         self.tied_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        dtype = compute_dtype(model)  # bf16-mixed: vLLM samples in bf16, as the trainer computes
+        dtype = _config_dtype(config) if from_dir else compute_dtype(model)  # bf16-mixed: vLLM samples in bf16
         if dtype not in _DTYPE_NAMES:
             raise VLLMEngineError(f"the policy's dtype {dtype} is not one vLLM runs")
         self.dtype = dtype
@@ -173,9 +183,23 @@ class VLLMEngine:
 
         self._dir = tempfile.mkdtemp(prefix="dapo-vllm-")
         try:
-            model.save_pretrained(self._dir, safe_serialization=True, state_dict=state_dict)
-            kwargs: dict[str, Any] = {
-                "model": self._dir,
+            kwargs: dict[str, Any] = {}
+            if from_dir:
+                model_dir = str(model)
+            elif self.distributed:
+                # transformers writes weights on rank 0 only (and FSDP holds shards): every
+                # rank writes the config, starts with placeholder weights and loads the full
+                # ones (``state_dict``'s, when given) below.
+                config.save_pretrained(self._dir)
+                model_dir = self._dir
+                kwargs["load_format"] = "dummy"
+            else:
+                model.save_pretrained(self._dir, safe_serialization=True, state_dict=state_dict)
+                model_dir = self._dir
+            if self.distributed:
+                kwargs["distributed_executor_backend"] = "external_launcher"
+            kwargs.update({
+                "model": model_dir,
                 "skip_tokenizer_init": True,  # token ids in, token ids out
                 "generation_config": "vllm",  # no defaults from generation_config.json
                 "dtype": _DTYPE_NAMES[dtype],
@@ -186,7 +210,7 @@ class VLLMEngine:
                 "enable_prefix_caching": True,  # the n responses of a prompt share its prefill
                 "logprobs_mode": "processed_logprobs",
                 "enable_sleep_mode": self.sleep_enabled,
-            }
+            })
             if self.on_cpu:
                 # A seeded request whose prompt is split across steps (chunked prefill) makes
                 # vLLM rewind its random generator, which only CUDA generators can do ("CPU
@@ -216,13 +240,20 @@ class VLLMEngine:
             )
         self._asleep: set[str] = set()  # memory tags still asleep ("weights", "kv_cache")
         self._weights_discarded = False  # sleep(level=2) and no load_weights since
+        if self.distributed and not from_dir:
+            from dapo.parallel.sharding import full_named_parameters
+
+            # every rank; gathering FSDP shards is a collective
+            self.load_weights(state_dict.items() if state_dict is not None else full_named_parameters(model))
 
     # --- weights --------------------------------------------------------------------------
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the policy's tensors (checkpoint names, e.g. ``model.named_parameters()``)
-        into the running engine, in place."""
-        weights = [(name, t.detach().to(self.dtype)) for name, t in named_tensors]
+        into the running engine, in place. The tensors are consumed one at a time (vLLM
+        loads a layer once its tensors are in), so an iterator that gathers shards layer by
+        layer never holds the whole model twice."""
+        weights = ((name, t.detach().to(self.dtype)) for name, t in named_tensors)
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
@@ -272,41 +303,63 @@ class VLLMEngine:
     # --- generation -----------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Group]:
+        return self.generate_many([(prompts, params)])[0]
+
+    def generate_many(
+        self, calls: list[tuple[list[list[int]], SamplingParams]]
+    ) -> list[list[Group]]:
+        """Several :meth:`generate` calls in one vLLM batch (the rollout server merges the
+        requests of the trainer's ranks this way); each call's groups, in order."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
+        for prompts, _ in calls:
+            self.check_prompts(prompts)
+        if not any(prompts for prompts, _ in calls):
+            return [[] for _ in calls]
+        self.wake_up()
+        requests, sampling, sizes = [], [], []
+        for prompts, params in calls:
+            n = params.n
+            common = {
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k if params.top_k > 0 else 0,  # 0: off (as -1 is)
+                "max_tokens": params.max_tokens,
+                "logprobs": 0,  # the sampled token's log-prob only
+                "stop_token_ids": [self.eos_token_id],
+                "detokenize": False,
+            }
+            before = len(requests)
+            for i, p in enumerate(prompts):
+                if params.temperature == 0:  # vLLM refuses n > 1 without sampling: n requests
+                    for _ in range(n):
+                        requests.append(TokensPrompt(prompt_token_ids=list(p)))
+                        sampling.append(VSamplingParams(n=1, **common))
+                else:  # own seed per prompt; vLLM gives its n children seed + 0..n-1
+                    requests.append(TokensPrompt(prompt_token_ids=list(p)))
+                    sampling.append(VSamplingParams(n=n, seed=mix_seed(params.seed, i), **common))
+            sizes.append(len(requests) - before)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []
+        results, start = [], 0
+        for (prompts, params), size in zip(calls, sizes, strict=True):
+            mine = outputs[start : start + size]
+            start += size
+            results.append(self._groups(prompts, params.n, mine))
+        return results
+
+    def check_prompts(self, prompts: list[list[int]]) -> None:
+        """Raise ``ValueError`` for an empty prompt or one that leaves no room to respond."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         too_long = [len(p) for p in prompts if len(p) >= self.max_model_len]
         if too_long:
             raise ValueError(
-                f"a prompt of {max(too_long)} tokens leaves no room for a response within the "
-                f"engine's max_model_len of {self.max_model_len}"
+                f"a prompt of {max(too_long)} tokens leaves no room for a response within "
+                f"the engine's max_model_len of {self.max_model_len}"
             )
-        if not prompts:
-            return []
-        self.wake_up()
-        n = params.n
-        greedy = params.temperature == 0
-        common = {
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else 0,  # 0: off (as -1 is)
-            "max_tokens": params.max_tokens,
-            "logprobs": 0,  # the sampled token's log-prob only
-            "stop_token_ids": [self.eos_token_id],
-            "detokenize": False,
-        }
-        requests, sampling = [], []
-        for i, p in enumerate(prompts):
-            if greedy:  # vLLM refuses n > 1 without sampling: n identical requests
-                for _ in range(n):
-                    requests.append(TokensPrompt(prompt_token_ids=list(p)))
-                    sampling.append(VSamplingParams(n=1, **common))
-            else:  # own seed per prompt; vLLM gives its n children seed + 0..n-1
-                requests.append(TokensPrompt(prompt_token_ids=list(p)))
-                sampling.append(VSamplingParams(n=n, seed=mix_seed(params.seed, i), **common))
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+
+    def _groups(self, prompts: list[list[int]], n: int, outputs: list[Any]) -> list[Group]:
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         if len(completions) != len(prompts) * n:
             raise VLLMEngineError(
@@ -363,17 +416,14 @@ class VLLMEngine:
         """Release the engine (its memory, vLLM's process group) and its temporary files."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), _keep_default_group(self.distributed):
                 llm.llm_engine.engine_core.shutdown()
             del llm
-            with contextlib.suppress(Exception):
-                from vllm.distributed.parallel_state import (
-                    destroy_distributed_environment,
-                    destroy_model_parallel,
-                )
+            with contextlib.suppress(Exception), _keep_default_group(self.distributed):
+                from vllm.distributed import parallel_state
 
-                destroy_model_parallel()
-                destroy_distributed_environment()
+                parallel_state.destroy_model_parallel()
+                parallel_state.destroy_distributed_environment()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> VLLMEngine:
@@ -384,6 +434,55 @@ class VLLMEngine:
 
 
 # --- helpers ------------------------------------------------------------------------------
+
+
+def _in_process_group() -> bool:
+    """Whether this process is one rank of several in an initialised process group."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@contextlib.contextmanager
+def _keep_default_group(distributed: bool) -> Iterator[None]:
+    """Let vLLM's shutdown tear down its own groups but not the trainer's process group.
+
+    Under ``torchrun`` vLLM joins the process group the trainer made, and its shutdown
+    (``EngineCore.shutdown`` -> ``destroy_distributed_environment``) would destroy that
+    default group too; here it destroys vLLM's world group only.
+    """
+    if not distributed:
+        yield
+        return
+    from vllm.distributed import parallel_state
+
+    original = parallel_state.destroy_distributed_environment
+
+    def destroy_vllm_world() -> None:
+        if parallel_state._WORLD is not None:
+            parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+        parallel_state._NODE_COUNT = None
+
+    parallel_state.destroy_distributed_environment = destroy_vllm_world
+    try:
+        yield
+    finally:
+        parallel_state.destroy_distributed_environment = original
+
+
+def _load_config(path: str | os.PathLike) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    """The dtype a model directory was saved in (float32 when the config does not say)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def _refresh_tied_lm_head(model: torch.nn.Module) -> None:

@@ -146,9 +146,7 @@ class DynamicSampler:
         while len(batch) < self.target:
             if stats.rounds >= self.max_rounds:
                 return self._at_cap(batch, stats)
-            need = self.target - len(batch)
-            k = min(self.max_prompts_per_round, max(need, math.ceil(need / max(self.keep_rate, 0.05) * 1.1)))
-            groups = produce(k)
+            groups = produce(self._round_size(self.target - len(batch)))
             stats.rounds += 1
             stats.generated_groups += len(groups)
             kept_now = 0
@@ -173,6 +171,18 @@ class DynamicSampler:
         stats.carried_out = len(self.carry)
         self.empty_in_a_row = 0
         return batch, stats
+
+    def first_round_size(self) -> int:
+        """Prompts the next :meth:`fill` generates in its first round (0 when the carried-over
+        groups fill the batch); asynchronous rollouts generate that round ahead."""
+        if not self.enabled:
+            return self.target
+        need = self.target - min(len(self.carry), self.target)
+        return self._round_size(need) if need > 0 else 0
+
+    def _round_size(self, need: int) -> int:
+        """Prompts to generate for ``need`` more groups: over-sampled by the keep rate."""
+        return min(self.max_prompts_per_round, max(need, math.ceil(need / max(self.keep_rate, 0.05) * 1.1)))
 
     def _at_cap(
         self, batch: list[ScoredGroup], stats: FillStats

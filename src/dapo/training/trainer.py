@@ -54,7 +54,9 @@ from dapo.training.checkpoint import (
 )
 from dapo.training.corrections import attach_is_weights
 from dapo.training.dynamic_sampling import DynamicSampler, ScoredGroup
+from dapo.training.engine_sync import EngineSync
 from dapo.training.forward import compute_logprobs, logprob_mismatch
+from dapo.training.prefetch import RolloutPrefetcher
 from dapo.training.prompt_selection import PromptSelector
 from dapo.training.step import (
     loss_settings,
@@ -72,19 +74,15 @@ class Trainer:
     def __init__(self, cfg: Config, log: Callable[[str], None] = print) -> None:
         self.cfg = cfg
         self.dist = D.init_distributed()
-        if cfg.rollout.engine != "hf" and self.dist.world_size > 1:
-            raise TrainingError(
-                f"`rollout.engine` = {cfg.rollout.engine!r} runs in one process only; "
-                f"this run has {self.dist.world_size} ranks: use rollout.engine=hf with torchrun"
-            )
         self.log = log if self.dist.is_main else (lambda _: None)  # only rank 0 speaks
         self.out = Path(cfg.output_dir)
         _check_output_dir(self.out)
         seed_everything(cfg.seed)
 
-        # A separate engine (vLLM) holds its own copy of the weights: they are pushed to it
-        # every `rollout.vllm_sync_every` optimizer updates, and its sampling log-probs are
-        # compared with (and can correct, `algorithm.is_cap`) the trainer's.
+        # A separate engine (vLLM, the rollout server) holds its own copy of the weights:
+        # they are pushed to it every `rollout.vllm_sync_every` optimizer updates, and its
+        # sampling log-probs are compared with (and can correct, `algorithm.is_cap`) the
+        # trainer's.
         self.separate_engine = cfg.rollout.engine != "hf"
         self.engine_logprobs = self.separate_engine or cfg.algorithm.is_cap is not None
         self._load_model()
@@ -114,10 +112,14 @@ class Trainer:
         self.reward_failures = 0
         self.nonfinite_in_a_row = 0
         self.samples_generated = 0  # every response generated, trained on or not
+        self.engine_sync = EngineSync(
+            self.engine, self._engine_weights, separate=self.separate_engine,
+            sync_every=cfg.rollout.vllm_sync_every, sleep=cfg.rollout.vllm_sleep,
+        )  # fmt: skip
+        self.prefetcher = RolloutPrefetcher()  # rollout.async_steps=1: the next round, ahead
         # Below float32 the transformers engine's incremental decoding and the training
         # forward round differently: its log-probs are kept and compared too (no extra pass).
         self.keep_engine_logprobs = self.engine_logprobs or self.precision != "fp32"
-        self.updates_since_sync = 0
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -198,8 +200,10 @@ class Trainer:
                 seed=self.cfg.seed,
                 gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                 sleep=r.vllm_sleep,
+                server_url=r.server_url,
+                server_timeout_s=r.server_timeout_s,
                 # A separate engine starts from base-model weights: LoRA's merged ones.
-                state_dict=dict(self._engine_weights()) if self.peft is not None else None,
+                state_dict=dict(self._engine_weights()) if self.peft is not None and r.engine == "vllm" else None,
             )
         except (VLLMUnavailableError, VLLMEngineError) as exc:
             raise TrainingError(str(exc)) from exc
@@ -211,12 +215,15 @@ class Trainer:
         step = self.step
         t0 = time.perf_counter()
         groups, metrics = self.fill_batch(step)  # 1-3. sample, score, filter
+        self.generate_ahead(step + 1)  # async: the next step's first round, while we train
         t1 = time.perf_counter()
         if groups:  # none: no group with a learning signal at the round cap, no update
             samples = self.build_samples(groups)  # 4. advantages and loss masks
             metrics.update(self.update(samples, step))  # 5. update the policy
         else:
             metrics["actor/updates"] = 0.0
+        metrics.update(self.prefetcher.collect())  # async: the next round is in
+        metrics.update(self.engine_sync.after_update(step + 1))  # 6. a separate engine follows
         t2 = time.perf_counter()
         tokens = sum(len(g.prompt_ids) * g.size + sum(map(len, g.response_ids)) for g in groups)
         metrics["train/stale_groups"] = float(sum(g.step < step for g in groups))
@@ -233,16 +240,27 @@ class Trainer:
         skipped: list[int] = []
         timing = {"gen": 0.0, "score": 0.0}
         rounds = 0
+        staleness = []  # rollout steps between the policy that sampled a round and this one
         self.prompts.start_step(step)
 
         def produce(k: int) -> list[ScoredGroup]:
             nonlocal rounds
-            taken = self.prompts.next(k, skipped)
-            idx = D.shard(taken, self.dist)  # this rank's share of the prompts
+            ahead = self.prefetcher.take(step, k) if rounds == 0 else None
             t0 = time.perf_counter()
-            groups = self.generate([self.train_ids[i] for i in idx], step, rounds)
+            if ahead is None:
+                taken = self.prompts.next(k, skipped)
+                idx = D.shard(taken, self.dist)  # this rank's share of the prompts
+                groups = self.generate([self.train_ids[i] for i in idx], step, rounds)
+                staleness.append(step - self.engine_sync.version)
+                gen_step = step
+            else:  # generated during the last step's update, by the policy before it
+                taken, groups = ahead.indices, ahead.groups or []
+                idx = D.shard(taken, self.dist)
+                skipped.extend(ahead.skipped)
+                staleness.append(step - ahead.version)
+                gen_step = ahead.version  # its log-probs are the behaviour policy's
             t1 = time.perf_counter()
-            scored = self.score(groups, [self.train_records[i] for i in idx], step)
+            scored = self.score(groups, [self.train_records[i] for i in idx], gen_step)
             timing["gen"] += t1 - t0
             timing["score"] += time.perf_counter() - t1
             rounds += 1
@@ -270,8 +288,25 @@ class Trainer:
             "perf/score_s": timing["score"],
             "perf/rollout_tokens_per_s": tokens / max(timing["gen"], 1e-9),
             "sampling/generated_samples_total": float(self.samples_generated),
+            "rollout/staleness": float(max(staleness, default=0)),
             **fill.as_metrics(),
         }
+
+    def generate_ahead(self, step: int) -> None:
+        """``rollout.async_steps=1``: start generating the first round of ``step`` (the
+        prompts and seeds a synchronous run would use for it) in the background."""
+        if not self.cfg.rollout.async_steps or step >= self.cfg.train.steps:
+            return
+        k = self.sampler.first_round_size()
+        if k == 0:  # the carried-over groups fill the batch
+            return
+        self.prompts.start_step(step)  # the pool fill_batch(step) sets again: same history
+        skipped: list[int] = []
+        indices = self.prompts.next(k, skipped)
+        prompts = [self.train_ids[i] for i in D.shard(indices, self.dist)]
+        self.prefetcher.submit(
+            step, indices, self.engine_sync.version, lambda: self.generate(prompts, step, 0), skipped
+        )
 
     def generate(self, prompt_ids: list[list[int]], step: int, round_no: int) -> list[Group]:
         """Sample ``rollout.num_generations`` responses per prompt (seeded per step, round
@@ -339,7 +374,7 @@ class Trainer:
             len(samples), self.cfg.rollout.num_generations, t.prompts_per_step,
             t.mini_batch_size, t.epochs, seed=mix_seed(self.cfg.seed, step, 99991),
         )  # fmt: skip
-        sync = self._engine_before_update(len(plan))
+        self.engine_sync.before_update(len(plan), generating=self.prefetcher.generating)
         mine = sorted({i for _, idx in plan for i in self._my_share(samples, idx)})
         fresh = [samples[i] for i in mine if samples[i].old_logprobs is None]
         metrics = self._fill_logprobs(samples, mine, plan)
@@ -350,34 +385,16 @@ class Trainer:
             metrics.update(logprob_mismatch(fresh))
         metrics["actor/lr"] = lr
         metrics["train/loss_tokens"] = float(sum(sum(s.loss_mask) for s in samples))
-        if sync:  # the engine samples the next batch with the weights just trained
-            t0 = time.perf_counter()
-            self.engine.load_weights(self._engine_weights())
-            self.updates_since_sync = 0
-            metrics["perf/weight_sync_s"] = time.perf_counter() - t0
         return metrics
 
     def _engine_weights(self) -> Any:
-        """``(name, tensor)`` of the policy for the rollout engine: its parameters, or for a
-        LoRA policy and a separate engine the merged ``W + (alpha/r) B A`` under the base
-        names (an engine loads base-model checkpoints; the policy is not changed)."""
+        """``(name, tensor)`` of the whole policy for a separate rollout engine (every rank
+        iterates them: with FSDP they are gathered; see ``full_named_parameters``), or for a
+        LoRA policy the merged ``W + (alpha/r) B A`` under the base names (an engine loads
+        base-model checkpoints; the policy is not changed)."""
         if self.peft is not None and self.separate_engine:
-            return lora.merged_parameters(self.model)
-        return self.model.named_parameters()
-
-    def _engine_before_update(self, n_updates: int) -> bool:
-        """Count updates towards the next weight sync of a separate engine and put it to
-        sleep while the trainer trains; True when its weights are pushed after this step."""
-        if not self.separate_engine:
-            return False
-        self.updates_since_sync += n_updates
-        sync = self.updates_since_sync >= self.cfg.rollout.vllm_sync_every
-        engine_sleep = getattr(self.engine, "sleep", None)
-        if engine_sleep is not None and self.cfg.rollout.vllm_sleep:
-            # Level 2 drops the weights, which are replaced right after; a no-op where
-            # sleeping is not supported.
-            engine_sleep(level=2 if sync else 1)
-        return sync
+            return lora.merged_parameters(self.model, sharding.full_named_parameters(self.model))
+        return sharding.full_named_parameters(self.model)
 
     def _fill_logprobs(
         self, samples: list[Sample], mine: list[int], plan: list[tuple[int, list[int]]]
@@ -518,6 +535,7 @@ class Trainer:
         self.prompts.load_state_dict(state)
         self.sampler.load_state_dict(state["sampler"])
         self.summary = dict(state["summary"])
+        self.prefetcher.load_state_dict(state.get("prefetch"), self.step)
         self.reward_failures = state["reward_failures"]
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         self.samples_generated = state.get("samples_generated", 0)
@@ -526,9 +544,10 @@ class Trainer:
 
     def save(self) -> Path:
         """Every rank saves: with FSDP each writes its shards, else rank 0 writes it all."""
+        ahead = self.prefetcher.state_dict()  # every rank: the round generated ahead, gathered
         path = save_checkpoint(
-            self.out / "checkpoints", self.step, self.model, self.optimizer, self.state_dict(),
-            keep_last=self.cfg.checkpoint.keep_last,
+            self.out / "checkpoints", self.step, self.model, self.optimizer,
+            {**self.state_dict(), "prefetch": ahead}, keep_last=self.cfg.checkpoint.keep_last,
         )  # fmt: skip
         D.barrier()
         return path
@@ -541,6 +560,7 @@ class Trainer:
     def close(self) -> None:
         """Stop the reward workers and release the engine (``run`` does this itself)."""
         self.scorer.close()
+        self.prefetcher.close()  # a round still generating uses the engine
         close_engine(self.engine)
 
     # --- the whole run --------------------------------------------------------------------
@@ -602,7 +622,7 @@ class Trainer:
                 self.log(f"resume=true but no checkpoint in {self.out / 'checkpoints'}; starting fresh")
             else:
                 self.load_state_dict(load_checkpoint(ckpt, self.model, self.optimizer))
-                self.engine.load_weights(self._engine_weights())  # the resumed policy
+                self.engine_sync.push(self.step)  # the resumed policy
                 resumed_from = self.step
                 self.log(f"resumed from {ckpt} (step {self.step})")
         elif ckpt is not None:
@@ -610,6 +630,8 @@ class Trainer:
                 f"{self.out} already holds checkpoints of an earlier run; continue it with "
                 "resume=true, or choose another output_dir (nothing was overwritten)"
             )
+        if resumed_from is None and self.cfg.rollout.engine == "vllm-server":
+            self.engine_sync.push(self.step)  # the server started from its own copy
         if self.dist.is_main:
             write_text_atomic(self.out / "config.yaml", self.cfg.to_yaml())
         return resumed_from

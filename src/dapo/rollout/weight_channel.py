@@ -1,0 +1,117 @@
+"""The weight channel between the trainer and the rollout server: a process group of its own.
+
+The trainer's rank 0 is rank 0 of the group and the server's vLLM workers are ranks
+1..world_size-1 (one per tensor-parallel worker). It is separate from the trainer's default
+process group and from vLLM's: on CPU a gloo group (``torch.distributed.ProcessGroupGloo``)
+built on a ``TCPStore`` that rank 0 hosts; on GPUs an NCCL communicator built the way vLLM
+builds its own weight-transfer group (``StatelessProcessGroup`` + ``PyNcclCommunicator``,
+which needs vLLM on the trainer's side too). Tensors go as they are, one broadcast each,
+in the order of the specs the trainer announced over HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+
+import torch
+
+# (name, dtype name such as "float32", shape): what the server allocates before receiving.
+Spec = tuple[str, str, list[int]]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def spec_of(name: str, tensor: torch.Tensor) -> Spec:
+    return (name, dtype_name(tensor.dtype), list(tensor.shape))
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host now (the group's store listens on it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def address_towards(host: str, port: int) -> str:
+    """This machine's IP address on the route to ``host`` (what the server dials back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port))  # UDP: no packet is sent, only the route is chosen
+            return str(s.getsockname()[0])
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+class WeightGroup:
+    """One member of the weight channel (``rank`` 0: the trainer, hosting the store).
+
+    Building it blocks until all ``world_size`` members have joined (or ``timeout_s``).
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        device: torch.device | str = "cpu",
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.device = torch.device(device)
+        timeout = timedelta(seconds=timeout_s)
+        self._pg = self._comm = None
+        if backend == "gloo":
+            import torch.distributed as dist
+
+            store = dist.TCPStore(
+                host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+            )
+            self._pg = dist.ProcessGroupGloo(dist.PrefixStore("dapo-weights", store), rank, world_size, timeout)
+        elif backend == "nccl":  # GPUs: vLLM's own way of joining trainers and workers
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            from vllm.distributed.utils import StatelessProcessGroup
+
+            group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
+            self._comm = PyNcclCommunicator(group, device=self.device)
+        else:
+            raise ValueError(f"weight channel backend must be gloo or nccl, not {backend!r}")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Send (``src``) or receive ``tensor`` in place."""
+        if self._pg is not None:
+            self._pg.broadcast(tensor, src).wait()
+        else:
+            self._comm.broadcast(tensor, src=src, stream=torch.cuda.current_stream(self.device))
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Broadcast every tensor from rank 0, in order; the number of bytes sent."""
+        sent = 0
+        for _, tensor in named_tensors:
+            t = tensor.detach().to(self.device).contiguous()
+            self.broadcast(t, src=0)
+            sent += t.numel() * t.element_size()
+        return sent
+
+    def receive(self, specs: list[Spec]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors of ``specs`` as they arrive from rank 0 (lazily: one at a time)."""
+        for name, dtype, shape in specs:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+            self.broadcast(t, src=0)
+            yield name, t
+
+    def close(self) -> None:
+        """Leave the group (a peer blocked in a broadcast gets an error, not a hang)."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            with contextlib.suppress(Exception):
+                pg.abort()
+        self._comm = None
