@@ -307,10 +307,16 @@ def skip_run(model: str, out: str, rewards: str, data: str, rank: int) -> None:
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(seen))
 
 
+def mark(rank: int, stage: str) -> None:
+    """Record the stage this rank reached (tests/ranks.py reports it when a rank dies)."""
+    Path(f".rank{rank}.stage").write_text(stage)
+
+
 def main() -> None:
     mode = sys.argv[1]
     info = D.init_distributed()
     assert info.world_size == 2, info
+    mark(info.rank, "running")
     if mode == "step":
         dp = sys.argv[2]
         match = D.all_gather_objects(no_grad_passes_match(dp))
@@ -371,7 +377,9 @@ def main() -> None:
         (out / f"rank{info.rank}.json").write_text(json.dumps(result))
     elif mode == "skip":
         skip_run(*sys.argv[2:6], rank=info.rank)
+    mark(info.rank, "finished, leaving the process group")
     D.destroy()
+    mark(info.rank, "left the process group")
 
 
 if __name__ == "__main__":

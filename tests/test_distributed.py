@@ -11,19 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks import torchrun  # tests/ranks.py
 
 from dapo.parallel import distributed as D
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
-
-
-def torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
 
 
 def test_destroy_waits_for_every_rank_before_leaving(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks import torchrun  # tests/ranks.py
 
 from dapo.data.tasks.addition import addition_records
 from dapo.models.tiny import build_model
@@ -354,11 +355,8 @@ def test_every_rank_has_its_own_engine_in_step_with_its_trainer(mode, random_tin
     names), scores them like its trainer."""
     here = Path(__file__).parent
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(here / "dist_worker.py"), "vllm", mode, str(random_tiny_model), str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(str(here / "dist_worker.py"), "vllm", mode, str(random_tiny_model), str(out),
+             cwd=tmp_path, timeout=900)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         print(f"{mode} rank {r['rank']}: engine vs trainer {r['engine_vs_trainer']:.1e}, "
