@@ -403,6 +403,23 @@ def test_clip_cov_loss_drops_exactly_the_selected_tokens() -> None:
     _close(loss, by_hand)
 
 
+def test_clip_cov_keeps_the_dual_clip() -> None:
+    """Clip-Cov is PPO's clipped surrogate with tokens dropped, so algorithm.clip_c bounds it
+    too. By hand, A = -1, c = 3: a token at ratio 10 has -min(10 A, 1.28 A) = 10, dual-clipped
+    to min(10, c) = 3 with no gradient; a token at ratio 1 keeps -r A = 1 and gradient
+    dL/dlogp = -r A = 1 (each divided by the 2 tokens of the token mean)."""
+    lp = torch.tensor([[math.log(10.0), 0.0]], dtype=F64, requires_grad=True)
+    old = torch.zeros(1, 2, dtype=F64)
+    adv = torch.tensor([-1.0], dtype=F64)
+    mask = torch.ones(1, 2, dtype=F64)
+    none = torch.zeros(1, 2, dtype=torch.bool)
+    settings = LossSettings(entropy_control="clip_cov", clip_low=0.2, clip_high=0.28, clip_c=3.0)
+    loss, _ = compute_loss(lp, old, adv, mask, settings, selected=none)
+    loss.backward()
+    _close(loss, (3.0 + 1.0) / 2)
+    _close(lp.grad, torch.tensor([[0.0, 0.5]], dtype=F64))
+
+
 def test_kl_cov_loss_and_gradient() -> None:
     """L_t = -r_t A + beta |log pi_t - log pi_old_t| on I_KL, -r_t A elsewhere (no clipping);
     d/d log pi_t = -r_t A + beta sign(log r_t) on I_KL."""

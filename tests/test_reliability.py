@@ -841,6 +841,10 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
         ["preset=cispo", "algorithm.clip_c=3"],
         ["`algorithm.clip_c` = 3.0", "policy_loss=cispo"],
     ),
+    "dual-clip-kl-cov": (
+        ["preset=kl_cov", "algorithm.clip_c=3"],
+        ["`algorithm.clip_c` = 3.0", "entropy_control=kl_cov", "entropy_control=clip_cov"],
+    ),
     "entropy-control-not-ppo": (
         ["preset=gspo", "algorithm.entropy_control=kl_cov"],
         ["`algorithm.entropy_control` = 'kl_cov'", "policy_loss=ppo"],

@@ -40,8 +40,9 @@ def is_weights(
 
     ``mode="truncate"``: ``w = min(rho, cap)``, every token kept. ``mode="mask"``:
     ``w = rho`` where ``rho <= cap``; a token (or response) above the cap is dropped: weight
-    0 and ``keep`` 0, so that it leaves the loss *and* its denominator, like a response
-    removed by overlong filtering.
+    0 and ``keep`` 0, so that it leaves the loss and, under ``token-mean``, the token count
+    that divides it, like a response removed by overlong filtering (the ``seq-mean-*``
+    denominators count responses, and still count a dropped one, as they count a filtered one).
 
     Returns ``(weights, keep, over_cap)``: weights, the 0/1 keep mask, and where ``rho``
     exceeded the cap (truncated or dropped), each ``[B, T]`` and 0 where ``mask`` is 0.

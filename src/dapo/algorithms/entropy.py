@@ -144,13 +144,16 @@ def clip_cov_token_loss(
     *,
     clip_low: float,
     clip_high: float,
+    clip_c: float | None = None,
 ) -> tuple[torch.Tensor, Stats]:
     """Clip-Cov per token: PPO's clipped surrogate ``-min(r A, clip(r) A)`` (authors' code;
-    the paper's formula is the unclipped ``-r A``, which a clip range of 1 nearly is), and
-    ``0`` on the selected tokens, whose gradient is so dropped."""
+    the paper's formula is the unclipped ``-r A``, which a clip range of 1 nearly is), with
+    dual clip at ``clip_c`` when set, and ``0`` on the selected tokens, whose gradient is so
+    dropped."""
     per_token, stats = ppo_token_loss(
-        logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high
-    )
+        logprobs, old_logprobs, advantages, mask,
+        clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
+    )  # fmt: skip
     return per_token * (~selected.bool()).to(per_token), stats
 
 

@@ -85,8 +85,9 @@ def compute_loss(
         chosen = torch.zeros_like(mask, dtype=torch.bool) if selected is None else selected
         if s.entropy_control == "clip_cov":
             per_token, stats = clip_cov_token_loss(
-                logprobs, old_logprobs, adv, mask, chosen, clip_low=s.clip_low, clip_high=s.clip_high
-            )
+                logprobs, old_logprobs, adv, mask, chosen,
+                clip_low=s.clip_low, clip_high=s.clip_high, clip_c=s.clip_c,
+            )  # fmt: skip
         else:
             per_token, stats = kl_cov_token_loss(
                 logprobs, old_logprobs, adv, mask, chosen, coef=s.kl_cov_coef

@@ -363,6 +363,12 @@ def _validate_loss_variants(cfg: Config) -> None:
             f"dual clip bounds PPO's per-token surrogate; policy_loss={a.policy_loss} has none. "
             "Set algorithm.clip_c=null or algorithm.policy_loss=ppo",
         )  # fmt: skip
+        _check(
+            a.entropy_control != "kl_cov", "algorithm.clip_c", a.clip_c,
+            "dual clip bounds PPO's clipped surrogate; entropy_control=kl_cov replaces it with "
+            "the unclipped -r*A plus its penalty. Set algorithm.clip_c=null, or use "
+            "entropy_control=clip_cov (which keeps the clip and the dual clip)",
+        )  # fmt: skip
     if a.is_cap is not None:
         _check(a.is_cap >= 1, "algorithm.is_cap", a.is_cap, "use a cap >= 1 (e.g. 2.0 to truncate, 3.0 to mask) or null")
     _check(a.entropy_coef >= 0, "algorithm.entropy_coef", a.entropy_coef, "use 0 (off) or a small positive coefficient, e.g. 1e-3")
