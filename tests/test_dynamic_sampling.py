@@ -399,3 +399,27 @@ def test_carry_over_pickled_by_earlier_versions_still_loads(monkeypatch):
     assert isinstance(loaded, ScoredGroup)
     assert loaded.correct == list(MIXED) and loaded.penalty == []
     assert not hasattr(loaded, "extra")
+
+
+def test_older_groups_take_their_ratio_against_the_policy_that_sampled_them() -> None:
+    """A group generated at an earlier rollout step (carried over by dynamic sampling, or
+    generated ahead by rollout.async_steps=1) gets the engine's sampling log-probs as the
+    ratio's old log-probs: the behaviour policy. A group of this step gets none (the trainer
+    computes them), and so does every group when the engine's log-probs are not the exact
+    sampling distribution (top-p / top-k truncation)."""
+    import torch
+
+    from dapo.training.batch import build_samples
+
+    def group(step: int, lps: list[list[float]]) -> ScoredGroup:
+        return ScoredGroup(prompt_ids=[5, 6], response_ids=[[1, 2], [3]], sample_logprobs=lps,
+                           truncated=[False, False], rewards=[1.0, -1.0], correct=[True, False],
+                           step=step)  # fmt: skip
+
+    old, fresh = group(2, [[-0.5, -1.5], [-2.0]]), group(3, [[-0.1, -0.2], [-0.3]])
+    samples = build_samples([old, fresh], step=3)
+    assert [s.old_logprobs.tolist() for s in samples[:2]] == [[-0.5, -1.5], [-2.0]]
+    assert all(s.old_logprobs.dtype == torch.float32 for s in samples[:2])
+    assert [s.old_logprobs for s in samples[2:]] == [None, None]
+    inexact = build_samples([old, fresh], step=3, exact_sampling_logprobs=False)
+    assert all(s.old_logprobs is None for s in inexact)
