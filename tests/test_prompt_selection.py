@@ -45,8 +45,30 @@ def metric_rows(out: Path) -> list[dict]:
     return [r for r in rows if "sampling/generated_groups" in r]
 
 
-def test_skipped_prompts_are_never_generated_and_rounds_stay_full(random_tiny_model, twelve_prompts, tmp_path):
-    cfg = config(random_tiny_model, twelve_prompts, tmp_path / "run", "algorithm.skip_uniform_prompts=true")
+def _vllm_error() -> str | None:
+    from dapo.rollout import vllm_engine
+
+    try:
+        vllm_engine.import_vllm()
+    except vllm_engine.VLLMUnavailableError as exc:
+        return str(exc)
+    return None
+
+
+ASYNC = pytest.param(
+    ["rollout.engine=vllm", "rollout.async_steps=1"], id="async",
+    marks=[pytest.mark.slow, pytest.mark.skipif(_vllm_error() is not None, reason="no vllm")],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("rollout", [pytest.param([], id="sync"), ASYNC])
+def test_skipped_prompts_are_never_generated_and_rounds_stay_full(
+    random_tiny_model, twelve_prompts, tmp_path, rollout
+):
+    """async: the next step's first round is drawn (and skipped) while the trainer trains,
+    from the history of every step scored before it, as a synchronous run would."""
+    cfg = config(random_tiny_model, twelve_prompts, tmp_path / "run",
+                 "algorithm.skip_uniform_prompts=true", *rollout)  # fmt: skip
     trainer = Trainer(cfg, log=lambda _: None)
     # What the engine is asked to generate, and every draw from the prompt stream with the
     # prompt's streak at that moment, from a history the test keeps itself from the scores.

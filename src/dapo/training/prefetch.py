@@ -29,6 +29,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from dapo.errors import TrainingError
 from dapo.parallel import distributed as D
 from dapo.rollout import Group
@@ -71,7 +73,16 @@ class RolloutPrefetcher:
         self.ahead = Prefetched(
             step, list(indices), version, skipped=list(skipped or []), started=time.perf_counter()
         )
-        self.ahead.future = self._pool.submit(generate)
+        threads = torch.get_num_threads()
+
+        def run() -> list[Group]:
+            # A new thread starts with OpenMP's default thread count, not the trainer's
+            # (torch.set_num_threads is per thread); vLLM's CPU attention builds its metadata
+            # with one count and checks it against the other ("thread_num (2 vs. 1)").
+            torch.set_num_threads(threads)
+            return generate()
+
+        self.ahead.future = self._pool.submit(run)
 
     def collect(self) -> dict[str, float]:
         """Wait for the round in flight (if any); the time it took to generate
