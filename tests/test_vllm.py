@@ -363,9 +363,9 @@ def test_every_rank_has_its_own_engine_in_step_with_its_trainer(mode, random_tin
               f"vs initial weights {r['engine_vs_initial']:.1e}, mismatch {r['mismatch']}")
         assert r["updates"] == [2.0, 2.0] and r["synced"] == [True, True]
         assert r["engine_vs_initial"] > 1e-2  # precondition: training moved the weights
-        assert r["engine_vs_trainer"] < 1e-4
+        assert r["engine_vs_trainer"] < 1e-5  # measured 5e-7 (ddp) to 9.5e-7 (fsdp+lora)
         # Every step's rollouts came from the weights the trainer had (pushed to both ranks).
-        assert all(m is not None and m < 1e-4 for m in r["mismatch"]), r["mismatch"]
+        assert all(m is not None and m < 1e-5 for m in r["mismatch"]), r["mismatch"]
     assert ranks[0]["responses"] != ranks[1]["responses"]  # each rank sampled its own share
 
 
@@ -584,6 +584,35 @@ def test_async_rollouts_learn_one_step_behind(tmp_path, tiny_path):
     # policy's: the engine was synced after every update.
     mismatch = [x["rollout/logprob_mismatch"] for x in steps if "rollout/logprob_mismatch" in x]
     assert max(mismatch, default=0.0) < 1e-4, mismatch
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_two_rank_async_run_decides_globally_and_repeats_exactly(tmp_path, tiny_path):
+    """rollout.async_steps=1 under torchrun, one engine per rank, dynamic sampling on: every
+    step trains exactly the configured number of groups (the keep/drop decisions and the
+    size of the round generated ahead are the same on both ranks, or the collectives would
+    not match), every batch after the first was generated one policy version behind, and a
+    second run with the same seed logs the same values."""
+    env = dict(os.environ, DAPO_CACHE=str(tiny_path.parent), OMP_NUM_THREADS="1")
+    common = ["rollout.engine=vllm", "rollout.async_steps=1", "train.steps=3",
+              "train.prompts_per_step=4", "train.mini_batch_size=2", "rollout.num_generations=4",
+              "rollout.max_completion_length=32", "algorithm.overlong_buffer=8",
+              "checkpoint.save_every=0"]  # fmt: skip
+    runs = []
+    for name in ("first", "again"):
+        out = tmp_path / name
+        proc = subprocess.run(dapo_cmd(tiny_path, out, *common, ranks=2), env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        runs.append([{k: v for k, v in x.items() if k != "time" and not k.startswith("perf/")}
+                     for x in lines if "actor/loss" in x])
+    steps = runs[0]
+    assert [x["rollout/staleness"] for x in steps] == [0, 1, 1]
+    assert [x["sampling/trained_groups"] for x in steps] == [4, 4, 4]
+    assert sum(x["sampling/uniform_groups"] for x in steps) > 0  # dynamic sampling had work
+    assert runs[1] == runs[0]
 
 
 @needs_vllm
