@@ -370,6 +370,29 @@ def test_two_rank_run_resumes_from_its_checkpoint(
         summary = json.loads((one / "summary.json").read_text())
         assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
         assert (one / "checkpoints" / "step_000003" / "model.safetensors").is_file()
+        # It continued from the shards' weights and AdamW state, not from fresh ones: the
+        # state counts all 6 updates (2 per step) and step 3 moved the weights of step 2.
+        from transformers import AutoModelForCausalLM
+
+        from dapo.config import TrainConfig
+        from dapo.parallel.sharding import full_optimizer_state
+        from dapo.training.checkpoint import load_checkpoint
+        from dapo.training.step import make_optimizer
+
+        at2 = AutoModelForCausalLM.from_pretrained(random_tiny_model)
+        load_checkpoint(out / "checkpoints" / "step_000002", at2)
+        at3 = AutoModelForCausalLM.from_pretrained(random_tiny_model)
+        opt = make_optimizer(at3, TrainConfig())
+        load_checkpoint(one / "checkpoints" / "step_000003", at3, opt)
+        state = full_optimizer_state(at3, opt)["state"]
+        assert {int(st["step"]) for st in state.values()} == {6}
+        init = AutoModelForCausalLM.from_pretrained(random_tiny_model).state_dict()
+
+        def distance(a: dict, b: dict) -> float:
+            return sum(float((a[n] - b[n]).float().norm() ** 2) for n in a) ** 0.5
+
+        w2, w3 = at2.state_dict(), at3.state_dict()
+        assert 0 < distance(w3, w2) < distance(w3, init)
     torchrun(*common, "train.steps=3", "resume=true", f"train.data_parallel={mode}", cwd=tmp_path)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
