@@ -7,18 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_check import needs_vllm  # tests/vllm_check.py
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
+@needs_vllm
 def test_bench_async_times_each_mode(tmp_path, capsys):
-    from dapo.rollout.vllm_engine import VLLMUnavailableError, import_vllm
-
-    try:
-        import_vllm()
-    except VLLMUnavailableError as exc:
-        pytest.skip(f"vllm does not import: {str(exc)[:200]}")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import bench_async

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_check import needs_vllm  # tests/vllm_check.py
 
 from dapo.config import load_config
 from dapo.training.prompt_history import PromptHistory, should_skip
@@ -45,19 +46,8 @@ def metric_rows(out: Path) -> list[dict]:
     return [r for r in rows if "sampling/generated_groups" in r]
 
 
-def _vllm_error() -> str | None:
-    from dapo.rollout import vllm_engine
-
-    try:
-        vllm_engine.import_vllm()
-    except vllm_engine.VLLMUnavailableError as exc:
-        return str(exc)
-    return None
-
-
 ASYNC = pytest.param(
-    ["rollout.engine=vllm", "rollout.async_steps=1"], id="async",
-    marks=[pytest.mark.slow, pytest.mark.skipif(_vllm_error() is not None, reason="no vllm")],
+    ["rollout.engine=vllm", "rollout.async_steps=1"], id="async", marks=[pytest.mark.slow, needs_vllm]
 )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from ranks import torchrun  # tests/ranks.py
+from vllm_check import needs_vllm  # tests/vllm_check.py
 
 from dapo.data.tasks.addition import addition_records
 from dapo.models.tiny import build_model
@@ -32,18 +33,6 @@ from dapo.rollout import HFEngine, SamplingParams, vllm_engine
 EOS, PAD = 1, 0
 
 
-def _vllm_import_error() -> str | None:
-    try:
-        vllm_engine.import_vllm()
-    except vllm_engine.VLLMUnavailableError as exc:
-        return str(exc)
-    return None
-
-
-_ERROR = _vllm_import_error()
-needs_vllm = pytest.mark.skipif(
-    _ERROR is not None, reason=f"vllm does not import: {(_ERROR or '')[:300]}"
-)
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models, one thread
 
 
