@@ -242,3 +242,27 @@ def test_the_optimizer_is_torchs_fused_adamw(precision: str) -> None:
     expected = w0 * (1 - t.lr * t.weight_decay) - t.lr * g / (g.abs() + 1e-8)
     tol = 1e-6 if precision == "fp32" else 1e-2
     torch.testing.assert_close(p.detach().float(), expected, atol=tol, rtol=tol)
+
+
+def test_a_checkpoint_of_an_unfused_optimizer_resumes_fused(tmp_path: Path) -> None:
+    """Checkpoints written before the fused kernel store AdamW's state with fused=None; the
+    resumed optimizer takes that state (the moments) but keeps computing with its own kernel."""
+    from dapo.training.checkpoint import load_checkpoint, save_checkpoint
+
+    model = tiny()
+    t = TrainConfig(lr=1e-3, weight_decay=0.0)
+    old = make_optimizer(model, t)
+    for group in old.param_groups:  # what earlier versions built: the default kernel
+        group["fused"] = None
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    old.step()
+    save_checkpoint(tmp_path, 1, model, old, {"step": 1})
+    resumed = tiny()
+    opt = make_optimizer(resumed, t)
+    load_checkpoint(tmp_path / "step_000001", resumed, opt)
+    assert all(group["fused"] for group in opt.param_groups)
+    saved = old.state_dict()["state"]
+    assert set(opt.state_dict()["state"]) == set(saved)
+    for i, st in opt.state_dict()["state"].items():
+        assert torch.equal(st["exp_avg"], saved[i]["exp_avg"])

@@ -377,10 +377,18 @@ def load_checkpoint(
             "writes partial checkpoints, so it was changed by hand or the disk lost data; "
             "delete the directory to resume from the previous checkpoint."
         )
+    # The optimizer state carries the kernel flags of the optimizer that wrote it (before
+    # dapo used the fused AdamW: none); they say how to compute, not what, so keep this one's.
+    kernels = [] if optimizer is None else [
+        {k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups
+    ]  # fmt: skip
     if sharded:
         _load_sharded(path, model, optimizer)
     else:
         _load_whole(path, model, optimizer)
+    if optimizer is not None:
+        for group, flags in zip(optimizer.param_groups, kernels, strict=True):
+            group.update(flags)
     return _read(
         path / "trainer_state.pt",
         lambda p: torch.load(p, weights_only=False, pickle_module=_legacy_pickle),
