@@ -348,6 +348,13 @@ def test_prompt_skipping_decides_the_same_on_every_rank(random_tiny_model: Path,
 def test_two_rank_run_resumes_from_its_checkpoint(
     mode: str, random_tiny_model: Path, tmp_path: Path
 ) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from dapo.config import TrainConfig
+    from dapo.parallel.sharding import full_optimizer_state
+    from dapo.training.checkpoint import load_checkpoint
+    from dapo.training.step import make_optimizer
+
     out = tmp_path / "run"
     common = [
         *_small_run(random_tiny_model, out),
@@ -358,6 +365,7 @@ def test_two_rank_run_resumes_from_its_checkpoint(
     first_mode = "fsdp" if mode == "fsdp" else "auto"
     first = torchrun(*common, "train.steps=2", f"train.data_parallel={first_mode}", cwd=tmp_path)
     assert f"data parallel: {mode} (" in first.stdout
+    start = AutoModelForCausalLM.from_pretrained(random_tiny_model).state_dict()
     if mode == "fsdp":  # the sharded checkpoint resumes in one process too (another world size)
         one = tmp_path / "one"
         shutil.copytree(out, one)
@@ -372,13 +380,6 @@ def test_two_rank_run_resumes_from_its_checkpoint(
         assert (one / "checkpoints" / "step_000003" / "model.safetensors").is_file()
         # It continued from the shards' weights and AdamW state, not from fresh ones: the
         # state counts all 6 updates (2 per step) and step 3 moved the weights of step 2.
-        from transformers import AutoModelForCausalLM
-
-        from dapo.config import TrainConfig
-        from dapo.parallel.sharding import full_optimizer_state
-        from dapo.training.checkpoint import load_checkpoint
-        from dapo.training.step import make_optimizer
-
         at2 = AutoModelForCausalLM.from_pretrained(random_tiny_model)
         load_checkpoint(out / "checkpoints" / "step_000002", at2)
         at3 = AutoModelForCausalLM.from_pretrained(random_tiny_model)
@@ -386,13 +387,12 @@ def test_two_rank_run_resumes_from_its_checkpoint(
         load_checkpoint(one / "checkpoints" / "step_000003", at3, opt)
         state = full_optimizer_state(at3, opt)["state"]
         assert {int(st["step"]) for st in state.values()} == {6}
-        init = AutoModelForCausalLM.from_pretrained(random_tiny_model).state_dict()
 
         def distance(a: dict, b: dict) -> float:
             return sum(float((a[n] - b[n]).float().norm() ** 2) for n in a) ** 0.5
 
         w2, w3 = at2.state_dict(), at3.state_dict()
-        assert 0 < distance(w3, w2) < distance(w3, init)
+        assert 0 < distance(w3, w2) < distance(w3, start)
     torchrun(*common, "train.steps=3", "resume=true", f"train.data_parallel={mode}", cwd=tmp_path)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
@@ -401,14 +401,9 @@ def test_two_rank_run_resumes_from_its_checkpoint(
     assert "accuracy_before" in summary and "accuracy_after" in summary
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
     # The checkpoint and the final model hold full weights, which load into one process.
-    from transformers import AutoModelForCausalLM
-
-    from dapo.training.checkpoint import load_checkpoint
-
     final = AutoModelForCausalLM.from_pretrained(out / "final_model")
     plain = AutoModelForCausalLM.from_pretrained(random_tiny_model)
     load_checkpoint(out / "checkpoints" / "step_000003", plain)
-    start = AutoModelForCausalLM.from_pretrained(random_tiny_model).state_dict()
     for name, value in plain.state_dict().items():
         assert torch.equal(final.state_dict()[name], value), name
     assert any(not torch.equal(start[n], v) for n, v in plain.state_dict().items())
@@ -416,10 +411,6 @@ def test_two_rank_run_resumes_from_its_checkpoint(
         whole = tmp_path / "whole"
         torchrun(*[a.replace(str(out), str(whole)) for a in common], "train.steps=3",
                  "train.data_parallel=fsdp", cwd=tmp_path)
-        from dapo.config import TrainConfig
-        from dapo.parallel.sharding import full_optimizer_state
-        from dapo.training.step import make_optimizer
-
         states = []
         for run in (out, whole):
             model = AutoModelForCausalLM.from_pretrained(random_tiny_model)
