@@ -288,7 +288,7 @@ def test_fsdp_bf16_mixed_gathers_bf16_and_keeps_float32_shards(two_rank_steps: d
 def test_fsdp_where_it_does_not_work_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from dapo.errors import TrainingError
     from dapo.parallel import sharding
-    from dapo.parallel.data_parallel import wrap_data_parallel
+    from dapo.models.data_parallel import wrap_data_parallel
 
     monkeypatch.setattr(sharding, "fsdp_support", lambda info: "no reduce_scatter in gloo")
     with pytest.raises(TrainingError) as err:

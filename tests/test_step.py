@@ -281,7 +281,7 @@ def test_checkpointed_layers_with_the_shared_prompt_equal_the_plain_forward(mode
     are those of the plain forward of whole sequences."""
     import copy
 
-    from dapo.models.checkpointing import checkpoint_layers, is_checkpointed
+    from dapo.models.activation_checkpointing import checkpoint_layers, is_checkpointed
 
     checkpointed = copy.deepcopy(model)
     assert checkpoint_layers(checkpointed) == 4 and is_checkpointed(checkpointed)

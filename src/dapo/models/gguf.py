@@ -24,7 +24,7 @@ import torch
 
 from dapo.atomic import staged_dir
 from dapo.errors import ModelError
-from dapo.models.loading import cache_root
+from dapo.models.cache import cache_root
 
 INSTALL = "pip install 'dapo[gguf]'"  # the extra with the gguf package
 INFO_FILE = "gguf.json"  # written into the converted directory: what it came from

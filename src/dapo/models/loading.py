@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,11 +10,9 @@ from typing import Any
 import torch
 
 from dapo.errors import ModelError
-from dapo.models.checkpointing import checkpoint_layers
+from dapo.models.activation_checkpointing import checkpoint_layers
+from dapo.models.cache import BUILTIN_MODEL, BUILTIN_MODELS
 
-BUILTIN_MODEL = "builtin:tiny"  # the default; built by dapo.models.tiny
-# Warmed up on builtin:addition and builtin:long_addition.
-BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-long")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -28,11 +25,6 @@ _TOKENIZER_FILES = (
     "vocab.txt",
     "spiece.model",
 )
-
-
-def cache_root() -> Path:
-    """Where dapo caches built and converted models: ``$DAPO_CACHE`` or ``~/.cache/dapo``."""
-    return Path(os.environ.get("DAPO_CACHE", Path.home() / ".cache" / "dapo"))
 
 
 def _is_local_path(name: str) -> bool:

@@ -20,7 +20,7 @@ import torch
 
 from dapo.atomic import staged_dir
 from dapo.data.tasks import addition, long_addition
-from dapo.models.loading import BUILTIN_MODEL, BUILTIN_MODELS, cache_root
+from dapo.models.cache import BUILTIN_MODEL, BUILTIN_MODELS, cache_root
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A training micro-batch forwards each distinct prompt once into a :class:`SharedP
 then forwards all response tokens at once on top of the prompt's keys and values
 (:meth:`SharedPromptCache.expand`). Unlike transformers' ``DynamicCache``, whose ``update``
 appends, both caches give the same result whenever ``update`` is called again with the same
-states: under activation checkpointing (``dapo.models.checkpointing``) every layer's forward
+states: under activation checkpointing (``models.activation_checkpointing``) every layer's forward
 runs a second time in backward, and an appending cache would then hand the attention twice
 the keys.
 

@@ -41,7 +41,7 @@ from dapo.models.precision import (
 )
 from dapo.parallel import distributed as D
 from dapo.parallel import sharding
-from dapo.parallel.data_parallel import wrap_data_parallel
+from dapo.models.data_parallel import wrap_data_parallel
 from dapo.rewards import RewardScorer, soft_overlong_punishment
 from dapo.rollout import Group, RolloutEngine, SamplingParams, close_engine, make_engine
 from dapo.seeding import mix_seed, seed_everything

@@ -1,4 +1,9 @@
-"""Choose and apply the data-parallel wrapping of the policy: FSDP2 sharding or DDP."""
+"""Choose and apply the data-parallel wrapping of the policy: FSDP2 sharding or DDP.
+
+It lives with the policy rather than in :mod:`dapo.parallel` because the choice reads the
+policy's precision (FSDP2 then gathers bf16 parameters); ``dapo.parallel`` is the layer below,
+the torch.distributed machinery that knows nothing of dapo's models.
+"""
 
 from __future__ import annotations
 

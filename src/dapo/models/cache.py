@@ -1,0 +1,19 @@
+"""Where dapo keeps the models it builds or converts, and the names of the built-in models.
+
+The lowest module of :mod:`dapo.models`: ``loading`` resolves names with it, ``tiny``
+(built-in models) and ``gguf`` (converted GGUF files) write under :func:`cache_root`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+BUILTIN_MODEL = "builtin:tiny"  # the default; built by dapo.models.tiny
+# Warmed up on builtin:addition and builtin:long_addition.
+BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-long")
+
+
+def cache_root() -> Path:
+    """Where dapo caches built and converted models: ``$DAPO_CACHE`` or ``~/.cache/dapo``."""
+    return Path(os.environ.get("DAPO_CACHE", Path.home() / ".cache" / "dapo"))
