@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from dapo import atomic
-from dapo.metrics import PG_LOSS_NOTE, MetricsLogger, dashboard, plot_dashboard, read_metrics
+from dapo.metrics import (
+    PG_LOSS_NOTE,
+    MetricsLogger,
+    console,
+    dashboard,
+    plot_dashboard,
+    read_metrics,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -148,7 +155,7 @@ def test_read_metrics_drops_torn_last_line_and_warns_on_corrupt_middle(tmp_path:
 def test_appending_after_torn_line_keeps_new_records_intact(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     _write_lines(path, [{"step": 1, "a": 1.0}], torn='{"step": 2, "a": 2')
-    with _logger(tmp_path) as lg:
+    with _logger(tmp_path, resume_step=1) as lg:
         lg.log(2, {"a": 5.0})
     lines = path.read_text().splitlines()
     assert [_strict_loads(line)["a"] for line in lines] == [1.0, 5.0]  # torn fragment cut off
@@ -187,6 +194,35 @@ def test_resume_rewrite_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         _logger(tmp_path, resume_step=2)
     assert path.read_bytes() == original  # the old file is untouched on failure
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_resume_keeps_step_0_and_a_new_run_starts_an_empty_file(tmp_path: Path) -> None:
+    """Step 0 (the held-out accuracy before training) survives a resume; a new run
+    (resume_step=None) drops what an earlier run without checkpoints left, step 0 too."""
+    path = tmp_path / "metrics.jsonl"
+    stale = [{"step": 0, "val/acc": 0.37}] + [{"step": s, "x": float(s)} for s in range(1, 6)]
+    _write_lines(path, stale)
+    with _logger(tmp_path, resume_step=3) as lg:
+        lg.log(4, {"x": 40.0})
+    assert [r["step"] for r in read_metrics(path)] == [0, 1, 2, 3, 4]
+    assert read_metrics(path)[0]["val/acc"] == 0.37
+
+    _write_lines(path, stale)
+    with _logger(tmp_path) as lg:
+        assert path.read_text() == ""  # emptied before the first record
+        lg.log(0, {"val/acc": 0.5})
+        lg.log(1, {"x": 1.0})
+    assert [(r["step"], r.get("val/acc")) for r in read_metrics(path)] == [(0, 0.5), (1, None)]
+
+
+def test_new_run_hides_the_tensorboard_events_of_an_earlier_one(tmp_path: Path) -> None:
+    with _logger(tmp_path, tensorboard=True) as lg:
+        for step in range(0, 4):
+            lg.log(step, {"val/acc": step / 10})
+    time.sleep(1.05)  # event file names carry whole seconds; keep the two files ordered
+    with _logger(tmp_path, tensorboard=True) as lg:
+        lg.log(0, {"val/acc": 0.5})
+    assert _tb_scalars(tmp_path / "tensorboard", "val/acc") == [(0, 0.5)]
 
 
 def test_resume_without_existing_file(tmp_path: Path) -> None:
@@ -316,29 +352,167 @@ def test_pg_loss_note_printed_once(tmp_path: Path, capsys: pytest.CaptureFixture
     assert err.count(PG_LOSS_NOTE) == 1
 
 
-def test_console_progress_and_periodic_summaries(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with _logger(tmp_path, console=True, total_steps=20) as lg:
-        for step in range(1, 21):
-            lg.log(step, {"reward/mean": 0.5, "reward/acc": 0.25, "response_length/mean": 812,
-                          "actor/entropy": 0.4, "perf/step_s": 12.5})  # fmt: skip
-        lg.message("checkpoint saved")
+# One rollout step of the default run as the trainer logs it (base run, step 3).
+REALISTIC_STEP = {
+    "reward/mean": 0.14391447368421054, "reward/std": 0.9937469959259033,
+    "reward/acc": 0.5723684210526315, "reward/overlong_penalty_mean": -0.0008224,
+    "response_length/mean": 31.61, "response_length/max": 50.0,
+    "response_length/clip_ratio": 0.0, "reward/failures": 0.0, "perf/gen_s": 0.2548,
+    "perf/score_s": 0.002375, "perf/rollout_tokens_per_s": 18857.0,
+    "sampling/generated_samples_total": 432.0, "rollout/staleness": 0.0,
+    "sampling/gen_rounds": 1.0, "sampling/generated_groups": 17.0,
+    "sampling/all_correct_frac": 0.0, "sampling/all_wrong_frac": 0.11764705882352941,
+    "sampling/uniform_groups": 0.11764705882352941, "sampling/carried_in": 0.0,
+    "sampling/carried_over": 3.0, "sampling/wasted_frac": 0.11764705882352941,
+    "sampling/short_batch": 0.0, "sampling/trained_groups": 16.0,
+    "actor/clip_frac_low": 0.000243, "actor/clip_frac_high": 0.000243,
+    "actor/ratio_mean": 0.9998, "actor/ppo_kl": 0.0002902, "actor/gen_prob": 0.962,
+    "actor/entropy": 0.09004, "actor/pg_loss": -0.0357, "actor/loss": -0.0357,
+    "actor/grad_norm": 0.2563, "actor/updates": 1.0, "actor/skipped_updates": 0.0,
+    "actor/lr": 9e-05, "train/loss_tokens": 3987.0, "train/stale_groups": 0.0,
+    "perf/train_s": 0.3455, "perf/train_tokens_per_s": 30620.0, "perf/step_s": 0.6029,
+}  # fmt: skip
+
+
+def _err_lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
     captured = capsys.readouterr()
     assert captured.out == ""
-    err = captured.err
+    return captured.err.splitlines()
+
+
+def test_compact_line_of_a_realistic_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with _logger(tmp_path, console=True, total_steps=300) as lg:
+        lg._t0 = time.time() - 120  # 2 minutes for the first step: 299 more take 9 h 58 min
+        lg.log(1, REALISTIC_STEP)
+        (line,) = [x for x in _err_lines(capsys) if x.startswith("step ")]
+    # Formatted by hand: 57.24%, +0.1439, 0.09004, 31.61 tokens, 0.0243% of tokens
+    # clipped high, 2 of 17 groups uniform, 0.6029 s.
+    assert line == (
+        "step   1/300  acc 57.2%  reward +0.144  entropy 0.09  len 32  clip-high 0.024%  "
+        "uniform 12%  0.60s/step  02:00 eta 9:58:00"
+    )
+    assert len(line) <= console.MAX_LINE
+    # Every metric still reaches metrics.jsonl, not only the printed ones.
+    (rec,) = read_metrics(tmp_path)
+    assert {k: v for k, v in rec.items() if k not in ("step", "time")} == REALISTIC_STEP
+
+
+def test_compact_line_stays_short_for_extreme_values() -> None:
+    values = {
+        "val/acc": 1.0, "reward/acc": 1.0, "reward/mean": -12345.678,
+        "actor/entropy": 1.2345678e-05, "response_length/mean": 131072.4,
+        "actor/clip_frac_high": 0.123456, "sampling/uniform_groups": 1.0,
+        "perf/step_s": 9999.4,
+    }  # fmt: skip
+    # The widest of every field at once, and 10,000 steps of which 1,000 took 100 hours.
+    clock = console.timing(360_000.0, 1000, 9000)
+    assert clock == "100:00:00 eta 900:00:00"
+    line = console.compact_line(1000, 10_000, values, clock)
+    assert line.startswith("step  1000/10000  val-acc 100.0%  acc 100.0%  reward -1.23e+04")
+    assert len(line) <= console.MAX_LINE, (len(line), line)
+    nonfinite = console.signals({"reward/mean": math.nan, "actor/entropy": math.inf})
+    assert nonfinite == "reward nan  entropy inf"
+
+
+def test_compact_line_leaves_out_missing_metrics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    no_update = {"reward/acc": 0.0, "reward/mean": -1.0, "response_length/mean": 48.0,
+                 "sampling/all_correct_frac": 0.0, "sampling/all_wrong_frac": 1.0,
+                 "perf/step_s": 1.5}  # fmt: skip
+    with _logger(tmp_path, console=True, total_steps=2) as lg:
+        lg.log(0, {"val/acc": 0.37})  # the evaluation before training
+        lg.log(1, no_update)  # dynamic sampling found no group with a signal: no update
+        lg.log(2, {})  # nothing at all
+        lg.log(2, {"val/acc": 0.454})  # the evaluation after training
+    lines = [x for x in _err_lines(capsys) if x.startswith("step ")]
+    assert [x.split("  ")[:-1] for x in lines] == [
+        ["step 0/2", "val-acc 37.0%"],
+        ["step 1/2", "acc 0.0%", "reward -1", "len 48", "uniform 100%", "1.50s/step"],
+        ["step 2/2"],
+        ["step 2/2", "val-acc 45.4%"],
+    ]
+
+
+def test_console_prints_first_step_every_tenth_evaluations_and_last(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with _logger(tmp_path, console=True, total_steps=20, resume_step=0) as lg:
+        lg.log(0, {"val/acc": 0.25})
+        for step in range(1, 21):
+            extra = {"val/acc": 0.5} if step == 5 else {}
+            lg.log(step, {"reward/mean": 0.5, "reward/acc": 0.25, "response_length/mean": 812,
+                          "actor/entropy": 0.4, "perf/step_s": 12.5, **extra})  # fmt: skip
+        lg.message("checkpoint saved")
+    lines = _err_lines(capsys)
     # stderr is not a TTY here: plain lines only, no carriage returns or escape codes.
-    assert "\r" not in err and "\x1b" not in err
-    lines = err.splitlines()
-    summaries = [line for line in lines if line.startswith("[step ")]
-    # first step, every 10% (2 steps) and the last one
-    assert [s.split()[1] for s in summaries] == ["1/20"] + [f"{i}/20" for i in range(2, 21, 2)]
-    assert "reward: mean=0.5 acc=0.25" in summaries[-1]
-    assert "perf: step_s=12.5" in summaries[-1]
-    bar_lines = [line for line in lines if line.startswith("dapo:")]
+    assert not any("\r" in x or "\x1b" in x for x in lines)
+    printed = [x for x in lines if x.startswith("step ")]
+    # step 0, the first step, every 10% (2 steps), the evaluation at 5 and the last one
+    assert [x.split()[1] for x in printed] == [
+        "0/20", "1/20", "2/20", "4/20", "5/20", "6/20", "8/20", "10/20", "12/20", "14/20",
+        "16/20", "18/20", "20/20",
+    ]  # fmt: skip
+    assert printed[-1].startswith(
+        "step 20/20  acc 25.0%  reward +0.5  entropy 0.4  len 812  12.5s/step  "
+    )
+    assert "val-acc 50.0%" in printed[4]
+    assert all(len(x) <= console.MAX_LINE for x in lines)
+    bar_lines = [x for x in lines if x.startswith("dapo:")]
     assert bar_lines and "20/20" in bar_lines[-1]
-    assert "acc=0.25 reward=0.5 len=812 ent=0.4 step=12.5s" in bar_lines[-1]
     assert "checkpoint saved" in lines
+
+
+def test_verbose_prints_every_metric_of_every_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with _logger(tmp_path, console=True, total_steps=50, verbose=True) as lg:
+        for step in (1, 2, 3):
+            lg.log(step, REALISTIC_STEP)
+    lines = _err_lines(capsys)
+    starts = [i for i, x in enumerate(lines) if x.startswith("step ")]
+    assert [lines[i].split()[1] for i in starts] == ["1/50", "2/50", "3/50"]
+    groups = {k.rpartition("/")[0] for k in REALISTIC_STEP}
+    for i in starts:
+        block = lines[i + 1 : i + 1 + len(groups)]
+        by_group = dict(x.strip().split(": ", 1) for x in block)
+        assert set(by_group) == groups
+        for key, value in REALISTIC_STEP.items():
+            group, _, name = key.rpartition("/")
+            assert f"{name}={console.fmt_number(value)}" in by_group[group].split(), key
+    assert len(read_metrics(tmp_path)) == 3
+
+
+def test_tty_bar_prints_lines_and_warnings_above_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+    import warnings
+
+    from dapo.metrics import logger as logger_mod
+
+    fake_tty = io.StringIO()
+    monkeypatch.setattr(logger_mod, "_isatty", lambda stream: True)
+    monkeypatch.setattr(sys, "stderr", fake_tty)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        before = warnings.showwarning
+        with _logger(tmp_path, console=True, total_steps=4) as lg:
+            assert warnings.showwarning is not before
+            for step in range(1, 5):
+                lg.log(step, REALISTIC_STEP)
+                warnings.warn(f"careful at {step}", UserWarning, stacklevel=1)
+        assert warnings.showwarning is before  # restored
+    out = fake_tty.getvalue()
+    # tqdm.write clears the bar line ("\r", spaces, "\r") before each message, so every
+    # message starts a line of its own on the terminal: nothing of the bar precedes it.
+    shown = [line.rsplit("\r", 1)[-1] for line in out.split("\n")]
+    assert sum(x.startswith("step ") for x in shown) == 4
+    warned = [x for x in shown if "UserWarning: careful at" in x]
+    assert len(warned) == 4 and all(x.startswith(__file__) for x in warned)
+    assert "step/s, acc 57.2%  reward +0.144  entropy 0.09]" in out  # the bar's live figures
 
 
 def test_message_prints_without_console(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -410,6 +584,44 @@ def test_plot_dashboard_with_missing_keys(tmp_path: Path) -> None:
     assert sorted(no_data) == [
         "Dynamic sampling", "Mean generation probability", "Throughput and step time"
     ]  # fmt: skip
+
+
+def test_dashboard_draws_accuracy_before_and_after_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer logs val/acc at step 0 (before training) and, after the last step's
+    record, the final val/acc as a second record of that step: both points are drawn, and
+    the last step's training metrics are not lost to the second record."""
+    run = tmp_path / "run"
+    with MetricsLogger(run, total_steps=6, console=False, tensorboard=False) as lg:
+        lg.log(0, {"val/acc": 0.37})
+        for step in range(1, 7):
+            lg.log(step, _synthetic_record(step))
+        lg.log(6, {"val/acc": 0.454})
+    figures = []
+    build = dashboard._build_figure
+    monkeypatch.setattr(
+        dashboard, "_build_figure", lambda *a: figures.append(build(*a)) or figures[-1]
+    )
+    _check_png(plot_dashboard(run))
+    (fig,) = figures
+    lines = {line.get_label(): line for line in fig.axes[0].lines}
+    xs, ys = lines["val acc"].get_data()
+    assert list(xs) == [0, 6] and list(ys) == [0.37, 0.454]
+    xs, ys = lines["train acc"].get_data()
+    assert list(xs) == [1, 2, 3, 4, 5, 6] and ys[-1] == _synthetic_record(6)["reward/acc"]
+    assert fig.get_suptitle() == "run — 6 rollout steps"  # step 0 is no rollout step
+
+
+def test_merge_steps_joins_the_records_of_a_step() -> None:
+    records = [
+        {"step": 2, "a": 1.0},
+        {"step": 0, "v": 0.1},
+        {"step": 2, "a": 3.0, "v": 0.5},
+        {"step": "x"},
+        {"b": 1},
+    ]
+    assert dashboard.merge_steps(records) == [{"step": 0, "v": 0.1}, {"step": 2, "a": 3.0, "v": 0.5}]
 
 
 def test_plot_dashboard_errors(tmp_path: Path) -> None:

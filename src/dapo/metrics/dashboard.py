@@ -206,6 +206,28 @@ def _build_figure(records: list[dict], title: str) -> Any:
     return fig
 
 
+def merge_steps(records: list[dict]) -> list[dict]:
+    """One record per step, in step order: the records of a step merged, later values
+    winning (the trainer logs the final held-out accuracy as a second record of the last
+    step; step 0 holds the accuracy before training)."""
+    by_step: dict[int, dict] = {}
+    for rec in records:
+        step = rec.get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            by_step.setdefault(step, {}).update(rec)
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _title(name: str, records: list[dict]) -> str:
+    """``NAME — N rollout steps``, with the range when it is not 1..N (step 0, the
+    evaluation before training, is no rollout step)."""
+    steps = [rec["step"] for rec in records if rec["step"] > 0]
+    title = f"{name} — {len(steps)} rollout steps"
+    if steps and (steps[0], steps[-1]) != (1, len(steps)):
+        title += f" (steps {steps[0]}–{steps[-1]})"
+    return title
+
+
 def plot_dashboard(run_dir: str | Path, out_path: str | Path | None = None) -> Path:
     """Render the run's metrics.jsonl to a PNG grid of panels; return the PNG path.
 
@@ -216,19 +238,10 @@ def plot_dashboard(run_dir: str | Path, out_path: str | Path | None = None) -> P
     if not file.is_file():
         raise FileNotFoundError(f"no metrics file at {file}")
     run_dir = file.parent
-    by_step: dict[int, dict] = {}
-    for rec in read_metrics(file):
-        if isinstance(rec.get("step"), int):
-            by_step[rec["step"]] = rec  # keep the last record of a repeated step
-    if not by_step:
+    records = merge_steps(read_metrics(file))
+    if not records:
         raise ValueError(f"{file} has no metric records")
-    records = [by_step[s] for s in sorted(by_step)]
-    first, last = records[0]["step"], records[-1]["step"]
-    name = run_dir.resolve().name
-    title = f"{name} — {len(records)} rollout steps"
-    if (first, last) != (1, len(records)):
-        title += f" (steps {first}–{last})"
-    fig = _build_figure(records, title)
+    fig = _build_figure(records, _title(run_dir.resolve().name, records))
 
     out = Path(out_path) if out_path is not None else run_dir / DASHBOARD_FILE
     atomic_write(out, lambda f: fig.savefig(f, format="png"))

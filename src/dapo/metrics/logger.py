@@ -17,6 +17,14 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from dapo.atomic import atomic_write
+from dapo.metrics.console import (
+    BAR_KEYS,
+    LineStream,
+    compact_line,
+    full_lines,
+    signals,
+    timing,
+)
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -31,20 +39,6 @@ PG_LOSS_NEAR_ZERO = 1e-3  # |actor/pg_loss| below this triggers the one-time not
 _RESERVED_KEYS = ("step", "time")
 _NONFINITE_TO_STR = {math.inf: "inf", -math.inf: "-inf"}
 _STR_TO_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-# Console postfix: (metric key, short label, unit suffix).
-_POSTFIX_KEYS = (
-    ("reward/acc", "acc", ""),
-    ("reward/mean", "reward", ""),
-    ("response_length/mean", "len", ""),
-    ("actor/entropy", "ent", ""),
-    ("actor/clip_frac_high", "clip_hi", ""),
-    ("sampling/uniform_groups", "uniform", ""),
-    ("perf/step_s", "step", "s"),
-)
-# Group order of the periodic one-line summary; other groups follow alphabetically.
-_GROUP_ORDER = ("reward", "val", "response_length", "actor", "sampling", "perf")
-
 
 # --------------------------------------------------------------------------- helpers
 
@@ -100,15 +94,6 @@ def _parse_jsonl(path: Path) -> Iterator[tuple[bytes, dict[str, Any]]]:
         yield raw, obj
 
 
-def _fmt(value: float) -> str:
-    """Compact number formatting for console output."""
-    if not math.isfinite(value):
-        return str(value)
-    if abs(value) >= 1000 or (value == int(value) and abs(value) < 1e15):
-        return f"{value:.0f}"
-    return f"{value:.4g}"
-
-
 def _metrics_path(path: str | Path) -> Path:
     path = Path(path)
     return path / METRICS_FILE if path.is_dir() else path
@@ -121,32 +106,6 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
-class _LineStream:
-    """Stream wrapper for non-TTY output: each tqdm redraw becomes one plain line.
-
-    tqdm redraws in place with carriage returns and padding, which turns CI logs into
-    one endless line; here every non-empty redraw is written as its own line instead.
-    """
-
-    def __init__(self, stream: IO[str]) -> None:
-        self._stream = stream
-        self._last = ""
-
-    def write(self, text: str) -> int:
-        line = text.replace("\r", "").rstrip()
-        if line and line != self._last:
-            self._stream.write(line + "\n")
-            self._last = line
-        return len(text)
-
-    def flush(self) -> None:
-        self._stream.flush()
-
-    @property
-    def encoding(self) -> str | None:
-        return getattr(self._stream, "encoding", None)
-
-
 # --------------------------------------------------------------------------- logger
 
 
@@ -154,8 +113,15 @@ class MetricsLogger:
     """Per-step metrics sink: JSONL (always), TensorBoard, W&B (optional) and console.
 
     With ``enabled=False`` (non-zero ranks) every method is a no-op and nothing is written.
-    ``console`` controls the progress bar and periodic summaries; :meth:`message` prints
-    whenever the logger is enabled.
+    ``console`` shows a progress bar and, on the first step, every ~10% of the run, at each
+    evaluation and at the end, one compact line of the paper's signals
+    (:mod:`dapo.metrics.console`); ``verbose`` prints that line and every metric at every
+    step. :meth:`message` prints whenever the logger is enabled.
+
+    ``resume_step``: the step a resumed run continues from; the records a crashed run wrote
+    after it are dropped (those of steps ``0..resume_step`` are kept: step 0 holds the
+    held-out accuracy before training). ``None``: a new run, whose ``metrics.jsonl`` starts
+    empty (a file left by an earlier run in ``output_dir`` is replaced).
     """
 
     def __init__(
@@ -171,6 +137,7 @@ class MetricsLogger:
         config: dict | None = None,
         resume_step: int | None = None,
         enabled: bool = True,
+        verbose: bool = False,
     ) -> None:
         total_steps = operator.index(total_steps)
         if total_steps < 1:
@@ -182,6 +149,7 @@ class MetricsLogger:
         self.output_dir = Path(output_dir)
         self.total_steps = total_steps
         self.enabled = enabled
+        self.verbose = verbose
         self.metrics_path = self.output_dir / METRICS_FILE
         self._closed = False
         self._file: IO[str] | None = None
@@ -194,17 +162,19 @@ class MetricsLogger:
         self._warned_reserved = False
         self._last_step: int | None = None
         self._last_values: dict[str, float] = {}
-        self._last_summary_step: int | None = None
+        self._last_printed_step: int | None = None
+        self._trained_step_seen = False
         self._start_step = resume_step or 0
-        self._summary_every = max(1, math.ceil(total_steps / 10))
+        self._print_every = max(1, math.ceil(total_steps / 10))
+        self._showwarning: Any = None  # the hook replaced while an in-place bar is drawn
         self._t0 = time.time()
         if not enabled:
             return
 
         wandb_mod = _import_wandb() if wandb else None  # fail before touching anything
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None:
-            self._truncate(resume_step)
+        keep_through = -1 if resume_step is None else resume_step
+        self._truncate(keep_through)
         self._file = self._open_append()
 
         if wandb_mod is not None:
@@ -220,7 +190,7 @@ class MetricsLogger:
                 raise
 
         if tensorboard:
-            self._tb = self._open_tensorboard(resume_step, config)
+            self._tb = self._open_tensorboard(keep_through, config)
 
         if console:
             self._stream = sys.stderr
@@ -231,25 +201,27 @@ class MetricsLogger:
                 initial=min(self._start_step, total_steps),
                 desc="dapo",
                 unit="step",
-                file=self._stream if tty else _LineStream(self._stream),
+                file=self._stream if tty else LineStream(self._stream),
                 dynamic_ncols=True,
                 mininterval=0.5 if tty else 30.0,
                 ascii=None if tty else True,
                 smoothing=0.1,
                 leave=True,
             )
+            if tty:
+                self._route_warnings()
         self._t0 = time.time()
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _truncate(self, resume_step: int) -> None:
-        """Atomically keep only records with step <= resume_step (drops torn lines)."""
+    def _truncate(self, keep_through: int) -> None:
+        """Atomically keep only records with step <= keep_through (drops torn lines)."""
         if not self.metrics_path.exists():
             return
         kept = [
             raw.rstrip(b"\r") + b"\n"
-            for raw, rec in _parse_jsonl(self.metrics_path)
-            if isinstance(rec.get("step"), int) and rec["step"] <= resume_step
+            for raw, rec in (_parse_jsonl(self.metrics_path) if keep_through >= 0 else ())
+            if isinstance(rec.get("step"), int) and rec["step"] <= keep_through
         ]
         atomic_write(self.metrics_path, lambda f: f.writelines(kept))
 
@@ -264,7 +236,7 @@ class MetricsLogger:
                     f.truncate(f.read().rfind(b"\n") + 1)
         return path.open("a", encoding="utf-8")
 
-    def _open_tensorboard(self, resume_step: int | None, config: dict | None) -> Any:
+    def _open_tensorboard(self, keep_through: int, config: dict | None) -> Any:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
@@ -275,14 +247,16 @@ class MetricsLogger:
             )
             return None
         try:
-            # purge_step hides the events a crashed run wrote after the resume checkpoint.
+            # purge_step hides the events a crashed run wrote after the resume checkpoint
+            # (all of them for a new run).
             writer = SummaryWriter(
-                log_dir=str(self.output_dir / TENSORBOARD_DIR),
-                purge_step=None if resume_step is None else resume_step + 1,
+                log_dir=str(self.output_dir / TENSORBOARD_DIR), purge_step=keep_through + 1
             )
             if config:
                 text = json.dumps(config, indent=2, sort_keys=True, default=str)
-                writer.add_text("config", "```\n" + text + "\n```", global_step=resume_step or 0)
+                writer.add_text(
+                    "config", "```\n" + text + "\n```", global_step=max(keep_through, 0)
+                )
         except Exception as err:  # noqa: BLE001 - logging must not stop training
             warnings.warn(f"TensorBoard logging disabled: {err}", RuntimeWarning, stacklevel=3)
             return None
@@ -363,10 +337,11 @@ class MetricsLogger:
             if (
                 self._bar is not None
                 and self._last_step is not None
-                and self._last_summary_step != self._last_step
+                and self._last_printed_step != self._last_step
             ):
-                self.message(self._summary_line(self._last_step, self._last_values))
+                self._print_step(self._last_step, self._last_values)
         finally:
+            self._restore_warnings()
             if self._bar is not None:
                 self._bar.close()
             if self._tb is not None:
@@ -385,52 +360,64 @@ class MetricsLogger:
 
     # ------------------------------------------------------------------ console
 
+    def _route_warnings(self) -> None:
+        """Print warnings above the in-place bar (tqdm.write) instead of into it."""
+        original = warnings.showwarning
+
+        def show(
+            message: Warning | str,
+            category: type[Warning],
+            filename: str,
+            lineno: int,
+            file: IO[str] | None = None,
+            line: str | None = None,
+        ) -> None:
+            if file is not None and file is not sys.stderr:
+                original(message, category, filename, lineno, file, line)
+                return
+            text = warnings.formatwarning(message, category, filename, lineno, line)
+            self.message(text.rstrip("\n"))
+
+        self._showwarning = (original, show)
+        warnings.showwarning = show
+
+    def _restore_warnings(self) -> None:
+        if self._showwarning is not None:
+            original, show = self._showwarning
+            if warnings.showwarning is show:  # not replaced again meanwhile
+                warnings.showwarning = original
+            self._showwarning = None
+
     def _update_console(self, step: int, values: dict[str, float]) -> None:
         bar = self._bar
         if bar is None:
             return
-        bar.set_postfix_str(self._postfix(values), refresh=False)
+        if not self._line_mode:  # the live figures; a plain log gets the lines below
+            bar.set_postfix_str(signals(values, BAR_KEYS), refresh=False)
         if step >= bar.n:
             bar.update(step - bar.n)
-        else:  # step went backwards (should not happen); just move the bar
+        else:  # step went backwards (a record of an earlier step); just move the bar
             bar.n = step
             bar.refresh()
-        first = self._last_summary_step is None
-        if first or step % self._summary_every == 0 or step >= self.total_steps:
-            self._last_summary_step = step
-            self.message(self._summary_line(step, values))
-
-    @staticmethod
-    def _postfix(values: dict[str, float]) -> str:
-        shown = dict(values)
-        if "sampling/uniform_groups" not in shown and (
-            "sampling/all_correct_frac" in shown and "sampling/all_wrong_frac" in shown
+        first = step > self._start_step and not self._trained_step_seen
+        self._trained_step_seen |= step > self._start_step
+        if (
+            self.verbose
+            or first
+            or "val/acc" in values
+            or step % self._print_every == 0
+            or step >= self.total_steps
         ):
-            shown["sampling/uniform_groups"] = (
-                shown["sampling/all_correct_frac"] + shown["sampling/all_wrong_frac"]
-            )
-        return " ".join(
-            f"{label}={_fmt(shown[key])}{unit}"
-            for key, label, unit in _POSTFIX_KEYS
-            if key in shown
-        )
+            self._print_step(step, values)
 
-    def _summary_line(self, step: int, values: dict[str, float]) -> str:
-        groups: dict[str, list[str]] = {}
-        for key, value in values.items():
-            group, _, name = key.rpartition("/")
-            groups.setdefault(group, []).append(f"{name}={_fmt(value)}")
-        order = [g for g in _GROUP_ORDER if g in groups]
-        order += sorted(g for g in groups if g not in _GROUP_ORDER)
-        parts = [f"[step {step}/{self.total_steps} {100 * step / self.total_steps:.0f}%]"]
-        parts += [f"{g or '-'}: {' '.join(groups[g])}" for g in order]
+    def _print_step(self, step: int, values: dict[str, float]) -> None:
+        self._last_printed_step = step
         elapsed = time.time() - self._t0
-        timing = f"elapsed {tqdm.format_interval(elapsed)}"
-        done = step - self._start_step
-        if done > 0 and step < self.total_steps:
-            timing += f" eta {tqdm.format_interval(elapsed / done * (self.total_steps - step))}"
-        parts.append(timing)
-        return " | ".join(parts)
+        clock = timing(elapsed, step - self._start_step, self.total_steps - step)
+        lines = [compact_line(step, self.total_steps, values, clock)]
+        if self.verbose:
+            lines += full_lines(values)
+        self.message("\n".join(lines))
 
 
 def _import_wandb() -> Any:
