@@ -480,6 +480,142 @@ def test_reward_scorer_rejects_bad_configuration(kwargs: dict[str, object], matc
         RewardScorer(**kwargs)  # type: ignore[arg-type]
 
 
+# ---------------------------------------------------------------------------
+# Python callables as reward functions
+# ---------------------------------------------------------------------------
+
+
+def test_lambda_and_closure_rewards_run_in_worker_processes() -> None:
+    answers = {"q1": "7", "q2": "12"}  # local state the closure captures
+
+    class Bonus:  # a class local to this test: cloudpickle sends it by value
+        def __init__(self, amount: float) -> None:
+            self.amount = amount
+
+    bonus = Bonus(0.5)
+
+    def by_key(response: str, ground_truth: str, data_source: str = "") -> float:
+        hit = 1.0 if f"Answer: {answers[ground_truth]}" in response else 0.0
+        return hit + (bonus.amount if data_source == "bonus" else 0.0)
+
+    functions = [(lambda r, g: len(r) / 10, 1.0), (by_key, 2.0)]
+    batch = [req("Answer: 7", "q1"), req("Answer: 7", "q2", "bonus"), req("Answer: 12", "q2")]
+    with RewardScorer(functions, num_workers=1) as scorer:
+        result = scorer.score(batch)
+        assert len(scorer.worker_pids) == 1
+    # by hand: len/10 + 2 * (hit + bonus): 0.9 + 2*1, 0.9 + 2*(0 + 0.5), 1.0 + 2*1
+    assert result.rewards == pytest.approx([2.9, 1.9, 3.0])
+    assert result.failures == 0
+    with RewardScorer([(lambda r, g: os.getpid(), 1.0)], num_workers=1) as scorer:
+        (pid,) = scorer.score([req("a")]).rewards
+        assert pid == scorer.worker_pids[0] != os.getpid()  # run in the worker, not here
+    with RewardScorer([(lambda r, g: os.getpid(), 1.0)], num_workers=0) as scorer:
+        assert scorer.score([req("a")]).rewards == [os.getpid()]  # debugging: in this thread
+
+
+def test_callables_defined_in_main_run_in_worker_processes() -> None:
+    code = (
+        "import os\n"
+        "from dapo.rewards import RewardScorer, ScoreRequest\n"
+        "answers = {'a': '3', 'b': '4'}\n"
+        "def make(weight):\n"
+        "    return lambda response, truth: weight * (answers[truth] in response)\n"
+        "def pid(response, truth):\n"
+        "    return os.getpid()\n"
+        "if __name__ == '__main__':\n"
+        "    functions = [(make(3.0), 1.0), (lambda r, t: len(r), 1.0), (pid, 0.0)]\n"
+        "    with RewardScorer(functions, num_workers=1) as s:\n"
+        "        r = s.score([ScoreRequest('x 3', 'a'), ScoreRequest('x 3', 'b')])\n"
+        "    with RewardScorer([(pid, 1.0)], num_workers=1) as s:\n"
+        "        elsewhere = s.score([ScoreRequest('', '')]).rewards[0] != os.getpid()\n"
+        "    print(r.rewards, r.failures, elsewhere)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[6.0, 3.0] 0 True"  # 3*1 + len('x 3'), 3*0 + 3
+
+
+def test_raising_callable_costs_its_sample_not_the_run() -> None:
+    def picky(response: str, ground_truth: str) -> float:
+        if "RAISE" in response:
+            raise KeyError(response)
+        return 1.0
+
+    with RewardScorer([(picky, 1.0)], num_workers=1) as scorer:
+        with pytest.warns(RewardFunctionWarning) as record:
+            result = scorer.score([req("RAISE"), req("fine"), req("RAISE too")])
+        assert result.rewards == [-1.0, 1.0, -1.0]
+        assert (result.errors, result.failures, result.timeouts) == (2, 2, 0)
+        messages = [str(w.message) for w in record if w.category is RewardFunctionWarning]
+        assert len(messages) == 1
+        assert ".<locals>.picky' raised " in messages[0]  # named by its qualified name
+        assert "KeyError: 'RAISE'" in messages[0]
+
+
+def test_hanging_callable_is_timed_out_in_its_worker() -> None:
+    slow = {"SLEEP": 60.0}  # captured: how long to hang on which marker
+
+    def hangs(response: str, ground_truth: str) -> float:
+        time.sleep(slow.get(response.split()[0], 0.0))
+        return 1.0
+
+    with RewardScorer([(hangs, 1.0)], timeout_s=0.5, num_workers=1) as scorer:
+        scorer.score([req("warm")])
+        pids = scorer.worker_pids
+        start = time.monotonic()
+        with pytest.warns(RewardFunctionWarning, match=r"took longer than 0.5 s.*worker was"):
+            result = scorer.score([req("ok"), req("SLEEP now"), req("ok again")])
+        assert time.monotonic() - start < 5.0
+        assert result.rewards == [1.0, -1.0, 1.0]
+        assert (result.timeouts, result.failures) == (1, 1)
+        assert scorer.worker_pids != pids  # the stuck worker was replaced
+
+
+def test_unpicklable_callable_runs_in_this_process_with_failure_isolation() -> None:
+    lock = threading.Lock()  # cannot be pickled: the closure stays in this process
+    release = threading.Event()
+    threads: list[str] = []
+
+    def locked(response: str, ground_truth: str) -> float:
+        with lock:
+            threads.append(threading.current_thread().name)
+        if "RAISE" in response:
+            raise RuntimeError("no")
+        if "HANG" in response:
+            release.wait(30)
+        return 0.25
+
+    with pytest.warns(RewardFunctionWarning) as record:
+        scorer = RewardScorer([("dapo_math", 1.0), (locked, 2.0)], timeout_s=0.5, num_workers=1)
+    messages = [str(w.message) for w in record if w.category is RewardFunctionWarning]
+    assert len(messages) == 1 and "\n" not in messages[0]
+    assert "locked' cannot be pickled for the worker processes (TypeError: " in messages[0]
+    assert "_thread.lock" in messages[0] and "runs in this process" in messages[0]
+    try:
+        batch = [req("Answer: 7"), req("RAISE"), req("Answer: 8"), req("HANG"), req("Answer: 7")]
+        start = time.monotonic()
+        with pytest.warns(RewardFunctionWarning) as record:
+            result = scorer.score(batch)
+        assert time.monotonic() - start < 5.0
+        # dapo_math (in a worker) + 2 * 0.25 (here): 1 + 0.5, -1 + 0.5; failures score -1
+        assert result.rewards == [1.5, -1.0, -0.5, -1.0, 1.5]
+        assert (result.errors, result.timeouts, result.failures) == (1, 1, 2)
+        texts = " ".join(str(w.message) for w in record)
+        assert "raised RuntimeError: no" in texts and "runs on in a background thread" in texts
+        assert len(scorer.worker_pids) == 1  # dapo_math still ran in the worker
+        assert len(threads) == 5 and all(t == "dapo-reward" for t in threads)  # visible here
+        assert scorer.score([req("Answer: 7")]).rewards == [1.5]  # a fresh helper thread
+    finally:
+        release.set()
+        scorer.close()
+
+
+def test_reward_functions_must_be_specs_or_callables() -> None:
+    with pytest.raises(ValueError, match=r"functions\[0\] name '3' is neither a built-in"):
+        RewardScorer([(3, 1.0)], num_workers=0)  # type: ignore[list-item]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

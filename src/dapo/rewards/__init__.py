@@ -3,8 +3,11 @@
 - ``math``: extract and normalise final answers; the built-in scorers ``dapo_math`` and
   ``math_verify``.
 - ``shaping``: the soft overlong punishment and the overlong filter mask.
-- ``user``: loading ``module:function`` reward functions and running one sample.
-- ``pool``: :class:`RewardScorer`, the functions in worker processes with timeouts.
+- ``user``: reward functions given as ``module:function`` specs or Python callables, and
+  running them on one sample.
+- ``scorer``: :class:`RewardScorer`, the weighted reward of a batch, never failing the run.
+- ``pool`` and ``worker``: the persistent worker processes that run the functions, each call
+  timed; ``inprocess``: the helper thread for callables that cannot be pickled.
 
 The package imports neither torch nor the trainer: scoring workers import only it.
 """
@@ -18,7 +21,7 @@ from dapo.rewards.math import (
     normalize_final_answer,
     scorer_for_source,
 )
-from dapo.rewards.pool import RewardScorer, ScoreRequest, ScoreResult
+from dapo.rewards.scorer import RewardScorer, ScoreRequest, ScoreResult
 from dapo.rewards.shaping import overlong_filter_mask, soft_overlong_punishment
 from dapo.rewards.user import load_reward_function
 

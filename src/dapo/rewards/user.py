@@ -1,4 +1,9 @@
-"""User reward functions: load ``module:function`` / ``file.py:function`` and run one sample."""
+"""User reward functions: ``module:function`` / ``file.py:function`` specs and Python
+callables, loaded into a table of :class:`RewardFn`, and running them on one sample.
+
+A reward function is called ``fn(response, ground_truth, data_source=...)`` when it accepts
+``data_source`` (or ``**kwargs``), else ``fn(response, ground_truth)``, and returns a number.
+"""
 
 from __future__ import annotations
 
@@ -8,37 +13,57 @@ import inspect
 import math
 import numbers
 import os
+import pickle
 import re
 import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dapo.rewards.math import SCORERS
 
-if TYPE_CHECKING:
-    pass
+SPEC_FORMS = "'package.module:function' or 'path/to/file.py:function'"
+
+# How running the functions of one sample ended: (OK, values) or (kind, fn id, detail).
+OK, TIMEOUT, ERROR, BAD_VALUE = "ok", "timeout", "error", "bad_value"
+Outcome = tuple[Any, ...]
 
 
 # ---------------------------------------------------------------------------
-# User reward functions
+# Specs
 # ---------------------------------------------------------------------------
 
-_SPEC_FORMS = "'package.module:function' or 'path/to/file.py:function'"
 
-
-def _is_file_spec(module_part: str) -> bool:
+def is_file_spec(module_part: str) -> bool:
+    """Whether the part before ``:`` of a spec is a file path rather than a module name."""
     return module_part.endswith(".py") or "/" in module_part or os.sep in module_part
 
 
-def _split_spec(spec: str) -> tuple[str, str]:
+def split_spec(spec: str) -> tuple[str, str]:
+    """``(module or file, attribute)`` of a spec; ValueError naming the forms if malformed."""
     module_part, sep, attr = str(spec).rpartition(":")
     module_part, attr = module_part.strip(), attr.strip()
     if not sep or not module_part or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", attr):
-        raise ValueError(f"reward function spec {spec!r} is malformed: expected {_SPEC_FORMS}")
+        raise ValueError(f"reward function spec {spec!r} is malformed: expected {SPEC_FORMS}")
     return module_part, attr
+
+
+def worker_spec(spec: str, where: str, in_workers: bool) -> str:
+    """``spec`` as a worker process loads it (a file spec made absolute: a worker's working
+    directory may differ); ValueError naming ``where`` for a spec that no worker can load."""
+    module_part, attr = split_spec(spec)
+    if module_part == "__main__" and in_workers:
+        raise ValueError(
+            f"{where} {spec!r}: worker processes cannot see functions of the main script; "
+            "pass the function itself instead of its name, move it to a module, or name "
+            "the script's file ('path/to/script.py:function', guarded by "
+            "if __name__ == '__main__')"
+        )
+    if is_file_spec(module_part):
+        module_part = str(Path(module_part).expanduser().resolve())
+    return f"{module_part}:{attr}"
 
 
 def _import_file(spec: str, path_text: str) -> Any:
@@ -102,9 +127,10 @@ def _callables_of(module: Any, limit: int = 10) -> str:
 
 
 def load_reward_function(spec: str) -> Callable[..., Any]:
-    """Load ``package.module:function`` or ``path/to/file.py:function`` (dotted attributes allowed)."""
-    module_part, attr = _split_spec(spec)
-    if _is_file_spec(module_part):
+    """Load ``package.module:function`` or ``path/to/file.py:function`` (dotted attributes
+    allowed)."""
+    module_part, attr = split_spec(spec)
+    if is_file_spec(module_part):
         module = _import_file(spec, module_part)
         where = f"file {module_part!r}"
     else:
@@ -125,7 +151,13 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
     return obj
 
 
-def _accepts_data_source(fn: Callable[..., Any]) -> bool:
+# ---------------------------------------------------------------------------
+# The function table
+# ---------------------------------------------------------------------------
+
+
+def accepts_data_source(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` takes ``data_source`` by keyword (that parameter, or ``**kwargs``)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -138,26 +170,60 @@ def _accepts_data_source(fn: Callable[..., Any]) -> bool:
 
 
 @dataclass
-class _Fn:
+class RewardFn:
     """A loaded reward function: its display name and how to call it."""
 
     name: str
     fn: Callable[..., Any]
     takes_data_source: bool
 
+    @classmethod
+    def of(cls, name: str, fn: Callable[..., Any]) -> RewardFn:
+        return cls(name, fn, accepts_data_source(fn))
 
-def _load_entry(name: str, load_spec: str) -> _Fn:
-    if load_spec in SCORERS:
-        return _Fn(name, SCORERS[load_spec], False)
-    fn = load_reward_function(load_spec)
-    return _Fn(name, fn, _accepts_data_source(fn))
+
+Source = str | bytes | None  # a SCORERS name or a spec, a pickled callable, or not here
+
+
+def load_entry(name: str, source: Source) -> RewardFn | None:
+    """The table entry of one function: a built-in scorer, a spec, or a pickled callable
+    (:func:`pickle_function`); None for a function this process does not run."""
+    if source is None:
+        return None
+    if isinstance(source, bytes):
+        try:
+            return RewardFn.of(name, pickle.loads(source))
+        except Exception as e:
+            raise ValueError(f"reward function {name!r} could not be unpickled: {e!r}") from e
+    if source in SCORERS:
+        return RewardFn(name, SCORERS[source], False)
+    return RewardFn.of(name, load_reward_function(source))
+
+
+def callable_name(fn: Callable[..., Any]) -> str:
+    """A reward callable's display name: its qualified name (``<lambda>``,
+    ``make_reward.<locals>.reward``) or, for a callable object, its class's."""
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def pickle_function(fn: Callable[..., Any]) -> bytes:
+    """``fn`` serialised with cloudpickle, so that a worker process can run it: functions of
+    ``__main__`` or a notebook, lambdas and closures go by value, with what they capture;
+    functions of importable modules by reference. Checked by unpickling it here once.
+    ValueError saying why when it cannot be (it captures a lock, a file, a socket...)."""
+    import cloudpickle
+
+    try:
+        data = cloudpickle.dumps(fn)
+        pickle.loads(data)
+    except Exception as e:
+        raise ValueError(f"{type(e).__name__}: {e}") from e
+    return data
 
 
 # ---------------------------------------------------------------------------
 # Running one sample
 # ---------------------------------------------------------------------------
-
-_OK, _TIMEOUT, _ERROR, _BAD = "ok", "timeout", "error", "bad_value"
 
 
 def _as_number(value: Any) -> float | None:
@@ -174,7 +240,7 @@ def _as_number(value: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _describe_exception(e: BaseException) -> str:
+def describe_exception(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
@@ -185,30 +251,32 @@ def _describe_exception(e: BaseException) -> str:
     return text[:500]
 
 
-def _run_item(
-    table: list[_Fn],
+def run_sample(
+    table: list[RewardFn | None],
     fn_ids: tuple[int, ...],
     response: str,
     ground_truth: str,
     data_source: str,
     on_call: Callable[[int], None] | None = None,
-) -> tuple[Any, ...]:
-    """Run the functions of one sample: ``(ok, values)`` or ``(kind, fn_id, detail)``."""
+) -> Outcome:
+    """Run the functions ``fn_ids`` of ``table`` on one sample: ``(OK, values)``, or
+    ``(kind, fn id, detail)`` for the first that raised or returned a non-number."""
     values = []
     for fid in fn_ids:
         if on_call is not None:
             on_call(fid)
         entry = table[fid]
+        assert entry is not None, f"reward function {fid} is not loaded in this process"
         try:
             if entry.takes_data_source:
                 value = entry.fn(response, ground_truth, data_source=data_source)
             else:
                 value = entry.fn(response, ground_truth)
         except Exception as e:
-            return (_ERROR, fid, _describe_exception(e))
+            return (ERROR, fid, describe_exception(e))
         x = _as_number(value)
         if x is None:
             text = repr(value)
-            return (_BAD, fid, text if len(text) <= 200 else text[:200] + "...")
+            return (BAD_VALUE, fid, text if len(text) <= 200 else text[:200] + "...")
         values.append(x)
-    return (_OK, values)
+    return (OK, values)

@@ -1,7 +1,9 @@
 """The scoring worker process: load the reward functions, then score chunks until EOF.
 
-Runs in a fresh interpreter started by :class:`~dapo.rewards.pool.RewardScorer` (which is
-the parent side). It imports only the rewards package: not torch, not the training script.
+Runs in a fresh interpreter started by :class:`~dapo.rewards.pool.WorkerPool` (the parent
+side, owned by :class:`~dapo.rewards.scorer.RewardScorer`). It imports only the rewards
+package (and what the reward functions need): not torch, not the training script. Functions
+given as Python callables arrive pickled with cloudpickle and are unpickled here.
 """
 
 from __future__ import annotations
@@ -12,12 +14,11 @@ import os
 import struct
 import time
 from multiprocessing.connection import Connection
-from typing import Any
 
 from dapo.rewards.math import SCORERS
-from dapo.rewards.user import _load_entry, _run_item
+from dapo.rewards.user import Outcome, load_entry, run_sample
 
-_PROGRESS = struct.Struct("<Q")  # shared slot: ((position in chunk + 1) << 16) | fn id, 0 = idle
+PROGRESS = struct.Struct("<Q")  # shared slot: ((position in chunk + 1) << 16) | fn id, 0 = idle
 _FLUSH_INTERVAL_S = 0.2  # a worker reports finished samples at least this often
 
 # What a fresh interpreter runs to become a worker (argv: the pipe's fd, the progress fd).
@@ -29,17 +30,17 @@ BOOT = (
     "    sys.path[:] = conn.recv()\n"
     "except EOFError:\n"  # the scorer was closed before this worker started
     "    sys.exit(0)\n"
-    "from dapo.rewards.worker import _worker_main\n"
-    "_worker_main(conn, int(sys.argv[2]))\n"
+    "from dapo.rewards.worker import main\n"
+    "main(conn, int(sys.argv[2]))\n"
 )
 
 
-def _worker_main(conn: Connection, progress_fd: int) -> None:
+def main(conn: Connection, progress_fd: int) -> None:
     """Entry point of a scoring worker: load the functions, then score chunks until EOF."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
-    progress = mmap.mmap(progress_fd, _PROGRESS.size)
+    progress = mmap.mmap(progress_fd, PROGRESS.size)
     os.close(progress_fd)
     # The parent closing the pipe (close(), exit) is the normal way to stop a worker.
     with contextlib.suppress(EOFError, BrokenPipeError, ConnectionResetError):
@@ -49,7 +50,7 @@ def _worker_main(conn: Connection, progress_fd: int) -> None:
 def _worker_loop(conn: Connection, progress: mmap.mmap) -> None:
     _, entries, warm = conn.recv()
     try:
-        table = [_load_entry(name, spec) for name, spec in entries]
+        table = [load_entry(name, source) for name, source in entries]
     except BaseException as e:
         conn.send(("init_error", f"{type(e).__name__}: {e}"))
         return
@@ -61,7 +62,7 @@ def _worker_loop(conn: Connection, progress: mmap.mmap) -> None:
         chunk = conn.recv()
         if chunk is None:
             return
-        out: list[tuple[Any, ...]] = []
+        out: list[tuple[int, Outcome]] = []
         last_flush = time.monotonic()
         for pos, (item_id, response, ground_truth, data_source, fn_ids) in enumerate(chunk):
             if out and time.monotonic() - last_flush >= _FLUSH_INTERVAL_S:
@@ -70,12 +71,10 @@ def _worker_loop(conn: Connection, progress: mmap.mmap) -> None:
             base = (pos + 1) << 16
 
             def on_call(fid: int, base: int = base) -> None:
-                _PROGRESS.pack_into(progress, 0, base | fid)
+                PROGRESS.pack_into(progress, 0, base | fid)
 
             out.append(
-                (item_id, _run_item(table, fn_ids, response, ground_truth, data_source, on_call))
+                (item_id, run_sample(table, fn_ids, response, ground_truth, data_source, on_call))
             )
-        _PROGRESS.pack_into(progress, 0, 0)
+        PROGRESS.pack_into(progress, 0, 0)
         conn.send(("results", out, True))
-
-

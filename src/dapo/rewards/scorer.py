@@ -1,0 +1,370 @@
+""":class:`RewardScorer`: the weighted reward of each response, never failing the run.
+
+The functions run in persistent worker processes (:class:`~dapo.rewards.pool.WorkerPool`)
+so that a hung or crashing reward function costs one sample (scored -1.0) and never the
+training run; Python callables that cannot be sent there run in this process on a helper
+thread (:class:`~dapo.rewards.inprocess.ThreadRunner`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dapo.errors import RewardFunctionWarning
+from dapo.rewards.inprocess import ThreadRunner
+from dapo.rewards.math import SCORERS, scorer_for_source
+from dapo.rewards.pool import WorkerPool
+from dapo.rewards.user import (
+    ERROR,
+    OK,
+    SPEC_FORMS,
+    TIMEOUT,
+    Outcome,
+    RewardFn,
+    Source,
+    callable_name,
+    load_entry,
+    pickle_function,
+    run_sample,
+    worker_spec,
+)
+
+RewardSpec = str | Callable[..., Any]  # a SCORERS name, a spec, or a Python callable
+
+
+@dataclass
+class ScoreRequest:
+    """One response to score."""
+
+    response: str
+    ground_truth: str
+    data_source: str = "math_dapo"
+
+
+@dataclass
+class ScoreResult:
+    """Rewards of a batch and how many samples failed (failed samples score -1.0)."""
+
+    rewards: list[float]
+    correct: list[bool]
+    failures: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    bad_values: int = 0
+
+
+@dataclass
+class _Plan:
+    """What to run: per function its name, what a worker loads (None: runs in this process),
+    the function loaded here, and its weight."""
+
+    names: list[str]
+    sources: list[Source]
+    table: list[RewardFn | None]
+    weights: list[float]
+    fixed_ids: tuple[int, ...] | None  # None: one built-in scorer chosen per data source
+    warm: list[str] = field(default_factory=list)
+
+    @property
+    def in_process(self) -> frozenset[int]:
+        return frozenset(i for i, s in enumerate(self.sources) if s is None)
+
+
+class RewardScorer:
+    """Scores responses with reward functions in persistent worker processes.
+
+    ``functions`` is a list of ``(function, weight)``; the reward is the weighted sum. A
+    function is a :data:`SCORERS` key, a ``module:function`` / ``file.py:function`` spec,
+    or a Python callable (a function, a lambda, a closure, a callable object, defined
+    anywhere, ``__main__`` and notebook cells included). Every user function is called as
+    ``fn(response, ground_truth, data_source=...)`` when it accepts ``data_source`` (or
+    ``**kwargs``), else ``fn(response, ground_truth)``, once per sample (there is no batched
+    form). Without functions, each request gets the built-in scorer
+    ``scorer_for_source(data_source, source_scorers, default_scorer)`` with weight 1
+    (``source_scorers`` and ``default_scorer`` only apply then).
+
+    Each reward-function call on one sample may take at most ``timeout_s``; a worker
+    stuck longer is killed and replaced, and the other samples it held are retried. A
+    sample whose function times out, raises, or returns a non-number/NaN/inf scores
+    -1.0 whatever the weights; each kind of failure is warned about once per function
+    (:class:`RewardFunctionWarning`). ``num_workers=0`` scores in the calling thread
+    without any timeout: for debugging only. Concurrent :meth:`score` calls from
+    several threads are serialised by a lock.
+
+    Callables are sent to the workers serialised with cloudpickle, by value when they
+    live in ``__main__`` or a notebook (with what they capture) and by reference when
+    importable: each worker runs its own copy, so state a callable changes (a counter it
+    increments) changes in the workers, not here. A callable cloudpickle cannot serialise
+    (it captures a lock, an open file, a socket...) runs in this process instead, on a
+    helper thread, with a one-line :class:`RewardFunctionWarning` at construction: an
+    exception or a bad value still costs only its sample, and a call over ``timeout_s``
+    scores a time-out and is abandoned, but it cannot be stopped: it runs on in the
+    background until it returns.
+    """
+
+    def __init__(
+        self,
+        functions: Sequence[tuple[RewardSpec, float]] | None = None,
+        *,
+        source_scorers: dict[str, str] | None = None,
+        default_scorer: str = "dapo_math",
+        timeout_s: float = 5.0,
+        num_workers: int = 1,
+    ) -> None:
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(
+                "timeout_s (reward.timeout_s) must be a positive number of seconds, "
+                f"got {timeout_s!r}"
+            )
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(
+                f"num_workers (reward.num_workers) must be an int >= 0, got {num_workers!r}; "
+                "use 0 for in-process debugging or 1+ worker processes"
+            )
+        self.timeout_s = float(timeout_s)
+        self.num_workers = num_workers
+        self._source_scorers = dict(source_scorers or {})
+        self._default_scorer = default_scorer
+        self._plan = self._make_plan(functions)
+        self._in_process = self._plan.in_process
+        self._source_ids: dict[str, int] = {}
+        self._warned: set[tuple[int | None, str]] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        # (runner, whether it runs the in-process functions); none for num_workers=0
+        self._runners: list[tuple[WorkerPool | ThreadRunner, bool]] = []
+        if num_workers > 0 and len(self._in_process) < len(self._plan.sources):
+            entries = list(zip(self._plan.names, self._plan.sources, strict=True))
+            pool = WorkerPool(entries, self._plan.warm, num_workers, self.timeout_s)
+            self._runners.append((pool, False))
+        if num_workers > 0 and self._in_process:
+            self._runners.append((ThreadRunner(self._plan.table, self.timeout_s), True))
+
+    # -- construction -------------------------------------------------------
+
+    def _make_plan(self, functions: Sequence[tuple[RewardSpec, float]] | None) -> _Plan:
+        if not functions:
+            for source in self._source_scorers:
+                scorer_for_source(source, self._source_scorers, self._default_scorer)
+            scorer_for_source("", None, self._default_scorer)
+            names = list(SCORERS)
+            used = {self._default_scorer, *self._source_scorers.values()}
+            table = [load_entry(n, n) for n in names]
+            return _Plan(
+                names, list(names), table, [1.0] * len(names), None, sorted(used - {"dapo_math"})
+            )
+        plan = _Plan([], [], [], [], tuple(range(len(functions))))
+        for i, item in enumerate(functions):
+            try:
+                function, weight = item
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"reward.functions[{i}] must be a (name, weight) pair, got {item!r}"
+                ) from None
+            if not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise ValueError(
+                    f"reward.functions[{i}] weight must be a finite number, got {weight!r}"
+                )
+            if callable(function):
+                name, source = callable_name(function), self._callable_source(function)
+                entry = RewardFn.of(name, function)
+            else:
+                name = str(function)
+                source = self._spec_source(name, f"reward.functions[{i}]")
+                entry = load_entry(name, source)  # fail here, not in a worker
+            plan.names.append(name)
+            plan.sources.append(source)
+            plan.table.append(entry)
+            plan.weights.append(float(weight))
+        scorers = {s for s in plan.sources if isinstance(s, str) and s in SCORERS}
+        plan.warm = sorted(scorers - {"dapo_math"})
+        return plan
+
+    def _spec_source(self, name: str, where: str) -> str:
+        """What a worker loads for the function named ``name``."""
+        if name in SCORERS:
+            return name
+        if ":" in name:
+            return worker_spec(name, where, in_workers=self.num_workers > 0)
+        raise ValueError(
+            f"{where} name {name!r} is neither a built-in scorer "
+            f"({', '.join(sorted(SCORERS))}) nor a spec {SPEC_FORMS}"
+        )
+
+    def _callable_source(self, fn: Callable[..., Any]) -> bytes | None:
+        """``fn`` pickled for the workers, or None (with a warning) to run it here."""
+        if self.num_workers == 0:
+            return None
+        try:
+            return pickle_function(fn)
+        except ValueError as e:
+            warnings.warn(
+                f"reward function {callable_name(fn)!r} cannot be pickled for the worker "
+                f"processes ({e}); it runs in this process on a helper thread, where a call "
+                f"over {self.timeout_s:g} s scores -1.0 but cannot be stopped.",
+                RewardFunctionWarning,
+                stacklevel=4,
+            )
+            return None
+
+    # -- public API ---------------------------------------------------------
+
+    def score(self, requests: list[ScoreRequest]) -> ScoreResult:
+        """Score a batch; never raises for a misbehaving reward function."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardScorer is closed; create a new one")
+            plans = [self._fn_ids(r.data_source) for r in requests]
+            if not requests:
+                outcomes: list[Outcome] = []
+            elif not self._runners:  # num_workers=0
+                outcomes = [
+                    run_sample(self._plan.table, ids, r.response, r.ground_truth, r.data_source)
+                    for r, ids in zip(requests, plans, strict=True)
+                ]
+            else:
+                outcomes = self._run(requests, plans)
+            return self._assemble(outcomes, plans)
+
+    def score_groups(
+        self, texts: Sequence[Sequence[str]], truths: Sequence[tuple[str, str]]
+    ) -> tuple[list[list[float]], list[list[bool]], ScoreResult]:
+        """Score responses grouped by prompt: ``texts[i]`` are the responses to a prompt
+        whose ``(ground_truth, data_source)`` is ``truths[i]``. Returns the rewards and
+        correctness per group, and the flat :class:`ScoreResult` (failure counts)."""
+        requests = [
+            ScoreRequest(response=text, ground_truth=truth, data_source=source)
+            for group, (truth, source) in zip(texts, truths, strict=True)
+            for text in group
+        ]
+        result = self.score(requests)
+        rewards: list[list[float]] = []
+        correct: list[list[bool]] = []
+        start = 0
+        for group in texts:
+            rewards.append(list(result.rewards[start : start + len(group)]))
+            correct.append(list(result.correct[start : start + len(group)]))
+            start += len(group)
+        return rewards, correct, result
+
+    def close(self) -> None:
+        """Stop the worker processes (idempotent)."""
+        with self._lock:
+            self._closed = True
+            for runner, _ in self._runners:
+                if isinstance(runner, WorkerPool):
+                    runner.close()
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the live workers."""
+        pool = self._pool()
+        return pool.pids if pool else []
+
+    @property
+    def worker_startup_s(self) -> list[float]:
+        """Start-up time (spawn to ready) of each ready worker, in seconds."""
+        pool = self._pool()
+        return pool.startup_s if pool else []
+
+    # -- helpers ------------------------------------------------------------
+
+    def _pool(self) -> WorkerPool | None:
+        return next((r for r, _ in self._runners if isinstance(r, WorkerPool)), None)
+
+    def _fn_ids(self, data_source: str) -> tuple[int, ...]:
+        if self._plan.fixed_ids is not None:
+            return self._plan.fixed_ids
+        fid = self._source_ids.get(data_source)
+        if fid is None:
+            name = scorer_for_source(data_source, self._source_scorers, self._default_scorer)
+            fid = self._source_ids[data_source] = list(SCORERS).index(name)
+        return (fid,)
+
+    def _run(self, requests: list[ScoreRequest], plans: list[tuple[int, ...]]) -> list[Outcome]:
+        """Each runner scores its share of every request's functions (the workers those they
+        loaded, the helper thread the in-process ones); a request's outcome is its first
+        failure, else the values of all its functions in order."""
+        values: list[dict[int, float]] = [{} for _ in requests]
+        failed: list[Outcome | None] = [None] * len(requests)
+        for runner, in_process in self._runners:
+            share = [
+                tuple(f for f in ids if (f in self._in_process) == in_process) for ids in plans
+            ]
+            todo = [i for i, ids in enumerate(share) if ids]
+            items = [
+                (requests[i].response, requests[i].ground_truth, requests[i].data_source, share[i])
+                for i in todo
+            ]
+            for i, outcome in zip(todo, runner.run(items), strict=True):
+                if outcome[0] == OK:
+                    values[i].update(zip(share[i], outcome[1], strict=True))
+                elif failed[i] is None:
+                    failed[i] = outcome
+        return [failed[i] or (OK, [values[i][f] for f in ids]) for i, ids in enumerate(plans)]
+
+    def _assemble(self, outcomes: list[Outcome], plans: list[tuple[int, ...]]) -> ScoreResult:
+        result = ScoreResult(rewards=[], correct=[])
+        for outcome, ids in zip(outcomes, plans, strict=True):
+            if outcome[0] == OK:
+                reward = sum(
+                    self._plan.weights[f] * v for f, v in zip(ids, outcome[1], strict=True)
+                )
+                result.rewards.append(reward)
+                result.correct.append(reward > 0)
+                continue
+            kind, fid, detail = outcome
+            result.rewards.append(-1.0)
+            result.correct.append(False)
+            result.failures += 1
+            if kind == TIMEOUT:
+                result.timeouts += 1
+            elif kind == ERROR:
+                result.errors += 1
+            else:
+                result.bad_values += 1
+            self._warn_once(kind, fid, detail)
+        return result
+
+    def _warn_once(self, kind: str, fid: int | None, detail: str) -> None:
+        if (fid, kind) in self._warned:
+            return
+        self._warned.add((fid, kind))
+        name = self._plan.names[fid] if fid is not None else "<reward worker>"
+        if kind == TIMEOUT:
+            where = (
+                "the call was abandoned (it runs on in a background thread)"
+                if fid in self._in_process
+                else "its worker was restarted"
+            )
+            text = (
+                f"reward function {name!r} took longer than {self.timeout_s:g} s on a sample; "
+                f"the sample scored -1.0 and {where}. Make the function faster or raise "
+                "reward.timeout_s."
+            )
+        elif kind == ERROR:
+            text = (
+                f"reward function {name!r} raised {detail}; the sample scored -1.0. Fix the "
+                "function, or catch the error and return a number."
+            )
+        else:
+            text = (
+                f"reward function {name!r} returned {detail}, not a finite number; the sample "
+                "scored -1.0. Return an int or float (bools count as 0/1)."
+            )
+        warnings.warn(
+            text + " (Warned once per function and kind of failure.)",
+            RewardFunctionWarning,
+            stacklevel=4,
+        )
