@@ -68,22 +68,6 @@ def _shutdown_workers(workers: list[_Worker]) -> None:
     workers.clear()
 
 
-def _shutdown_workers(workers: list[_Worker]) -> None:
-    """Ask every worker to exit (EOF), then reap it, killing stragglers."""
-    for w in workers:
-        with contextlib.suppress(OSError):
-            w.conn.close()
-    deadline = time.monotonic() + 2.0
-    for w in workers:
-        try:
-            w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait()
-        w.progress.close()
-    workers.clear()
-
-
 class WorkerPool:
     """``num_workers`` worker processes that load the functions ``entries`` (``(display name,
     source)`` pairs, :func:`~dapo.rewards.user.load_entry`) and run them on samples, each

@@ -241,6 +241,8 @@ def _as_number(value: Any) -> float | None:
 
 
 def describe_exception(e: BaseException) -> str:
+    """``Type: message (at file:line in function)`` of where ``e`` was raised, at most 500
+    characters: what a failure warning says about a user function's exception."""
     text = f"{type(e).__name__}: {e}"
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
