@@ -15,12 +15,14 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from dapo.config import DataConfig
 from dapo.data import (
     DataError,
     LoadStats,
     PromptRecord,
     encode_prompts,
     group_repeats,
+    load_prompt_set,
     load_records,
     records_from_rows,
     render_prompt,
@@ -482,3 +484,118 @@ def test_group_repeats_order():
     recs = [PromptRecord("a", "1", uid=u) for u in ["x", "y", "x", "z", "y"]]
     assert group_repeats(recs) == {"x": [0, 2], "y": [1, 4], "z": [3]}
     assert list(group_repeats(recs)) == ["x", "y", "z"]
+
+
+# ----------------------------------------------------------------------------- in-memory data
+
+
+def qa_row(problem: str, answer: Any, source: str = "gsm8k") -> dict:
+    """A row with custom column names and a nested answer (data.answer_key="label.value")."""
+    return {"question": problem, "label": {"value": answer, "kind": "int"}, "src": source}
+
+
+def qa_data(**more: Any) -> DataConfig:
+    """The data settings that read :func:`qa_row` rows."""
+    return DataConfig(prompt_key="question", answer_key="label.value", data_source_key="src", **more)
+
+
+QA_DATA = qa_data()
+
+
+def test_in_memory_data_gives_the_records_of_the_same_rows_in_a_file(tmp_path):
+    import datasets
+
+    rows = [
+        qa_row("What is 6*7?", "42"),
+        qa_row("Half of one?", " 0.5 ", source="math"),
+        qa_row("What is 6*7?", "42"),  # a repeat: dropped
+        qa_row("Three?", "3"),
+    ]
+    from_parquet = load_prompt_set(QA_DATA, "train", write_parquet(tmp_path / "t.parquet", rows))
+    from_jsonl = load_prompt_set(QA_DATA, "train", str(write_jsonl(tmp_path / "t.jsonl", rows)))
+    assert [(r.prompt, r.ground_truth, r.data_source) for r in from_parquet] == [
+        ("What is 6*7?", "42", "gsm8k"),
+        ("Half of one?", "0.5", "math"),
+        ("Three?", "3", "gsm8k"),
+    ]
+    assert from_jsonl == from_parquet  # prompt, answer, source, uid and the other fields
+    assert from_parquet[0].extra == {"label": {"value": "42", "kind": "int"}}
+    for data in (
+        datasets.Dataset.from_list(rows),
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}),
+        rows,
+        iter(rows),  # any iterable of rows, read once
+        pd.DataFrame(rows),
+    ):
+        assert load_prompt_set(QA_DATA, "train", data) == from_parquet, type(data)
+
+    # The held-out set: data.eval_split of a DatasetDict, data.max_eval_prompts first rows.
+    splits = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows[:1]), "test": datasets.Dataset.from_list(rows)}
+    )
+    data = qa_data(max_eval_prompts=2)
+    assert load_prompt_set(data, "eval", splits) == from_parquet[:2]
+    assert load_prompt_set(data, "eval", rows) == from_parquet[:2]
+
+
+def test_in_memory_rows_are_deduplicated_and_length_filtered_like_a_file(tmp_path):
+    import datasets
+
+    rows = [qa_row("abc", 1), qa_row("abcdefgh", 2), qa_row("abc", 1), qa_row("a", 3)]
+    file_records, file_stats = load_records(
+        write_jsonl(tmp_path / "r.jsonl", rows), prompt_key="question", answer_key="label.value"
+    )
+    for data in (rows, datasets.Dataset.from_list(rows)):
+        records, stats = load_records(data, prompt_key="question", answer_key="label.value")
+        assert stats == file_stats == LoadStats(rows=4, duplicates=1, too_long=0, kept=3)
+        assert records == file_records
+        kept, ids, dropped = encode_prompts(records, char_tokenizer(), max_prompt_length=4)
+        assert [r.prompt for r in kept] == ["abc", "a"] and dropped == 1
+        assert ids == [char_ids("abc"), char_ids("a")]
+
+
+def test_in_memory_missing_column_names_it_and_the_fix():
+    import datasets
+
+    rows = [{"question": "2+2?", "answer": "4"}, {"question": "3+3?", "answer": "6"}]
+    for data in (rows, datasets.Dataset.from_list(rows)):
+        with pytest.raises(DataError) as err:
+            load_prompt_set(DataConfig(answer_key="answer"), "train", data)
+        assert str(err.value) == (
+            "train_dataset: row 0: field 'prompt': missing; the row's top-level keys are "
+            "['answer', 'question']. Fix: pass data.prompt_key=<the right key> (dotted paths "
+            "reach nested fields, e.g. 'reward_model.ground_truth')"
+        )
+        with pytest.raises(DataError) as err:
+            load_prompt_set(DataConfig(prompt_key="question"), "eval", data)
+        msg = str(err.value)
+        assert msg.startswith("eval_dataset: row 0: field 'reward_model.ground_truth': missing")
+        assert "Fix: pass data.answer_key=<the right key>" in msg
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ([], "train_dataset: the dataset is empty: 0 rows read"),
+        ([{"prompt": "q", "answer": "1"}, "q2"], "train_dataset: row 1: is a str ('q2'), not a"),
+        ({"prompt": ["q"], "answer": ["1"]}, "train_dataset: got type 'dict', a single mapping"),
+        (42, "train_dataset: got type 'int', not rows. Fix: pass a path"),
+    ],
+    ids=["empty", "not-a-row", "dict-of-columns", "not-data"],
+)
+def test_in_memory_data_that_is_not_rows(data, expected):
+    with pytest.raises(DataError) as err:
+        load_prompt_set(DataConfig(answer_key="answer"), "train", data)
+    assert str(err.value).startswith(expected) and "Fix:" in str(err.value)
+
+
+def test_in_memory_datasetdict_without_the_split():
+    import datasets
+
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list([ref_row("a")])})
+    with pytest.raises(DataError) as err:
+        load_prompt_set(DataConfig(), "eval", splits)
+    assert str(err.value) == (
+        "eval_dataset: split 'test' not found; the DatasetDict has splits ['train']. "
+        "Fix: pass data.eval_split=<one of ['train']>."
+    )

@@ -10,7 +10,7 @@ from typing import Any
 from dapo.config import DataConfig
 from dapo.data.curriculum import draw
 from dapo.data.records import LoadStats, PromptRecord, record_field
-from dapo.data.sources import load_records
+from dapo.data.sources import PromptSource, load_records
 from dapo.data.tasks import is_builtin, load_task
 from dapo.errors import DataError
 
@@ -103,22 +103,33 @@ def history_keys(records: list[PromptRecord], field: str | None) -> list[str]:
     return [str(record_field(r, field, "algorithm.skip_key")) for r in records]
 
 
-def load_prompt_set(data: DataConfig, which: str) -> list[PromptRecord]:
-    """The training (``which="train"``) or held-out (``"eval"``) prompts of ``data``."""
-    source = data.train if which == "train" else data.eval
-    split = data.train_split if which == "train" else data.eval_split
+def load_prompt_set(
+    data: DataConfig, which: str, source: PromptSource | None = None
+) -> list[PromptRecord]:
+    """The training (``which="train"``) or held-out (``"eval"``) prompts: ``source`` if
+    given (in-memory data such as a ``datasets.Dataset`` or a list of row dicts, or anything
+    data.train takes), else ``data.train`` / ``data.eval``. Either way the rows go through
+    the same column rules (data.prompt_key, data.answer_key, data.data_source_key, the split
+    of a DatasetDict), errors and dedup; the length filter is :func:`encode_prompts`'."""
+    if which not in ("train", "eval"):
+        raise ValueError(f"which must be 'train' or 'eval', got {which!r}")
+    if source is None:
+        source = data.train if which == "train" else data.eval
     if source is None:
         return []
-    if is_builtin(source):
+    if isinstance(source, str) and is_builtin(source):
         n = 20000 if which == "train" else data.max_eval_prompts
         return load_task(source, "train" if which == "train" else "test", n=n)
     records, _ = load_records(
         source,
-        split=split,
+        split=data.train_split if which == "train" else data.eval_split,
+        split_setting=f"data.{which}_split",
+        name=f"{which}_dataset",
         prompt_key=data.prompt_key,
         answer_key=data.answer_key,
         data_source_key=data.data_source_key,
         dedupe=True,
+        setting_prefix="data.",
     )
     return records[: data.max_eval_prompts] if which == "eval" else records
 

@@ -10,7 +10,7 @@ import difflib
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack
 
@@ -283,6 +283,7 @@ class RecordOptions(TypedDict, total=False):
     default_data_source: str  # for rows without one
     dedupe: bool  # keep the first row of each prompt (else all; repeats share a uid)
     max_rows: int | None  # stop after this many rows
+    setting_prefix: str  # how errors name the key options: "data." -> data.prompt_key
 
 
 def build_records(
@@ -295,9 +296,10 @@ def build_records(
     default_data_source: str = "math_dapo",
     dedupe: bool = True,
     max_rows: int | None = None,
+    setting_prefix: str = "",
 ) -> tuple[list[PromptRecord], LoadStats]:
     """Validate ``(where, row index, row)`` triples into records; ``source`` names the data
-    in errors."""
+    in errors, and the key options are named there ``setting_prefix + "prompt_key"`` etc."""
     if max_rows is not None and max_rows < 0:
         raise DataError(f"max_rows must be >= 0 or None, got {max_rows}")
     stats = LoadStats()
@@ -309,11 +311,15 @@ def build_records(
         stats.rows += 1
         raw_prompt = _get_field(row, prompt_key)
         if raw_prompt is _MISSING:
-            raise _missing_field_error(where, index, row, prompt_key, "prompt_key")
+            raise _missing_field_error(
+                where, index, row, prompt_key, f"{setting_prefix}prompt_key"
+            )
         prompt = _normalize_prompt(raw_prompt, where, index, prompt_key)
         raw_answer = _get_field(row, answer_key)
         if raw_answer is _MISSING:
-            raise _missing_field_error(where, index, row, answer_key, "answer_key")
+            raise _missing_field_error(
+                where, index, row, answer_key, f"{setting_prefix}answer_key"
+            )
         answer = _normalize_answer(raw_answer, where, index, answer_key)
 
         key = _dedupe_key(prompt)
@@ -369,8 +375,21 @@ def record_field(record: PromptRecord, key: str, setting: str) -> Any:
     return _to_plain(value)
 
 
+def located_rows(
+    rows: Iterable[Any], where: str
+) -> Iterator[tuple[str, int, Mapping[str, Any]]]:
+    """``(where, row index, row)`` for in-memory rows, each checked to be a mapping."""
+    for index, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise DataError(
+                f"{where}: row {index}: is a {type(row).__name__} ({_short(row, 60)}), not a "
+                "mapping. Fix: give every row as a dict with the prompt and answer fields."
+            )
+        yield where, index, row
+
+
 def records_from_rows(
     rows: Iterable[Mapping[str, Any]], *, source: str = "<rows>", **options: Unpack[RecordOptions]
 ) -> tuple[list[PromptRecord], LoadStats]:
     """Validate in-memory rows (dicts; numpy arrays allowed) into records, like ``load_records``."""
-    return build_records(((source, i, row) for i, row in enumerate(rows)), source=source, **options)
+    return build_records(located_rows(rows, source), source=source, **options)

@@ -1,5 +1,7 @@
 """Readers: parquet, JSON / JSON lines, ``datasets.save_to_disk`` directories, a directory of
-parquet files, or a locally cached ``datasets`` name, into validated prompt records.
+parquet files, a locally cached ``datasets`` name, or in-memory data (a ``datasets.Dataset``,
+a pandas ``DataFrame``, a list of row dicts), into validated prompt records. Every source
+becomes the same stream of ``(where, row index, row)`` that :func:`build_records` validates.
 """
 
 from __future__ import annotations
@@ -7,12 +9,29 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any, TypeAlias, Unpack
 
-from dapo.data.records import LoadStats, PromptRecord, RecordOptions, build_records
+from dapo.data.records import (
+    LoadStats,
+    PromptRecord,
+    RecordOptions,
+    build_records,
+    located_rows,
+)
 from dapo.errors import DataError
+
+if TYPE_CHECKING:
+    import datasets
+    import pandas
+
+# What data.train / data.eval take (a path, a datasets name, builtin:<task>), or in memory.
+PromptSource: TypeAlias = (
+    "str | os.PathLike[str] | datasets.Dataset | datasets.DatasetDict | pandas.DataFrame "
+    "| Iterable[Mapping[str, Any]]"
+)
 
 _BATCH_ROWS = 8192
 _FILE_SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".json", ".arrow", ".csv", ".tsv", ".txt")
@@ -112,7 +131,7 @@ def _iter_jsonl(path: Path) -> _Located:
             index += 1
 
 
-def _iter_json(path: Path, split: str) -> _Located:
+def _iter_json(path: Path, split: str, setting: str) -> _Located:
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
@@ -139,7 +158,7 @@ def _iter_json(path: Path, split: str) -> _Located:
         else:
             raise DataError(
                 f"{path}: a JSON object with several lists {sorted(lists)} and none named "
-                f"split={split!r}. Fix: pass split=<one of {sorted(lists)}>."
+                f"{setting}={split!r}. Fix: pass {setting}=<one of {sorted(lists)}>."
             )
     if not isinstance(data, list):
         raise DataError(
@@ -183,7 +202,17 @@ def _parquet_files(path: Path, split: str) -> list[Path]:
     return chosen or files
 
 
-def _open_saved(path: Path, split: str) -> tuple[Any, str]:
+def _pick_split(splits: Any, split: str, setting: str, where: str) -> tuple[Any, str]:
+    """The ``split`` of a ``DatasetDict`` (``setting`` names where the split was chosen)."""
+    if split not in splits:
+        raise DataError(
+            f"{where}: split {split!r} not found; the DatasetDict has splits "
+            f"{sorted(splits)}. Fix: pass {setting}=<one of {sorted(splits)}>."
+        )
+    return splits[split], f"{where} [{split}]"
+
+
+def _open_saved(path: Path, split: str, setting: str) -> tuple[Any, str]:
     import datasets
 
     try:
@@ -194,12 +223,7 @@ def _open_saved(path: Path, split: str) -> tuple[Any, str]:
             f"({type(exc).__name__}: {exc}). Fix: re-save it with Dataset.save_to_disk."
         ) from exc
     if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
-            raise DataError(
-                f"{path}: split {split!r} not found; the DatasetDict has splits "
-                f"{sorted(loaded)}. Fix: pass split=<one of {sorted(loaded)}>."
-            )
-        return loaded[split], f"{path} [{split}]"
+        return _pick_split(loaded, split, setting, str(path))
     return loaded, str(path)
 
 
@@ -233,7 +257,7 @@ def _looks_like_path(source: str) -> bool:
     return not _HUB_ID.match(source)
 
 
-def _open_source(source: str, split: str) -> tuple[str, _Located]:
+def _open_source(source: str, split: str, setting: str) -> tuple[str, _Located]:
     """Resolve ``source`` eagerly (so 'not found' errors come at once); iterate rows lazily."""
     path = Path(os.path.expanduser(source))
     if path.is_file():
@@ -243,14 +267,14 @@ def _open_source(source: str, split: str) -> tuple[str, _Located]:
         if suffix in (".jsonl", ".ndjson"):
             return str(path), _iter_jsonl(path)
         if suffix == ".json":
-            return str(path), _iter_json(path, split)
+            return str(path), _iter_json(path, split, setting)
         raise DataError(
             f"{path}: unsupported file type {suffix!r}. Fix: convert it to .parquet, .jsonl or "
             ".json, or save it with datasets' save_to_disk and pass the directory."
         )
     if path.is_dir():
         if _is_saved_dataset(path):
-            ds, where = _open_saved(path, split)
+            ds, where = _open_saved(path, split, setting)
             return where, _iter_hf_dataset(ds, where)
         files = _parquet_files(path, split)
         if files:
@@ -268,14 +292,50 @@ def _open_source(source: str, split: str) -> tuple[str, _Located]:
     return where, _iter_hf_dataset(ds, where)
 
 
+_ACCEPTED = (
+    "a path (.parquet, .jsonl, .json, a directory), a cached datasets name, a "
+    "datasets.Dataset or DatasetDict, a pandas DataFrame, or a list of row dicts"
+)
+
+
+def _open_object(data: Any, split: str, setting: str, name: str | None) -> tuple[str, _Located]:
+    """In-memory data: a datasets.Dataset (or a split of a DatasetDict), a pandas
+    DataFrame, or any iterable of row mappings."""
+    where = name or f"<{type(data).__name__}>"
+    ds = sys.modules.get("datasets")  # not imported: ``data`` cannot be one of its objects
+    if ds is not None and isinstance(data, ds.DatasetDict | ds.IterableDatasetDict):
+        data, where = _pick_split(data, split, setting, where)
+    if ds is not None and isinstance(data, ds.Dataset):
+        return where, _iter_hf_dataset(data, where)
+    if type(data).__module__.startswith("pandas") and hasattr(data, "to_dict"):
+        data = data.to_dict(orient="records")
+    if isinstance(data, Mapping | str | bytes) or not isinstance(data, Iterable):
+        what = "a single mapping, not rows" if isinstance(data, Mapping) else "not rows"
+        raise DataError(
+            f"{where}: got type {type(data).__name__!r}, {what}. Fix: pass {_ACCEPTED} "
+            "(a dict of columns: datasets.Dataset.from_dict(...))."
+        )
+    return where, located_rows(data, where)
+
+
 def load_records(
-    source: str, *, split: str = "train", **options: Unpack[RecordOptions]
+    source: PromptSource,
+    *,
+    split: str = "train",
+    split_setting: str = "split",
+    name: str | None = None,
+    **options: Unpack[RecordOptions],
 ) -> tuple[list[PromptRecord], LoadStats]:
-    """Load and validate prompt records from a file, directory or cached datasets name.
+    """Load and validate prompt records from a file, directory, cached datasets name or
+    in-memory data (:data:`PromptSource`). Errors name in-memory data ``name`` and the
+    choice of split ``split_setting`` (e.g. data.train_split).
 
     Keys are dotted paths into nested fields (:class:`~dapo.data.records.RecordOptions`).
     With ``dedupe`` (default) the first occurrence of each prompt is kept; otherwise all
     rows are kept and repeats share a ``uid``.
     """
-    where, located = _open_source(str(source), split)
+    if isinstance(source, str | os.PathLike):
+        where, located = _open_source(os.fspath(source), split, split_setting)
+    else:
+        where, located = _open_object(source, split, split_setting, name)
     return build_records(located, source=where, **options)
