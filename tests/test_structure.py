@@ -200,6 +200,21 @@ def test_no_package_import_cycle() -> None:
     assert not cycles, "import cycles among packages:\n" + _describe(cycles, graph)
 
 
+def test_no_private_name_imported_across_modules() -> None:
+    """A name with a leading underscore is its module's own: another module that needs it
+    should get it under a public name (or the code should move)."""
+    found = []
+    for name, path in MODULES.items():
+        for node, _ in imports(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ImportFrom) or not _resolve(name, node):
+                continue
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            if private:
+                where = f"{path.relative_to(SRC.parent)}:{node.lineno}"
+                found.append(f"  {where}: {', '.join(private)} from {node.module}")
+    assert not found, "private names imported from another module:\n" + "\n".join(found)
+
+
 # --- the checker itself -------------------------------------------------------------------
 
 
