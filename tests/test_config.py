@@ -8,27 +8,38 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
+import subprocess
+import sys
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import yaml
 
+import dapo.choices
 from dapo.algorithms import ADVANTAGE_SCALES, KL_KINDS, LOSS_AGG_MODES
 from dapo.cli import main
 from dapo.config import (
     ABLATION_LADDER,
     PRESETS,
     AlgorithmConfig,
+    Bounds,
     Config,
     ConfigError,
+    RewardConfig,
     RewardFunctionConfig,
     TrainConfig,
     _all_keys,
     config_from_dict,
     load_config,
+    opt,
     validate,
 )
+from dapo.config.fields import check_fields
+from dapo.config.rules import SECTION_RULES
 from dapo.rollout import ENGINES
 
 
@@ -394,17 +405,25 @@ def test_help_config_lists_every_key_with_default_and_help(capsys):
     assert "L_cache" in out  # overlong_buffer says what it is in the paper's terms
 
 
+def _choices(cls: type) -> dict[str, tuple[str, ...]]:
+    """The allowed names of each enumerated field of a section: its ``Literal`` type's."""
+    hints = typing.get_type_hints(cls)
+    return {k: typing.get_args(tp) for k, tp in hints.items() if typing.get_origin(tp) is Literal}
+
+
 def test_enumerated_fields_take_their_choices_from_the_implementations():
-    choices = {
-        f.name: f.metadata.get("choices")
-        for cls in _sections()
-        for f in dataclasses.fields(cls)
-        if f.metadata.get("choices")
-    }
+    choices = {name: c for cls in _sections() for name, c in _choices(cls).items()}
     assert choices["loss_agg"] is LOSS_AGG_MODES
     assert choices["advantage_scale"] is ADVANTAGE_SCALES
     assert choices["kl_estimator"] is KL_KINDS
     assert choices["engine"] is ENGINES
+    # Every enumerated field takes one of dapo.choices' lists, and none is a plain str.
+    tuples = [v for v in vars(dapo.choices).values() if isinstance(v, tuple)]
+    assert all(any(c is t for t in tuples) for c in choices.values()), choices
+    assert len(choices) == len(tuples) == 14
+    assert not [
+        f for cls in _sections() for f in dataclasses.fields(cls) if "choices" in f.metadata
+    ]
 
 
 def test_loss_agg_accepts_exactly_the_algorithm_modes():
@@ -450,13 +469,25 @@ def test_variant_presets_set_the_papers_values_on_top_of_dapo():
 @pytest.mark.parametrize(
     ("overrides", "key", "fragment"),
     [
-        (["preset=gspo", "algorithm.loss_agg=token-mean"], "algorithm.loss_agg", "seq-mean-token-mean"),
+        (
+            ["preset=gspo", "algorithm.loss_agg=token-mean"],
+            "algorithm.loss_agg",
+            "seq-mean-token-mean",
+        ),
         (["algorithm.policy_loss=gspo"], "algorithm.loss_agg", "length"),
         (["preset=cispo", "algorithm.clip_c=3"], "algorithm.clip_c", "policy_loss=cispo"),
-        (["preset=gspo", "algorithm.entropy_control=kl_cov"], "algorithm.entropy_control", "policy_loss=ppo"),
+        (
+            ["preset=gspo", "algorithm.entropy_control=kl_cov"],
+            "algorithm.entropy_control",
+            "policy_loss=ppo",
+        ),
         (["algorithm.is_cap=0.5"], "algorithm.is_cap", ">= 1"),
         (["algorithm.entropy_coef=-0.1"], "algorithm.entropy_coef", "positive"),
-        (["algorithm.clip_cov_low=5", "algorithm.clip_cov_high=1"], "algorithm.clip_cov_high", "empty"),
+        (
+            ["algorithm.clip_cov_low=5", "algorithm.clip_cov_high=1"],
+            "algorithm.clip_cov_high",
+            "empty",
+        ),
         (["algorithm.kl_cov_ratio=0"], "algorithm.kl_cov_ratio", "(0, 1]"),
         (["algorithm.clip_low=1.5"], "algorithm.clip_low", "[0, 1]"),
         (["algorithm.is_mode=reject"], "algorithm.is_mode", "'mask'"),
@@ -482,7 +513,259 @@ def test_old_and_peer_names_of_the_loss_keys_are_suggested(name, suggested):
 def test_new_enumerations_come_from_dapo_choices():
     from dapo.choices import ENTROPY_CONTROLS, IS_LEVELS, IS_MODES, POLICY_LOSSES
 
-    fields = {f.name: f.metadata.get("choices") for f in dataclasses.fields(AlgorithmConfig)}
+    fields = _choices(AlgorithmConfig)
     assert fields["policy_loss"] is POLICY_LOSSES
     assert fields["is_level"] is IS_LEVELS and fields["is_mode"] is IS_MODES
     assert fields["entropy_control"] is ENTROPY_CONTROLS
+
+
+# --------------------------------------------------------------------------------------
+# Constraints next to their fields (issue 26): bounds, Literal choices, section rules
+# --------------------------------------------------------------------------------------
+
+
+def _leaves(cls: type = Config, prefix: str = "") -> list[tuple[str, type, dataclasses.Field]]:
+    """(key path, section class, field) of every non-section field; list items as [0]."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out += _leaves(tp, f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", cls, f))
+    if cls is RewardConfig:  # reward.functions holds RewardFunctionConfig items
+        out += _leaves(RewardFunctionConfig, f"{prefix}functions[0].")
+    return out
+
+
+def _set(cfg: Config, path: str, value: Any) -> None:
+    """Set ``path`` on a config built in code, bypassing the loader's checks."""
+    if path.startswith("reward.functions[0]."):
+        cfg.reward.functions = [RewardFunctionConfig()]
+    *parents, leaf = path.replace("functions[0]", "functions").split(".")
+    node: Any = cfg
+    for part in parents:
+        node = getattr(node, part)
+        node = node[0] if isinstance(node, list) else node
+    setattr(node, leaf, value)
+
+
+def _outside(b: Bounds, tp: Any) -> Any:
+    """A value just outside the bounds ``b`` of a field of type ``tp``."""
+    if b.nonempty:
+        return [] if typing.get_origin(tp) is list else ""
+    step = 1 if tp is int else 0.5
+    if b.ge is not None:
+        return tp(b.ge - step)
+    if b.gt is not None:
+        return tp(b.gt)
+    return tp(b.le + step if b.le is not None else b.lt)
+
+
+BOUNDED = [(p, c, f) for p, c, f in _leaves() if "bounds" in f.metadata]
+
+
+# Each bound of a5216fc's validate() (its ~60 `_check` calls), written out from it.
+OLD_BOUNDS = {
+    "algorithm.clip_low": "in [0, 1]", "algorithm.clip_high": ">= 0", "algorithm.beta": ">= 0",
+    "algorithm.max_gen_rounds": ">= 1", "algorithm.max_empty_steps": ">= 1",
+    "algorithm.skip_max_prob": "in [0, 1)", "algorithm.skip_key": "non-empty",
+    "algorithm.overlong_buffer": ">= 0", "algorithm.clip_c": "> 1", "algorithm.is_cap": ">= 1",
+    "algorithm.entropy_coef": ">= 0", "algorithm.clip_cov_ratio": "in (0, 1]",
+    "algorithm.kl_cov_ratio": "in (0, 1]", "algorithm.kl_cov_coef": ">= 0",
+    "data.difficulty_key": "non-empty", "data.curriculum_start": "in (0, 1]",
+    "data.curriculum_steps": ">= 0", "data.max_prompt_length": ">= 1",
+    "rollout.server_timeout_s": "> 0", "rollout.async_steps": "in [0, 1]",
+    "rollout.num_generations": ">= 2", "rollout.temperature": "> 0", "rollout.top_p": "in (0, 1]",
+    "rollout.top_k": ">= 0", "rollout.eval_top_p": "in (0, 1]", "rollout.eval_temperature": ">= 0",
+    "rollout.eval_num_generations": ">= 1", "rollout.vllm_sync_every": ">= 1",
+    "rollout.vllm_gpu_memory_utilization": "in (0, 1]", "rollout.max_completion_length": ">= 1",
+    "rollout.generation_batch_size": ">= 1",
+    "model.lora.rank": ">= 0", "model.lora.alpha": "> 0", "model.lora.dropout": "in [0, 1)",
+    "model.lora.target_modules": "non-empty",
+    "train.steps": ">= 0", "train.prompts_per_step": ">= 1", "train.mini_batch_size": ">= 1",
+    "train.epochs": ">= 1", "train.micro_batch_tokens": ">= 1", "train.lr": "> 0",
+    "train.warmup_steps": ">= 0", "train.min_lr_ratio": "in [0, 1]", "train.weight_decay": ">= 0",
+    "train.max_grad_norm": ">= 0", "train.adam_beta1": "in [0, 1)",
+    "train.adam_beta2": "in [0, 1)", "train.sample_budget": ">= 0",
+    "train.max_nonfinite_updates": ">= 1", "train.logits_chunk_size": ">= 1",
+    "reward.timeout_s": "> 0", "reward.num_workers": ">= 0",
+    "reward.functions[0].name": "non-empty",
+    "checkpoint.save_every": ">= 0", "checkpoint.keep_last": ">= 1", "logging.eval_every": ">= 0",
+    "output_dir": "non-empty",
+}  # fmt: skip
+
+
+def test_bounded_fields_are_the_ones_validate_checked_before():
+    declared = {path: f.metadata["bounds"].rule() for path, _, f in BOUNDED}
+    assert declared == OLD_BOUNDS
+
+
+@pytest.mark.parametrize(("path", "cls", "f"), BOUNDED, ids=[p for p, _, _ in BOUNDED])
+def test_every_declared_bound_is_enforced_and_named(path, cls, f):
+    b: Bounds = f.metadata["bounds"]
+    tp = typing.get_type_hints(cls)[f.name]
+    optional = isinstance(tp, types.UnionType)
+    base = next(a for a in typing.get_args(tp) if a is not type(None)) if optional else tp
+    bad = _outside(b, base)
+    cfg = Config()
+    _set(cfg, path, bad)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    msg = str(info.value)
+    assert msg.startswith(f"`{path}` = {bad!r} is invalid: "), msg
+    assert b.rule() in msg  # the bound itself, e.g. "in [0, 1)" or ">= 2"
+    # The same value given as an override or in a file is refused the same way.
+    if "[0]" not in path:
+        text = "[]" if bad == [] else repr(bad) if bad != "" else ""
+        with pytest.raises(ConfigError, match=re.escape(f"`{path}` = {bad!r} is invalid")):
+            load_config(overrides=[f"{path}={text}"])
+    # An inclusive bound itself passes the field checks.
+    for edge in (b.ge, b.le):
+        if edge is not None:
+            cfg = Config()
+            _set(cfg, path, base(edge))
+            check_fields(cfg)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["train.lr=0"],
+            "`train.lr` = 0.0 is invalid: use a value > 0 "
+            "(a positive learning rate, e.g. 1e-6 for large models)",
+        ),
+        (["rollout.top_p=1.5"], "`rollout.top_p` = 1.5 is invalid: use a value in (0, 1]"),
+        (["model.lora.dropout=1"], "`model.lora.dropout` = 1.0 is invalid: use a value in [0, 1)"),
+        (
+            ["algorithm.is_cap=0.5"],
+            "`algorithm.is_cap` = 0.5 is invalid: use a value >= 1 or null "
+            "(e.g. 2.0 to truncate, 3.0 to mask)",
+        ),
+        (
+            ["rollout.num_generations=1"],
+            "`rollout.num_generations` = 1 is invalid: use a value >= 2 "
+            "(group-relative advantages need at least 2 responses per prompt)",
+        ),
+        (
+            ["output_dir="],
+            "`output_dir` = '' is invalid: use a non-empty value (the run's directory)",
+        ),
+        (
+            ["algorithm.skip_uniform_prompts=true", "algorithm.skip_key="],
+            "`algorithm.skip_key` = '' is invalid: use a non-empty value or null",
+        ),
+    ],
+)
+def test_bound_violation_names_field_value_and_bound(overrides, message):
+    assert raises_config_error(overrides).startswith(message)
+
+
+def test_bound_error_for_a_list_item_names_its_index():
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"reward": {"functions": [{"name": "dapo_math"}, {"name": ""}]}})
+    assert str(info.value).startswith("`reward.functions[1].name` = '' is invalid: use a non-empty")
+
+
+LITERALS = [(p, c, f) for p, c, f in _leaves() if f.name in _choices(c)]
+
+
+@pytest.mark.parametrize(("path", "cls", "f"), LITERALS, ids=[p for p, _, _ in LITERALS])
+def test_every_enumerated_field_refuses_a_typo_with_its_choices(path, cls, f):
+    choices = _choices(cls)[f.name]
+    typo = choices[-1] + "x"  # e.g. 'vllm-serverx'
+    msg = raises_config_error([f"{path}={typo}"])
+    assert (
+        msg == f"`{path}` = {typo!r} is not one of {list(choices)} (did you mean {choices[-1]!r}?)"
+    )
+    # A config built in code is checked against the same type.
+    cfg = Config()
+    _set(cfg, path, typo)
+    with pytest.raises(ConfigError, match=re.escape(str(list(choices)))):
+        validate(cfg)
+    for name in choices:  # and every choice passes the field checks
+        _set(cfg, path, name)
+        check_fields(cfg)
+
+
+SECTION_RULE_CASES = {
+    "data": (["data.difficulty_key=level"], "data.difficulty_key", "data.curriculum"),
+    "rollout": (["rollout.async_steps=1"], "rollout.async_steps", "hf engine"),
+    "algorithm": (["algorithm.policy_loss=gspo"], "algorithm.loss_agg", "seq-mean-token-mean"),
+    "train": (["train.mini_batch_size=5"], "train.mini_batch_size", "divisor"),
+}
+
+
+def test_every_section_rule_has_a_case_here():
+    assert set(SECTION_RULE_CASES) == set(SECTION_RULES)
+
+
+@pytest.mark.parametrize("section", list(SECTION_RULE_CASES))
+def test_a_cross_field_rule_fires_from_its_section_function(section):
+    overrides, key, fragment = SECTION_RULE_CASES[section]
+    msg = raises_config_error(overrides)
+    assert msg.startswith(f"`{key}` = ") and "is invalid: " in msg and fragment in msg, msg
+    # It is that section's rule (every field is within its own bounds).
+    cfg = Config()
+    for item in overrides:
+        path, value = item.split("=")
+        _set(cfg, path, yaml.safe_load(value))
+    check_fields(cfg)
+    with pytest.raises(ConfigError) as info:
+        SECTION_RULES[section](cfg)
+    assert str(info.value) == msg
+    for other, rule in SECTION_RULES.items():
+        if other != section:
+            rule(cfg)
+
+
+def test_help_config_shows_bounds_next_to_defaults_and_choices(capsys):
+    assert main(["train", "--help-config"]) == 0
+    lines = {
+        x.split(" = ")[0].strip(): x for x in capsys.readouterr().out.splitlines() if " = " in x
+    }
+    assert lines["algorithm.clip_low"].endswith("= 0.2    [float, 0 <= x <= 1]")
+    assert lines["rollout.num_generations"].endswith("= 8    [int, x >= 2]")
+    assert lines["rollout.top_p"].endswith("[float, 0 < x <= 1]")
+    assert lines["algorithm.is_cap"].endswith("= null    [float | null, x >= 1]")
+    assert lines["algorithm.skip_max_prob"].endswith("[float, 0 <= x < 1]")
+    assert lines["output_dir"].endswith("[str, non-empty]")
+    assert lines["rollout.engine"].endswith("= hf    [hf | vllm | vllm-server]")
+    assert lines["reward.functions[i].name"].endswith("[str, non-empty]")
+    for path, _, f in BOUNDED:
+        assert lines[path.replace("[0]", "[i]")].endswith(f"{f.metadata['bounds'].summary()}]")
+
+
+def test_opt_hint_needs_a_bound():
+    with pytest.raises(TypeError, match="hint"):
+        opt(1, "help text", hint="e.g. 2")
+    assert opt(1, "h", ge=0, hint="e.g. 2").metadata["bounds"] == Bounds(ge=0, hint="e.g. 2")
+
+
+def test_loss_settings_take_their_defaults_and_types_from_the_algorithm_config():
+    from dapo.algorithms import LossSettings
+
+    settings, algo = LossSettings(), AlgorithmConfig()
+    loss_hints = typing.get_type_hints(LossSettings)
+    algo_hints = typing.get_type_hints(AlgorithmConfig)
+    shared = [f.name for f in dataclasses.fields(LossSettings) if f.name in algo_hints]
+    assert {f.name for f in dataclasses.fields(LossSettings)} - set(shared) == {
+        "temperature",
+        "max_len",
+    }
+    assert len(shared) == 17
+    for name in shared:
+        assert getattr(settings, name) == getattr(algo, name), name
+        assert loss_hints[name] == algo_hints[name], name
+    assert (settings.clip_low, settings.clip_high, settings.loss_agg) == (0.2, 0.28, "token-mean")
+
+
+def test_config_imports_neither_torch_nor_the_algorithms():
+    code = (
+        "import sys, dapo.config; dapo.config.describe_config(); dapo.config.load_config(); "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('dapo.algorithms')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

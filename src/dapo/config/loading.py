@@ -18,7 +18,9 @@ from typing import Any, get_args, get_origin
 
 import yaml
 
+from dapo.config.fields import check_choice, choices_of, hints
 from dapo.config.presets import PRESETS
+from dapo.config.rules import validate
 from dapo.config.schema import Config
 from dapo.errors import ConfigError
 
@@ -61,14 +63,10 @@ _ALIASES = {
 }
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(cls):
-        tp = _hints(cls)[f.name]
+        tp = hints(cls)[f.name]
         path = f"{prefix}{f.name}"
         keys.append(path)
         if dataclasses.is_dataclass(tp):
@@ -82,7 +80,9 @@ def _unknown_key(path: str) -> ConfigError:
     if suggestion is None:
         keys = _all_keys()
         section = path.rsplit(".", 1)[0] + "." if "." in path else ""
-        prefixed = [k for k in keys if k.startswith(section + leaf) and k.count(".") == path.count(".")]
+        prefixed = [
+            k for k in keys if k.startswith(section + leaf) and k.count(".") == path.count(".")
+        ]
         if len(prefixed) == 1:  # an abbreviation: rollout.temp -> rollout.temperature
             return ConfigError(f"unknown config key `{path}`: did you mean `{prefixed[0]}`?")
         close = difflib.get_close_matches(path, keys, n=1, cutoff=0.6)
@@ -96,7 +96,12 @@ def _unknown_key(path: str) -> ConfigError:
 
 
 def _coerce(path: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against the type ``tp``, converting only where it is lossless."""
+    """Check ``value`` against the type ``tp``, converting only where it is lossless; a
+    ``Literal``'s value must be one of its choices as it is."""
+    choices = choices_of(tp)
+    if choices is not None and not (value is None and type(None) in get_args(tp)):
+        check_choice(path, value, choices)
+        return value
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = get_args(tp)
@@ -169,27 +174,14 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     raise ConfigError(f"`{path}`: unsupported type {tp}")  # pragma: no cover
 
 
-def _check_choice(path: str, value: Any, choices: tuple[str, ...]) -> None:
-    """``value`` must be one of a field's ``choices`` (its metadata): no conversion."""
-    if value not in choices:
-        close = difflib.get_close_matches(str(value), list(choices), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"`{path}` = {value!r} is not one of {list(choices)}{hint}")
-
-
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    types_ = hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
             raise _unknown_key(f"{prefix}{key}")
-        choices = fields[key].metadata.get("choices")
-        if choices is not None:
-            _check_choice(f"{prefix}{key}", value, choices)
-            kwargs[key] = value
-        else:
-            kwargs[key] = _coerce(f"{prefix}{key}", value, hints[key])
+        kwargs[key] = _coerce(f"{prefix}{key}", value, types_[key])
     return cls(**kwargs)
 
 
@@ -299,192 +291,3 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         raise ConfigError(f"`preset` = {cfg.preset!r} is not a known preset; run `dapo presets`")
     validate(cfg)
     return cfg
-
-
-def _check(ok: bool, key: str, value: Any, fix: str) -> None:
-    if not ok:
-        raise ConfigError(f"`{key}` = {value!r} is invalid: {fix}")
-
-
-def _check_choices(obj: Any, prefix: str = "") -> None:
-    """Every enumerated field of ``obj`` and its sections holds one of its choices."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        choices = f.metadata.get("choices")
-        if choices is not None:
-            _check_choice(f"{prefix}{f.name}", value, choices)
-        elif dataclasses.is_dataclass(value):
-            _check_choices(value, f"{prefix}{f.name}.")
-
-
-def _check_rollout_engine(cfg: Config) -> None:
-    """The rollout server and asynchronous rollouts: values and combinations."""
-    r, a = cfg.rollout, cfg.algorithm
-    if r.engine == "vllm-server":
-        _check(
-            bool(r.server_url), "rollout.server_url", r.server_url,
-            "rollout.engine=vllm-server needs the server's address, e.g. "
-            "rollout.server_url=http://HOST:8000 (start the server with dapo vllm-serve MODEL)",
-        )  # fmt: skip
-    _check(r.server_timeout_s > 0, "rollout.server_timeout_s", r.server_timeout_s, "use a positive number of seconds")
-    _check(r.async_steps in (0, 1), "rollout.async_steps", r.async_steps,
-           "use 0 (generate, then train) or 1 (generate the next batch while training)")  # fmt: skip
-    if r.async_steps:
-        _check(
-            r.engine != "hf", "rollout.async_steps", r.async_steps,
-            "asynchronous rollouts need an engine with its own weights: the hf engine samples "
-            "from the very module being trained; use rollout.engine=vllm or vllm-server",
-        )  # fmt: skip
-        exact = r.top_p == 1.0 and r.top_k == 0
-        _check(
-            exact or a.is_cap is not None, "rollout.async_steps", r.async_steps,
-            "with rollout.top_p < 1 or rollout.top_k > 0 the engine's log-probs are not the "
-            "sampling policy's, so the one-step-old batch is uncorrected: set "
-            "algorithm.is_cap (e.g. 2.0; algorithm.is_level / is_mode choose the correction), "
-            "or sample with top_p=1 and top_k=0",
-        )  # fmt: skip
-
-
-def _validate_loss_variants(cfg: Config) -> None:
-    """The policy-loss variant, its corrections and entropy controls: values and the
-    combinations that make no sense."""
-    a = cfg.algorithm
-    if a.policy_loss == "gspo":
-        _check(
-            a.loss_agg == "seq-mean-token-mean", "algorithm.loss_agg", a.loss_agg,
-            "policy_loss=gspo has one ratio per response and optimises 1/G sum_i of the "
-            "response terms; a token-level mode would weigh each response by its length. Use "
-            "algorithm.loss_agg=seq-mean-token-mean (preset=gspo sets it)",
-        )  # fmt: skip
-    if a.clip_c is not None:
-        _check(a.clip_c > 1, "algorithm.clip_c", a.clip_c, "dual clip needs a value > 1 (e.g. 3.0) or null")
-        _check(
-            a.policy_loss == "ppo", "algorithm.clip_c", a.clip_c,
-            f"dual clip bounds PPO's per-token surrogate; policy_loss={a.policy_loss} has none. "
-            "Set algorithm.clip_c=null or algorithm.policy_loss=ppo",
-        )  # fmt: skip
-        _check(
-            a.entropy_control != "kl_cov", "algorithm.clip_c", a.clip_c,
-            "dual clip bounds PPO's clipped surrogate; entropy_control=kl_cov replaces it with "
-            "the unclipped -r*A plus its penalty. Set algorithm.clip_c=null, or use "
-            "entropy_control=clip_cov (which keeps the clip and the dual clip)",
-        )  # fmt: skip
-    if a.is_cap is not None:
-        _check(a.is_cap >= 1, "algorithm.is_cap", a.is_cap, "use a cap >= 1 (e.g. 2.0 to truncate, 3.0 to mask) or null")
-    _check(a.entropy_coef >= 0, "algorithm.entropy_coef", a.entropy_coef, "use 0 (off) or a small positive coefficient, e.g. 1e-3")
-    if a.entropy_control != "none":
-        _check(
-            a.policy_loss == "ppo", "algorithm.entropy_control", a.entropy_control,
-            f"Clip-Cov and KL-Cov act on PPO's per-token ratio; policy_loss={a.policy_loss} "
-            "has another objective. Use algorithm.policy_loss=ppo, or entropy_control=none",
-        )  # fmt: skip
-    _check(0 < a.clip_cov_ratio <= 1, "algorithm.clip_cov_ratio", a.clip_cov_ratio, "use a share in (0, 1], e.g. 2e-4")
-    _check(
-        a.clip_cov_low < a.clip_cov_high, "algorithm.clip_cov_high", a.clip_cov_high,
-        f"the covariance window (clip_cov_low, clip_cov_high) is empty: use a value above "
-        f"algorithm.clip_cov_low ({a.clip_cov_low}), e.g. 5",
-    )  # fmt: skip
-    _check(0 < a.kl_cov_ratio <= 1, "algorithm.kl_cov_ratio", a.kl_cov_ratio, "use a share in (0, 1], e.g. 2e-3")
-    _check(a.kl_cov_coef >= 0, "algorithm.kl_cov_coef", a.kl_cov_coef, "use a value >= 0, e.g. 1")
-
-
-def validate(cfg: Config) -> None:
-    """Raise :class:`ConfigError` for values that cannot work together."""
-    _check_choices(cfg)
-    a, r, t, d = cfg.algorithm, cfg.rollout, cfg.train, cfg.data
-    _check(0 <= a.clip_low <= 1, "algorithm.clip_low", a.clip_low, "use a value in [0, 1], e.g. 0.2 (1: no lower bound)")
-    _check(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "use a value >= 0, e.g. 0.28")
-    _check(a.beta >= 0, "algorithm.beta", a.beta, "use 0 (no KL, DAPO) or a positive coefficient")
-    _check(a.max_gen_rounds >= 1, "algorithm.max_gen_rounds", a.max_gen_rounds, "use at least 1")
-    _check(a.max_empty_steps >= 1, "algorithm.max_empty_steps", a.max_empty_steps, "use at least 1")
-    _check(
-        0 <= a.skip_max_prob < 1,
-        "algorithm.skip_max_prob",
-        a.skip_max_prob,
-        "use a value in [0, 1), e.g. 0.9; below 1 so that every prompt is still generated now and then",
-    )
-    _check(a.skip_key != "", "algorithm.skip_key", a.skip_key, "name a data field, or null for the prompt itself")
-    _check(d.difficulty_key != "", "data.difficulty_key", d.difficulty_key, "name a data field, or null for the measured pass rate")
-    _check(
-        d.difficulty_key is None or d.curriculum != "none",
-        "data.difficulty_key",
-        d.difficulty_key,
-        "it ranks prompts for data.curriculum, which is none; set data.curriculum=easy_first or leave it null",
-    )
-    measured = d.curriculum != "none" and d.difficulty_key is None
-    _check(
-        a.skip_key is None or a.skip_uniform_prompts or measured,
-        "algorithm.skip_key",
-        a.skip_key,
-        "it keys the history of algorithm.skip_uniform_prompts (or of data.curriculum by pass "
-        "rate), which is off; set algorithm.skip_uniform_prompts=true or leave it null",
-    )
-    _check(0 < d.curriculum_start <= 1, "data.curriculum_start", d.curriculum_start, "use a share in (0, 1], e.g. 0.2")
-    _check(d.curriculum_steps >= 0, "data.curriculum_steps", d.curriculum_steps, "use 0 (half of train.steps) or a step count")
-    _check(a.overlong_buffer >= 0, "algorithm.overlong_buffer", a.overlong_buffer, "use a value >= 0")
-    _check(
-        a.overlong_buffer < r.max_completion_length,
-        "algorithm.overlong_buffer",
-        a.overlong_buffer,
-        f"the overlong buffer must be shorter than rollout.max_completion_length "
-        f"({r.max_completion_length}); lower it or raise the maximum length",
-    )
-    _check(
-        r.num_generations >= 2,
-        "rollout.num_generations",
-        r.num_generations,
-        "group-relative advantages need at least 2 responses per prompt",
-    )
-    _check(r.temperature > 0, "rollout.temperature", r.temperature, "use a value > 0 (1.0 in the paper)")
-    _check(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "use a value in (0, 1]")
-    _check(r.top_k >= 0, "rollout.top_k", r.top_k, "use 0 (disabled) or a positive integer")
-    _check(0 < r.eval_top_p <= 1, "rollout.eval_top_p", r.eval_top_p, "use a value in (0, 1]")
-    _check(r.eval_temperature >= 0, "rollout.eval_temperature", r.eval_temperature, "use a value >= 0 (0 = greedy)")
-    _check(r.eval_num_generations >= 1, "rollout.eval_num_generations", r.eval_num_generations, "use at least 1")
-    _check(r.vllm_sync_every >= 1, "rollout.vllm_sync_every", r.vllm_sync_every, "use at least 1 (every optimizer update)")
-    _check(
-        0 < r.vllm_gpu_memory_utilization <= 1,
-        "rollout.vllm_gpu_memory_utilization",
-        r.vllm_gpu_memory_utilization,
-        "use a share in (0, 1], e.g. 0.3",
-    )
-    _validate_loss_variants(cfg)
-    _check_rollout_engine(cfg)
-    lora = cfg.model.lora
-    _check(lora.rank >= 0, "model.lora.rank", lora.rank, "use 0 (no LoRA) or a positive rank, e.g. 16")
-    _check(lora.alpha > 0, "model.lora.alpha", lora.alpha, "use a positive alpha, e.g. 2 x the rank")
-    _check(0 <= lora.dropout < 1, "model.lora.dropout", lora.dropout, "use a value in [0, 1)")
-    _check(bool(lora.target_modules), "model.lora.target_modules", lora.target_modules,
-           "name at least one linear layer, e.g. [q_proj, v_proj], or use [all-linear]")
-    _check(r.max_completion_length >= 1, "rollout.max_completion_length", r.max_completion_length, "use at least 1")
-    _check(r.generation_batch_size >= 1, "rollout.generation_batch_size", r.generation_batch_size, "use at least 1")
-    _check(d.max_prompt_length >= 1, "data.max_prompt_length", d.max_prompt_length, "use at least 1")
-    _check(t.steps >= 0, "train.steps", t.steps, "use 0 (evaluate only) or more rollout steps")
-    _check(t.prompts_per_step >= 1, "train.prompts_per_step", t.prompts_per_step, "use at least 1")
-    _check(
-        1 <= t.mini_batch_size <= t.prompts_per_step and t.prompts_per_step % t.mini_batch_size == 0,
-        "train.mini_batch_size",
-        t.mini_batch_size,
-        f"use a divisor of train.prompts_per_step ({t.prompts_per_step}); "
-        f"{t.prompts_per_step} // mini_batch_size is the number of updates per rollout step",
-    )
-    _check(t.epochs >= 1, "train.epochs", t.epochs, "use at least 1")
-    _check(t.micro_batch_tokens >= 1, "train.micro_batch_tokens", t.micro_batch_tokens, "use a positive token budget")
-    _check(t.lr > 0, "train.lr", t.lr, "use a positive learning rate, e.g. 1e-6 for large models")
-    _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "use a value >= 0")
-    _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "use a value in [0, 1]")
-    _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "use a value >= 0")
-    _check(t.max_grad_norm >= 0, "train.max_grad_norm", t.max_grad_norm, "use 0 (no clipping) or a positive norm")
-    _check(0 <= t.adam_beta1 < 1, "train.adam_beta1", t.adam_beta1, "use a value in [0, 1)")
-    _check(0 <= t.adam_beta2 < 1, "train.adam_beta2", t.adam_beta2, "use a value in [0, 1)")
-    _check(t.sample_budget >= 0, "train.sample_budget", t.sample_budget, "use 0 (no budget) or a count of responses")
-    _check(t.max_nonfinite_updates >= 1, "train.max_nonfinite_updates", t.max_nonfinite_updates, "use at least 1")
-    _check(t.logits_chunk_size >= 1, "train.logits_chunk_size", t.logits_chunk_size, "use at least 1")
-    _check(cfg.reward.timeout_s > 0, "reward.timeout_s", cfg.reward.timeout_s, "use a positive number of seconds")
-    _check(cfg.reward.num_workers >= 0, "reward.num_workers", cfg.reward.num_workers, "use 0 (in-process) or more workers")
-    _check(cfg.checkpoint.save_every >= 0, "checkpoint.save_every", cfg.checkpoint.save_every, "use 0 (final only) or a positive step count")
-    _check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "keep at least 1 checkpoint")
-    _check(cfg.logging.eval_every >= 0, "logging.eval_every", cfg.logging.eval_every, "use 0 or a positive step count")
-    _check(bool(cfg.output_dir), "output_dir", cfg.output_dir, "give a directory for the run")
-    for i, fn in enumerate(cfg.reward.functions):
-        _check(bool(fn.name), f"reward.functions[{i}].name", fn.name, "a scorer name or module:function")

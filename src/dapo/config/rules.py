@@ -1,0 +1,145 @@
+"""The rules between fields, one function per section, and :func:`validate`.
+
+A field's own bounds and choices are declared on the field (:func:`~dapo.config.fields.opt`)
+and checked first, by :func:`~dapo.config.fields.check_fields`, so a rule here may rely on
+them (``train.mini_batch_size >= 1`` before it divides). A rule names the key whose value
+it refuses, that value, and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dapo.config.fields import check_fields, require
+from dapo.config.schema import Config
+
+
+def _check_data(cfg: Config) -> None:
+    d = cfg.data
+    require(
+        d.difficulty_key is None or d.curriculum != "none",
+        "data.difficulty_key",
+        d.difficulty_key,
+        "it ranks prompts for data.curriculum, which is none; set data.curriculum=easy_first "
+        "or leave it null",
+    )
+
+
+def _check_rollout(cfg: Config) -> None:
+    """The rollout server, and asynchronous rollouts: which engine, which correction."""
+    r, a = cfg.rollout, cfg.algorithm
+    if r.engine == "vllm-server":
+        require(
+            bool(r.server_url),
+            "rollout.server_url",
+            r.server_url,
+            "rollout.engine=vllm-server needs the server's address, e.g. "
+            "rollout.server_url=http://HOST:8000 (start the server with dapo vllm-serve MODEL)",
+        )
+    if r.async_steps:
+        require(
+            r.engine != "hf",
+            "rollout.async_steps",
+            r.async_steps,
+            "asynchronous rollouts need an engine with its own weights: the hf engine samples "
+            "from the very module being trained; use rollout.engine=vllm or vllm-server",
+        )
+        exact = r.top_p == 1.0 and r.top_k == 0
+        require(
+            exact or a.is_cap is not None,
+            "rollout.async_steps",
+            r.async_steps,
+            "with rollout.top_p < 1 or rollout.top_k > 0 the engine's log-probs are not the "
+            "sampling policy's, so the one-step-old batch is uncorrected: set "
+            "algorithm.is_cap (e.g. 2.0; algorithm.is_level / is_mode choose the correction), "
+            "or sample with top_p=1 and top_k=0",
+        )
+
+
+def _check_algorithm(cfg: Config) -> None:
+    """The loss variant and its corrections; the overlong buffer; the prompt history key."""
+    a, d = cfg.algorithm, cfg.data
+    if a.policy_loss == "gspo":
+        require(
+            a.loss_agg == "seq-mean-token-mean",
+            "algorithm.loss_agg",
+            a.loss_agg,
+            "policy_loss=gspo has one ratio per response and optimises 1/G sum_i of the "
+            "response terms; a token-level mode would weigh each response by its length. Use "
+            "algorithm.loss_agg=seq-mean-token-mean (preset=gspo sets it)",
+        )
+    if a.clip_c is not None:
+        require(
+            a.policy_loss == "ppo",
+            "algorithm.clip_c",
+            a.clip_c,
+            f"dual clip bounds PPO's per-token surrogate; policy_loss={a.policy_loss} has none. "
+            "Set algorithm.clip_c=null or algorithm.policy_loss=ppo",
+        )
+        require(
+            a.entropy_control != "kl_cov",
+            "algorithm.clip_c",
+            a.clip_c,
+            "dual clip bounds PPO's clipped surrogate; entropy_control=kl_cov replaces it with "
+            "the unclipped -r*A plus its penalty. Set algorithm.clip_c=null, or use "
+            "entropy_control=clip_cov (which keeps the clip and the dual clip)",
+        )
+    if a.entropy_control != "none":
+        require(
+            a.policy_loss == "ppo",
+            "algorithm.entropy_control",
+            a.entropy_control,
+            f"Clip-Cov and KL-Cov act on PPO's per-token ratio; policy_loss={a.policy_loss} "
+            "has another objective. Use algorithm.policy_loss=ppo, or entropy_control=none",
+        )
+    require(
+        a.clip_cov_low < a.clip_cov_high,
+        "algorithm.clip_cov_high",
+        a.clip_cov_high,
+        f"the covariance window (clip_cov_low, clip_cov_high) is empty: use a value above "
+        f"algorithm.clip_cov_low ({a.clip_cov_low}), e.g. 5",
+    )
+    max_len = cfg.rollout.max_completion_length
+    require(
+        a.overlong_buffer < max_len,
+        "algorithm.overlong_buffer",
+        a.overlong_buffer,
+        f"the overlong buffer must be shorter than rollout.max_completion_length ({max_len}); "
+        "lower it or raise the maximum length",
+    )
+    measured = d.curriculum != "none" and d.difficulty_key is None
+    require(
+        a.skip_key is None or a.skip_uniform_prompts or measured,
+        "algorithm.skip_key",
+        a.skip_key,
+        "it keys the history of algorithm.skip_uniform_prompts (or of data.curriculum by pass "
+        "rate), which is off; set algorithm.skip_uniform_prompts=true or leave it null",
+    )
+
+
+def _check_train(cfg: Config) -> None:
+    t = cfg.train
+    require(
+        t.mini_batch_size <= t.prompts_per_step and t.prompts_per_step % t.mini_batch_size == 0,
+        "train.mini_batch_size",
+        t.mini_batch_size,
+        f"use a divisor of train.prompts_per_step ({t.prompts_per_step}); "
+        f"{t.prompts_per_step} // mini_batch_size is the number of updates per rollout step",
+    )
+
+
+# Each section's rules between fields (sections without any have none here).
+SECTION_RULES: dict[str, Callable[[Config], None]] = {
+    "data": _check_data,
+    "rollout": _check_rollout,
+    "algorithm": _check_algorithm,
+    "train": _check_train,
+}
+
+
+def validate(cfg: Config) -> None:
+    """Raise :class:`~dapo.errors.ConfigError` for a value out of its choices or bounds, or
+    values that cannot work together."""
+    check_fields(cfg)
+    for rule in SECTION_RULES.values():
+        rule(cfg)
