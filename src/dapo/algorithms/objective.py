@@ -21,32 +21,36 @@ from dapo.algorithms.entropy import clip_cov_token_loss, kl_cov_token_loss
 from dapo.algorithms.kl import kl_penalty
 from dapo.algorithms.policy_loss import REGISTRY, Stats
 from dapo.choices import EntropyControl, ISLevel, ISMode, KLKind, LossAgg, PolicyLoss
+from dapo.config.algorithm import AlgorithmConfig
+
+_ALGO = AlgorithmConfig()  # the defaults, written once, in the config
 
 
 @dataclass
 class LossSettings:
-    """The algorithm knobs the loss needs (the ``algorithm`` config fields of the same
-    names, the sampling temperature and L_max)."""
+    """The algorithm knobs the loss needs: the ``algorithm`` config fields of the same names
+    (their defaults read from :class:`~dapo.config.AlgorithmConfig`), the sampling
+    temperature and L_max."""
 
-    policy_loss: PolicyLoss = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    clip_c: float | None = None
-    loss_agg: LossAgg = "token-mean"
-    beta: float = 0.0
-    kl_estimator: KLKind = "k3"
-    temperature: float = 1.0
-    max_len: int = 1  # L_max, for seq-mean-token-sum-norm
-    is_level: ISLevel = "token"  # engine-vs-trainer importance weights (corrections.py)
-    is_mode: ISMode = "truncate"
-    is_cap: float | None = None  # None: no correction
-    entropy_coef: float = 0.0
-    entropy_control: EntropyControl = "none"
-    clip_cov_ratio: float = 2e-4
-    clip_cov_low: float = 1.0
-    clip_cov_high: float = 5.0
-    kl_cov_ratio: float = 2e-3
-    kl_cov_coef: float = 1.0
+    policy_loss: PolicyLoss = _ALGO.policy_loss
+    clip_low: float = _ALGO.clip_low
+    clip_high: float = _ALGO.clip_high
+    clip_c: float | None = _ALGO.clip_c
+    loss_agg: LossAgg = _ALGO.loss_agg
+    beta: float = _ALGO.beta
+    kl_estimator: KLKind = _ALGO.kl_estimator
+    temperature: float = 1.0  # rollout.temperature
+    max_len: int = 1  # L_max (rollout.max_completion_length), for seq-mean-token-sum-norm
+    is_level: ISLevel = _ALGO.is_level  # engine-vs-trainer importance weights (corrections.py)
+    is_mode: ISMode = _ALGO.is_mode
+    is_cap: float | None = _ALGO.is_cap  # None: no correction
+    entropy_coef: float = _ALGO.entropy_coef
+    entropy_control: EntropyControl = _ALGO.entropy_control
+    clip_cov_ratio: float = _ALGO.clip_cov_ratio
+    clip_cov_low: float = _ALGO.clip_cov_low
+    clip_cov_high: float = _ALGO.clip_cov_high
+    kl_cov_ratio: float = _ALGO.kl_cov_ratio
+    kl_cov_coef: float = _ALGO.kl_cov_coef
 
 
 def compute_loss(
