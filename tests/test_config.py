@@ -32,7 +32,7 @@ from dapo.config import (
     RewardConfig,
     RewardFunctionConfig,
     TrainConfig,
-    _all_keys,
+    all_keys,
     config_from_dict,
     load_config,
     opt,
@@ -393,7 +393,7 @@ def test_help_config_lists_every_key_with_default_and_help(capsys):
     assert "Clip-Higher" in clip_high.metadata["help"] and "0.28" in clip_high.metadata["help"]
     flowing = " ".join(out.split())  # the help text is wrapped at spaces only
     assert clip_high.metadata["help"] in flowing
-    keys = _all_keys()
+    keys = all_keys()
     for key in keys:
         is_section = any(k.startswith(key + ".") for k in keys)
         assert (f"\n{key}: " if is_section else f"\n  {key} = ") in out, key

@@ -22,7 +22,7 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from dapo.config import Config, ConfigError, _all_keys, config_from_dict, load_config
+from dapo.config import Config, ConfigError, all_keys, config_from_dict, load_config
 from dapo.data import DataError, PromptRecord, load_records, records_from_rows
 
 SETTINGS = settings(
@@ -32,7 +32,7 @@ SETTINGS = settings(
 )
 FILE_SETTINGS = settings(SETTINGS, max_examples=80)
 
-KEYS = _all_keys()
+KEYS = all_keys()
 LEAVES = sorted({k.rsplit(".", 1)[-1] for k in KEYS})
 
 # --- values -----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from dapo.config.algorithm import AlgorithmConfig
 from dapo.config.describe import describe_config
 from dapo.config.fields import Bounds, opt
 from dapo.config.loading import (
-    _all_keys,
+    all_keys,
     config_from_dict,
     load_config,
     parse_override,
@@ -59,7 +59,7 @@ __all__ = [
     "RewardFunctionConfig",
     "RolloutConfig",
     "TrainConfig",
-    "_all_keys",
+    "all_keys",
     "config_from_dict",
     "describe_config",
     "describe_presets",

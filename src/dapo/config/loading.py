@@ -63,14 +63,15 @@ _ALIASES = {
 }
 
 
-def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every key path of ``cls``, sections included: ``train``, ``train.lr``, ..."""
     keys = []
     for f in dataclasses.fields(cls):
         tp = hints(cls)[f.name]
         path = f"{prefix}{f.name}"
         keys.append(path)
         if dataclasses.is_dataclass(tp):
-            keys.extend(_all_keys(tp, path + "."))
+            keys.extend(all_keys(tp, path + "."))
     return keys
 
 
@@ -78,7 +79,7 @@ def _unknown_key(path: str) -> ConfigError:
     leaf = path.rsplit(".", 1)[-1]
     suggestion = _ALIASES.get(leaf) or _ALIASES.get(path)
     if suggestion is None:
-        keys = _all_keys()
+        keys = all_keys()
         section = path.rsplit(".", 1)[0] + "." if "." in path else ""
         prefixed = [
             k for k in keys if k.startswith(section + leaf) and k.count(".") == path.count(".")
