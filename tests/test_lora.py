@@ -227,7 +227,7 @@ def test_training_log_probs_of_a_lora_model_equal_the_whole_logits_path(targets)
 def test_lora_with_gradient_checkpointing_gives_the_same_adapter_gradients() -> None:
     """dapo's checkpointed decoder layers (model.gradient_checkpointing) around peft's
     adapters, with frozen inputs (embeddings): the adapters' gradients are unchanged."""
-    from dapo.models.checkpointing import checkpoint_layers
+    from dapo.models.activation_checkpointing import checkpoint_layers
     from dapo.training.batch import Sample
     from dapo.training.forward import response_logprobs
 
