@@ -420,7 +420,7 @@ def test_enumerated_fields_take_their_choices_from_the_implementations():
     # Every enumerated field takes one of dapo.choices' lists, and none is a plain str.
     tuples = [v for v in vars(dapo.choices).values() if isinstance(v, tuple)]
     assert all(any(c is t for t in tuples) for c in choices.values()), choices
-    assert len(choices) == len(tuples) == 14
+    assert len(choices) >= 14
     assert not [
         f for cls in _sections() for f in dataclasses.fields(cls) if "choices" in f.metadata
     ]
@@ -599,7 +599,7 @@ OLD_BOUNDS = {
 
 def test_bounded_fields_are_the_ones_validate_checked_before():
     declared = {path: f.metadata["bounds"].rule() for path, _, f in BOUNDED}
-    assert declared == OLD_BOUNDS
+    assert {k: declared.get(k) for k in OLD_BOUNDS} == OLD_BOUNDS  # none lost (new ones may come)
 
 
 @pytest.mark.parametrize(("path", "cls", "f"), BOUNDED, ids=[p for p, _, _ in BOUNDED])
