@@ -270,13 +270,13 @@ class RewardScorer:
     def worker_pids(self) -> list[int]:
         """Process ids of the live workers."""
         pool = self._pool()
-        return pool.pids if pool else []
+        return pool.pids if pool is not None else []
 
     @property
     def worker_startup_s(self) -> list[float]:
         """Start-up time (spawn to ready) of each ready worker, in seconds."""
         pool = self._pool()
-        return pool.startup_s if pool else []
+        return pool.startup_s if pool is not None else []
 
     # -- helpers ------------------------------------------------------------
 
