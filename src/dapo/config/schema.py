@@ -448,8 +448,13 @@ class LoggingConfig:
 
     console: bool = opt(
         True,
-        "Show a progress bar and periodic metric summaries on the terminal "
-        "(output_dir/metrics.jsonl is always written).",
+        "Show a progress bar and, at the first step, every tenth of the run, each evaluation "
+        "and the last step, one line of the paper's signals (accuracy, reward, entropy, "
+        "length, clip-high and uniform-group shares, step time) on the terminal "
+        "(output_dir/metrics.jsonl always gets every metric).",
+    )
+    verbose: bool = opt(
+        False, "With logging.console: print every metric, grouped, at every rollout step."
     )
     tensorboard: bool = opt(True, "Write TensorBoard event files under output_dir/tensorboard.")
     wandb: bool = opt(False, "Log to Weights & Biases (needs the wandb package).")

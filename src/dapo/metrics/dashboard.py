@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo.atomic import atomic_write
-from dapo.metrics.logger import _metrics_path, read_metrics
+from dapo.metrics.logger import metrics_file, read_metrics
 
 DASHBOARD_FILE = "dashboard.png"
 
@@ -234,7 +234,7 @@ def plot_dashboard(run_dir: str | Path, out_path: str | Path | None = None) -> P
     ``run_dir`` may also be the metrics.jsonl file itself. Default output:
     ``run_dir/dashboard.png`` (written atomically).
     """
-    file = _metrics_path(run_dir)
+    file = metrics_file(run_dir)
     if not file.is_file():
         raise FileNotFoundError(f"no metrics file at {file}")
     run_dir = file.parent

@@ -28,7 +28,6 @@ from dapo.metrics.console import (
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-DASHBOARD_FILE = "dashboard.png"
 
 PG_LOSS_NOTE = (
     "note: pg loss near 0 is expected with zero-mean advantages and ratio 1; "
@@ -94,7 +93,8 @@ def _parse_jsonl(path: Path) -> Iterator[tuple[bytes, dict[str, Any]]]:
         yield raw, obj
 
 
-def _metrics_path(path: str | Path) -> Path:
+def metrics_file(path: str | Path) -> Path:
+    """The metrics.jsonl of a run directory, or ``path`` itself when it is a file."""
     path = Path(path)
     return path / METRICS_FILE if path.is_dir() else path
 
@@ -440,7 +440,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 
     The strings "nan", "inf" and "-inf" are returned as floats.
     """
-    file = _metrics_path(path)
+    file = metrics_file(path)
     if not file.is_file():
         raise FileNotFoundError(f"no metrics file at {file}")
     return [_decode_record(rec) for _, rec in _parse_jsonl(file)]
