@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dapo.config import RolloutConfig
 from dapo.data import PromptRecord, encode_prompts, group_repeats, load_records
 from dapo.data.tasks import TASKS, is_builtin, load_task
 from dapo.errors import EvalError, VLLMEngineError, VLLMUnavailableError
@@ -227,10 +228,9 @@ def _make_engine(
     name: str, model: Any, tokenizer: Any, batch_size: int, max_prompt: int, max_tokens: int
 ) -> RolloutEngine:
     """The rollout engine (the trainer's factory: same engines, same errors)."""
+    rollout = RolloutConfig(engine=name, generation_batch_size=batch_size)
     try:
-        return make_engine(
-            name, model, tokenizer, batch_size=batch_size, max_model_len=max_prompt + max_tokens
-        )
+        return make_engine(rollout, model, tokenizer, max_model_len=max_prompt + max_tokens)
     except (VLLMUnavailableError, VLLMEngineError) as exc:
         raise EvalError(f"--engine {name}: {exc}") from exc
 

@@ -2,7 +2,7 @@
 
 Engines ``generate`` a group of ``n`` responses per prompt (token ids, the sampling
 log-probs, truncation flags) and ``load_weights`` of the updated policy. They do not score,
-filter or train. :func:`make_engine` builds one by name.
+filter or train. :func:`dapo.rollout.factory.make_engine` builds one by name.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-
-from dapo.choices import ENGINES  # the names, shared with dapo.config
 
 
 @dataclass
@@ -36,9 +34,18 @@ class Group:
     response_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
+    # Multi-turn episodes (dapo.rollout.episodes.run_episodes); None for single-turn groups.
+    # response_ids then hold every token after the prompt, the environment's too.
+    model_mask: list[list[int]] | None = None  # 1 on sampled tokens, 0 on environment tokens
+    env_rewards: list[float | None] | None = None  # the environment's reward; None: score text
+    final_texts: list[str] | None = None  # each episode's last assistant turn (what is scored)
+    episode_stats: list[dict[str, Any]] | None = None  # turns, tool calls, end reason, ...
 
     def decode(self, tokenizer: Any) -> list[str]:
-        """The responses as text (special tokens such as EOS dropped)."""
+        """The texts to score: the responses (special tokens such as EOS dropped), or each
+        episode's final assistant turn."""
+        if self.final_texts is not None:
+            return list(self.final_texts)
         return [tokenizer.decode(r, skip_special_tokens=True) for r in self.response_ids]
 
 
@@ -48,62 +55,6 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Group]: ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
-
-
-def make_engine(
-    name: str,
-    model: torch.nn.Module,
-    tokenizer: Any,
-    *,
-    batch_size: int,
-    max_model_len: int,
-    seed: int = 0,
-    gpu_memory_utilization: float = 0.3,
-    sleep: bool = True,
-    server_url: str | None = None,
-    server_timeout_s: float = 600.0,
-    state_dict: dict[str, torch.Tensor] | None = None,
-) -> RolloutEngine:
-    """The engine ``name`` (``hf``, ``vllm`` or ``vllm-server``) sampling from ``model``.
-
-    ``batch_size`` sequences are generated together; ``max_model_len`` (prompt + response
-    tokens) sizes vLLM's context. ``gpu_memory_utilization`` and ``sleep`` apply to vLLM on
-    a GPU. ``state_dict``: the weights a separate engine (vLLM) starts from, in the base
-    model's names, instead of ``model``'s own (a LoRA policy's merged weights).
-    ``vllm-server`` generates on the rollout server at ``server_url`` (which must hold
-    ``max_model_len``) and starts with the server's weights: push the policy's (merged, for
-    LoRA). Raises :class:`~dapo.errors.VLLMUnavailableError` / ``VLLMEngineError`` when vLLM
-    is missing or cannot start, :class:`~dapo.errors.RolloutServerError` when the server
-    does not answer or does not fit.
-    """
-    if name == "hf":
-        from dapo.rollout.hf_engine import HFEngine
-
-        return HFEngine(model, tokenizer.eos_token_id, tokenizer.pad_token_id, batch_size)
-    if name == "vllm":
-        from dapo.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(
-            model,
-            tokenizer.eos_token_id,
-            tokenizer.pad_token_id,
-            max_model_len=max_model_len,
-            max_num_seqs=batch_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=None if sleep else False,  # None: on a GPU only
-            seed=seed,
-            state_dict=state_dict,
-        )
-    if name == "vllm-server":
-        from dapo.rollout.server_client import ServerEngine
-
-        return ServerEngine(
-            server_url or "",
-            max_model_len=max_model_len,
-            eos_token_id=tokenizer.eos_token_id,
-            timeout_s=server_timeout_s,
-        )
-    raise ValueError(f"unknown rollout engine {name!r}; choose one of: {', '.join(ENGINES)}")
 
 
 def close_engine(engine: Any) -> None:

@@ -74,6 +74,7 @@ INSTALL_HINT = (
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _MiB = 1 << 20
+_GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS)
 
 
 def vllm_available() -> bool:
@@ -226,7 +227,7 @@ class VLLMEngine:
                 if kv_cache_memory_bytes is not None:
                     kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
             kwargs.update(llm_kwargs)
-            with _preserve_torch_settings(), _quiet("vllm.renderers.base", "Chat template warmup"):
+            with _preserve_torch_settings(), quiet_log("vllm.renderers.base", "Chat template warmup"):
                 self.llm = vllm.LLM(**kwargs)
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -257,14 +258,14 @@ class VLLMEngine:
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-        with _quiet("vllm.model_executor.model_loader.reload.layerwise", "Failed to load weights"):
+        with quiet_log("vllm.model_executor.model_loader.reload.layerwise", "Failed to load weights"):
             # Layers without checkpoint tensors (rotary caches; a tied lm_head) keep theirs.
             self.llm.collective_rpc(
                 "reload_weights",
                 kwargs={"weights_iterator": weights, "is_checkpoint_format": True},
             )
         if self.tied_embeddings:
-            self.llm.apply_model(_refresh_tied_lm_head)
+            self.llm.apply_model(refresh_tied_lm_head)
         self._weights_discarded = False
         if not self._asleep:
             self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
@@ -310,7 +311,6 @@ class VLLMEngine:
     ) -> list[list[Group]]:
         """Several :meth:`generate` calls in one vLLM batch (the rollout server merges the
         requests of the trainer's ranks this way); each call's groups, in order."""
-        from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
         for prompts, _ in calls:
@@ -320,25 +320,11 @@ class VLLMEngine:
         self.wake_up()
         requests, sampling, sizes = [], [], []
         for prompts, params in calls:
-            n = params.n
-            common = {
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k if params.top_k > 0 else 0,  # 0: off (as -1 is)
-                "max_tokens": params.max_tokens,
-                "logprobs": 0,  # the sampled token's log-prob only
-                "stop_token_ids": [self.eos_token_id],
-                "detokenize": False,
-            }
             before = len(requests)
             for i, p in enumerate(prompts):
-                if params.temperature == 0:  # vLLM refuses n > 1 without sampling: n requests
-                    for _ in range(n):
-                        requests.append(TokensPrompt(prompt_token_ids=list(p)))
-                        sampling.append(VSamplingParams(n=1, **common))
-                else:  # own seed per prompt; vLLM gives its n children seed + 0..n-1
+                for sp in self._sampling(params, i):
                     requests.append(TokensPrompt(prompt_token_ids=list(p)))
-                    sampling.append(VSamplingParams(n=n, seed=mix_seed(params.seed, i), **common))
+                    sampling.append(sp)
             sizes.append(len(requests) - before)
         outputs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []
         results, start = [], 0
@@ -347,6 +333,34 @@ class VLLMEngine:
             start += size
             results.append(self._groups(prompts, params.n, mine))
         return results
+
+    def _sampling(self, params: SamplingParams, i: int) -> list[Any]:
+        """vLLM's sampling parameters for prompt ``i`` of a call: one request with ``n``
+        children, or ``n`` requests when greedy. vLLM checks them as they are built."""
+        from vllm import SamplingParams as VSamplingParams
+
+        common = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else 0,  # 0: off (as -1 is)
+            "max_tokens": params.max_tokens,
+            "logprobs": 0,  # the sampled token's log-prob only
+            "stop_token_ids": [self.eos_token_id],
+            "detokenize": False,
+        }
+        if params.temperature < _GREEDY_BELOW:  # vLLM refuses n > 1 without sampling
+            return [VSamplingParams(n=1, **common) for _ in range(params.n)]
+        # own seed per prompt; vLLM gives its n children seed + 0..n-1
+        return [VSamplingParams(n=params.n, seed=mix_seed(params.seed, i), **common)]
+
+    def check_request(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Raise ``ValueError`` for a request the engine would refuse (the prompts, or
+        sampling parameters vLLM rejects), before it is queued with others."""
+        self.check_prompts(prompts)
+        try:
+            self._sampling(params, 0)  # vLLM's own checks
+        except Exception as exc:  # vLLM's VLLMValidationError
+            raise ValueError(f"vLLM refuses the sampling parameters: {exc}") from None
 
     def check_prompts(self, prompts: list[list[int]]) -> None:
         """Raise ``ValueError`` for an empty prompt or one that leaves no room to respond."""
@@ -485,7 +499,7 @@ def _config_dtype(config: Any) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def _refresh_tied_lm_head(model: torch.nn.Module) -> None:
+def refresh_tied_lm_head(model: torch.nn.Module) -> None:
     """Rebuild the prepared form of a tied ``lm_head`` from the (updated) embedding.
 
     ``reload_weights`` never loads a tied ``lm_head`` by name (the checkpoint has no such
@@ -541,7 +555,7 @@ class _DropMessages(logging.Filter):
 
 
 @contextlib.contextmanager
-def _quiet(logger_name: str, text: str) -> Iterator[None]:
+def quiet_log(logger_name: str, text: str) -> Iterator[None]:
     """Drop one expected, harmless vLLM message (e.g. no chat template without a tokenizer)."""
     log = logging.getLogger(logger_name)
     flt = _DropMessages(text)
