@@ -9,6 +9,7 @@ retries and messages are tested in seconds. ``tests/test_vllm.py`` runs the real
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ import torch
 
 from dapo.errors import RolloutServerError
 from dapo.rollout import Group, SamplingParams
+from dapo.rollout.fingerprint import Fingerprint
 from dapo.rollout.server import RolloutServer, WeightReceiver
 from dapo.rollout.server_client import ServerEngine
 from dapo.rollout.weight_channel import WeightGroup, free_port
@@ -56,7 +58,7 @@ class FakeEngine:
     """Responses made from the request: [prompt length, seed, prompt index], log-probs
     that need every digit of a float64."""
 
-    max_model_len, eos_token_id, on_cpu = 64, 1, True
+    max_model_len, eos_token_id, on_cpu = 256, 1, True
 
     def __init__(self) -> None:
         self.batches: list[int] = []
@@ -82,17 +84,22 @@ class FakeEngine:
         pass
 
 
+# The stand-in model: what `test_weights_go_over_the_weight_channel` pushes.
+MODEL = Fingerprint(
+    vocab_size=32, eos_token_id=1, name="fake",
+    parameters=(("0.weight", (4, 3)), ("0.bias", (4,)), ("1.weight", (2, 4)), ("1.bias", (2,))),
+)  # fmt: skip
+
+
 @pytest.fixture
 def server():
-    """A RolloutServer with the stand-in engine on 127.0.0.1 (a thread)."""
+    """A RolloutServer with the stand-in engine on 127.0.0.1 (threads)."""
     engine = FakeEngine()
-    srv = RolloutServer(engine, model="fake")
+    srv = RolloutServer(engine, model="fake", fingerprint=MODEL)
     port = free_port()
-    ready = threading.Event()
-    thread = threading.Thread(target=srv.serve, args=("127.0.0.1", port, ready), daemon=True)
-    thread.start()
-    assert ready.wait(10)
+    srv.start("127.0.0.1", port)
     yield srv, engine, f"http://127.0.0.1:{port}"
+    srv.close()
 
 
 def client(url: str, **kw) -> ServerEngine:
@@ -102,7 +109,7 @@ def client(url: str, **kw) -> ServerEngine:
 def test_generate_over_http_returns_the_engines_groups_exactly(server):
     _, engine, url = server
     eng = client(url)
-    assert eng.info["max_model_len"] == 64 and eng.info["weight_version"] == -1
+    assert eng.info["max_model_len"] == 256 and eng.info["weight_version"] == -1
     groups = eng.generate([[5, 6, 7], [8, 9]], SamplingParams(n=2, seed=11))
     assert [g.prompt_ids for g in groups] == [[5, 6, 7], [8, 9]]
     assert groups[0].response_ids == [[3, 11, 0]] * 2 and groups[1].response_ids == [[2, 11, 1]] * 2
@@ -132,8 +139,8 @@ def test_requests_waiting_together_are_generated_in_one_batch(server):
 def test_bad_request_names_the_problem_and_fails_alone(server):
     _, engine, url = server
     eng = client(url)
-    with pytest.raises(RolloutServerError, match=r"answered POST /generate with 400: .*no room"):
-        eng.generate([[1] * 64], SamplingParams())
+    with pytest.raises(RolloutServerError, match=r"answered POST /generate with 400: .*`prompts\[0\]` has 200 tokens"):
+        eng.generate([[1] * 200], SamplingParams(max_tokens=128))
     assert engine.batches == []  # rejected before reaching the engine
 
 
@@ -192,8 +199,8 @@ def test_no_server_is_a_clear_error_that_names_the_url():
 
 def test_a_server_that_does_not_fit_is_refused(server):
     _, _, url = server
-    with pytest.raises(RolloutServerError, match="restart it with --max-model-len 100"):
-        client(url, max_model_len=100)
+    with pytest.raises(RolloutServerError, match="restart it with --max-model-len 300"):
+        client(url, max_model_len=300)
     with pytest.raises(RolloutServerError, match="stops generation on token 1, the trainer's tokenizer on 2"):
         ServerEngine(url, max_model_len=32, eos_token_id=2)
 
@@ -222,3 +229,293 @@ def test_a_server_gone_mid_run_is_retried_then_named(monkeypatch, server):
     msg = str(err.value)
     assert f"the rollout server at {eng.url} did not answer POST /generate after 4 tries" in msg
     assert "resume=true" in msg and "dapo vllm-serve" in msg
+
+
+# --- requests checked before the engine (issue 31) -------------------------------------------
+
+
+def post(url: str, path: str, body: bytes | dict, key: str | None = None) -> tuple[int, dict]:
+    """One raw request: (status, JSON answer)."""
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url + path, data=data, method="POST" if data else "GET", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def get(url: str, path: str, key: str | None = None) -> tuple[int, dict]:
+    return post(url, path, b"", key)
+
+
+BAD_GENERATE = [  # (body, what the 400 says); the stand-in model has 32 tokens, 256 positions
+    ({"prompts": [[5, 99999999]]}, "`prompts[0][1]` = 99999999 is not a token id of the served model: ids run from 0 to 31"),
+    ({"prompts": [[5], [-1]]}, "`prompts[1][0]` = -1 is not a token id"),
+    ({"prompts": [[5]], "n": 0}, "`n` = 0 is outside [1, 256]"),
+    ({"prompts": [[5]], "n": 100000}, "`n` = 100000 is outside [1, 256] (max_n in /health; dapo vllm-serve --max-n)"),
+    ({"prompts": [[5]], "n": "2"}, '`n` must be an integer, got "2"'),
+    ({"prompts": [[5]], "n": True}, "`n` must be an integer, got true"),
+    ({"prompts": [[5]], "n": 2.0}, "`n` must be an integer, got 2.0"),
+    ({"prompts": [[5]], "temperature": -5}, "`temperature` = -5 is outside [0, 2]"),
+    ({"prompts": [[5]], "temperature": "hot"}, '`temperature` must be a finite number, got "hot"'),
+    ({"prompts": [[5]], "top_p": 0}, "`top_p` = 0 is outside (0, 1]"),
+    ({"prompts": [[5]], "top_k": 33}, "`top_k` = 33 is outside [0, 32]"),
+    ({"prompts": [[5]], "max_tokens": 256}, "`max_tokens` = 256 is outside [1, 255] (max_tokens in /health"),
+    ({"prompts": [[5]], "seed": -1}, "`seed` = -1 is outside [0, 9223372036854775807]"),
+    ({"prompts": [[5] * 250], "max_tokens": 10}, "`prompts[0]` has 250 tokens: with `max_tokens` = 10 that is 260, over the server's max_model_len of 256"),
+    ({"prompts": [[5]], "min_p": 0.1}, "unknown field `min_p` in POST /generate; its fields are: prompts, n,"),
+    ({"prompts": "5"}, "`prompts` must be a list of token-id lists"),
+    ({"prompts": [[]]}, "`prompts[0]` must be a non-empty list of token ids"),
+    ({"prompts": [[5, "a"]]}, '`prompts[0][1]` must be an integer token id, got "a"'),
+    ({}, "`prompts` is missing"),
+    (b"[1, 2]", "the request body must be a JSON object, got list"),
+    (b"{not json", "the request body is not valid JSON"),
+    (b'{"prompts": [[5]], "temperature": NaN}', "NaN is not a number"),
+    (b"[" * 100_000, "not valid JSON"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_GENERATE, ids=range(len(BAD_GENERATE)))
+def test_a_bad_request_gets_a_400_naming_field_value_and_limit_and_costs_only_itself(server, body, message):
+    _, engine, url = server
+    status, answer = post(url, "/generate", body)
+    assert status == 400 and answer["error"].startswith("bad request to /generate: "), answer
+    assert message in answer["error"], answer
+    assert engine.batches == []  # nothing reached the engine
+    status, answer = post(url, "/generate", {"prompts": [[5, 6]], "n": 1, "seed": 3, "max_tokens": 8})
+    assert status == 200 and answer["groups"][0]["response_ids"] == [[2, 3, 0]]
+
+
+def test_health_states_the_limits_and_the_fingerprint(server):
+    srv, _, url = server
+    status, health = get(url, "/health")
+    assert status == 200 and health["status"] == "ok" and health["auth"] is False
+    assert health["limits"] == {
+        "max_model_len": 256, "vocab_size": 32, "max_n": 256, "max_tokens": 255,
+        "max_request_bytes": 64 << 20, "job_timeout_s": 1800.0,
+    }  # fmt: skip
+    assert health["fingerprint"] == {
+        "vocab_size": 32, "eos_token_id": 1, "num_tensors": 4, "num_elements": 12 + 4 + 8 + 2,
+        "hash": MODEL.digest,
+    }  # fmt: skip
+    status, params = get(url, "/parameters")
+    assert status == 200 and Fingerprint.from_json(params) == MODEL
+
+
+def test_a_body_over_the_limit_is_refused_unread():
+    from dapo.rollout.protocol import Limits
+
+    srv = RolloutServer(FakeEngine(), model="fake", fingerprint=MODEL,
+                        limits=Limits(256, 32, max_request_bytes=100))  # fmt: skip
+    port = free_port()
+    srv.start("127.0.0.1", port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        body = {"prompts": [[5] * 40]}
+        status, answer = post(url, "/generate", body)
+        size = len(json.dumps(body))  # 135
+        assert status == 400 and f"the request body of {size} bytes is over the server's limit of 100 bytes" in answer["error"]
+        assert post(url, "/generate", {"prompts": [[5]], "max_tokens": 4})[0] == 200
+    finally:
+        srv.close()
+
+
+def test_weight_requests_are_checked(server):
+    _, _, url = server
+    status, answer = post(url, "/update_weights", {"specs": [["0.bias", "float32", [4]]], "version": 1})
+    assert status == 400 and "call /init_weight_sync first" in answer["error"]
+    cases = [
+        ({"host": "127.0.0.1", "port": 1234, "world_size": 3}, "`world_size` = 3 is outside [2, 2] (1 trainer rank + 1 tensor-parallel workers"),
+        ({"host": "127.0.0.1", "port": 1234, "world_size": 2, "backend": "nccl"}, "`backend` = \"nccl\" is not one of ['gloo'] (the server runs on cpu)"),
+        ({"host": "127.0.0.1", "port": 70000, "world_size": 2}, "`port` = 70000 is outside [1, 65535]"),
+        ({"host": "127.0.0.1", "port": 1234, "world_size": 2, "timeout_s": 1e9}, "`timeout_s` = 1000000000.0 is outside (0, 1800]"),
+        ({"host": 5, "port": 1234, "world_size": 2}, "`host` must be the trainer's address"),
+        ({"host": "h", "port": 1, "world_size": 2, "rank": 0}, "unknown field `rank`"),
+    ]  # fmt: skip
+    for body, message in cases:
+        status, answer = post(url, "/init_weight_sync", body)
+        assert status == 400 and message in answer["error"], answer
+
+
+def test_a_push_of_other_shapes_is_refused_and_does_not_hang(server):
+    srv, engine, url = server
+    eng = client(url)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))  # 5, not 4
+    t0 = time.monotonic()
+    with pytest.raises(RolloutServerError) as err:
+        eng.load_weights(model.named_parameters())
+    assert time.monotonic() - t0 < 20
+    msg = str(err.value)
+    assert "answered POST /update_weights with 400" in msg
+    assert "0.weight has shape [5, 3], the served model's [4, 3] (the server left the weight group)" in msg
+    assert engine.worker.loaded == {} and srv.weight_version == -1
+
+
+def test_every_endpoint_but_health_needs_the_api_key():
+    srv = RolloutServer(FakeEngine(), model="fake", fingerprint=MODEL, api_key="s3cret")
+    port = free_port()
+    srv.start("127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert get(url, "/health")[0] == 200 and get(url, "/health")[1]["auth"] is True
+        body = {"prompts": [[5]], "max_tokens": 4}
+        for path, payload in [("/generate", body), ("/init_weight_sync", {}), ("/update_weights", {}),
+                              ("/close_weight_sync", {}), ("/parameters", b"")]:  # fmt: skip
+            status, answer = post(url, path, payload)
+            assert status == 401 and "requires an API key" in answer["error"], (path, answer)
+            status, answer = post(url, path, payload, key="wrong")
+            assert status == 401 and "does not match" in answer["error"], (path, answer)
+        assert post(url, "/generate", body, key="s3cret")[0] == 200
+        with pytest.raises(RolloutServerError) as err:  # a trainer without the key: at connect
+            client(url)
+        assert "answered GET /parameters with 401" in str(err.value)
+        assert "rollout.server_api_key=KEY or the DAPO_SERVER_API_KEY environment variable" in str(err.value)
+        assert client(url, api_key="s3cret").generate([[5]], SamplingParams(max_tokens=4))[0].response_ids
+    finally:
+        srv.close()
+
+
+# --- a failing or stuck engine, stopping ----------------------------------------------------
+
+
+class BrokenEngine(FakeEngine):
+    """Raises inside generation (``fail``) or blocks until ``release`` is set (``stuck``)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode, self.release = mode, threading.Event()
+
+    def generate_many(self, calls):
+        if any(params.seed == 666 for _, params in calls):
+            if self.mode == "fail":
+                raise IndexError("index out of range in self")
+            self.release.wait(60)
+        return super().generate_many(calls)
+
+
+def broken_server(mode: str, **kw):
+    from dapo.rollout.protocol import Limits
+
+    engine = BrokenEngine(mode)
+    limits = Limits(256, 32, job_timeout_s=kw.pop("job_timeout_s", 1800.0))
+    srv = RolloutServer(engine, model="fake", fingerprint=MODEL, limits=limits, **kw)
+    port = free_port()
+    srv.start("127.0.0.1", port)
+    return srv, engine, f"http://127.0.0.1:{port}"
+
+
+def wait_in_thread(srv):
+    pool = ThreadPoolExecutor(1)
+    return pool.submit(srv.wait)
+
+
+def test_an_engine_failure_makes_the_server_unhealthy_then_it_exits():
+    srv, engine, url = broken_server("fail", exit_after_s=1.0)
+    waited = wait_in_thread(srv)
+    ok = {"prompts": [[5]], "max_tokens": 4}
+    assert post(url, "/generate", ok)[0] == 200
+    status, answer = post(url, "/generate", {**ok, "seed": 666})
+    reason = "the engine failed during generate (IndexError: index out of range in self)"
+    assert status == 503 and answer["error"] == f"the rollout server is unhealthy: {reason}"
+    status, health = get(url, "/health")
+    assert status == 503 and health["status"] == "unhealthy" and health["reason"] == reason
+    status, answer = post(url, "/generate", ok)  # every later request: 503, naming it
+    assert status == 503 and reason in answer["error"]
+    t0 = time.monotonic()
+    code, message = waited.result(timeout=10)
+    assert code == 1 and message == f"{reason}; exiting so that a supervisor restarts the server"
+    assert time.monotonic() - t0 < 3
+
+
+def test_the_watchdog_declares_a_stuck_engine_unhealthy():
+    srv, engine, url = broken_server("stuck", job_timeout_s=0.5, exit_after_s=0.5)
+    waited = wait_in_thread(srv)
+    t0 = time.monotonic()
+    status, answer = post(url, "/generate", {"prompts": [[5]], "max_tokens": 4, "seed": 666})
+    assert time.monotonic() - t0 < 5
+    assert status == 503 and "one generate job has run for 1 s, over the limit of 0.5 s" in answer["error"]
+    assert "(dapo vllm-serve --job-timeout-s): the engine is stuck" in answer["error"]
+    assert waited.result(timeout=10)[0] == 1
+    engine.release.set()
+
+
+def test_stopping_with_a_stuck_engine_takes_seconds(monkeypatch):
+    from dapo.rollout import server as server_module
+
+    monkeypatch.setattr(server_module, "STOP_WAIT_S", 1.0)
+    srv, engine, url = broken_server("stuck")
+    waited = wait_in_thread(srv)
+    with ThreadPoolExecutor(2) as pool:
+        stuck = pool.submit(post, url, "/generate", {"prompts": [[5]], "max_tokens": 4, "seed": 666})
+        time.sleep(0.5)
+        queued = pool.submit(post, url, "/generate", {"prompts": [[5]], "max_tokens": 4})
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        srv.stop("SIGTERM received")
+        code, message = waited.result(timeout=10)
+        assert time.monotonic() - t0 < 3
+        assert code == 1 and message.startswith("stopped (SIGTERM received) while the engine was still running a generate job")
+        engine.release.set()
+        assert stuck.result(timeout=10)[0] == 200  # it finished after all; the reply still went out
+        assert queued.result(timeout=10)[0] == 503
+
+
+def test_an_unhealthy_server_is_reported_at_once_not_after_the_timeout():
+    srv, engine, url = broken_server("fail")
+    eng = client(url, timeout_s=600)
+    srv.fail("the engine failed during generate (IndexError: index out of range in self)")
+    t0 = time.monotonic()
+    with pytest.raises(RolloutServerError) as err:
+        eng.generate([[5]], SamplingParams(max_tokens=4))
+    with pytest.raises(RolloutServerError) as at_connect:
+        client(url, timeout_s=600)
+    assert time.monotonic() - t0 < 5
+    assert "answered POST /generate with 503: the rollout server is unhealthy: the engine failed" in str(err.value)
+    assert "resume=true" in str(err.value)
+    assert "answered GET /health with 503: the engine failed during generate" in str(at_connect.value)
+    srv.stop("test")
+    srv.wait()
+
+
+# --- the trainer checks it talks to its model --------------------------------------------------
+
+
+def test_a_client_of_another_model_stops_naming_both(server):
+    _, _, url = server
+    other = Fingerprint(32, 1, (("0.weight", (4, 3)), ("0.bias", (4,)), ("1.weight", (3, 4)), ("1.bias", (3,))), name="mine")
+    with pytest.raises(RolloutServerError) as err:
+        client(url, policy=other)
+    msg = str(err.value)
+    assert f"the rollout server at {url} serves another model than the trainer's: 1.weight is [2, 4] on the server, [3, 4] in the trainer" in msg
+    assert f"The server's model fake has vocabulary 32, EOS 1, 4 tensors (26 elements, hash {MODEL.digest})" in msg
+    assert f"the trainer's mine has vocabulary 32, EOS 1, 4 tensors (31 elements, hash {other.digest})" in msg
+    assert "Serve the trainer's model (dapo vllm-serve mine --port" in msg
+    extended = Fingerprint(40, 1, MODEL.parameters, name="mine")
+    with pytest.raises(RolloutServerError, match="vocabulary size 32 on the server, 40 in the trainer"):
+        client(url, policy=extended)
+    assert client(url, policy=Fingerprint(32, 1, MODEL.parameters, name="mine")).info["status"] == "ok"
+
+
+def test_the_policy_fingerprint_is_the_model_directorys_also_with_lora(tmp_path):
+    from dapo.config import LoraConfig
+    from dapo.models import lora
+    from dapo.models.tiny import build_model, build_tokenizer
+    from dapo.rollout.fingerprint import of_model_dir, of_module
+
+    model = build_model(len(build_tokenizer()), seed=0)
+    model.save_pretrained(tmp_path)
+    served = of_model_dir(tmp_path, 1)
+    assert served.vocab_size == model.config.vocab_size and served.parameters
+    assert of_module(model, 1) == Fingerprint(served.vocab_size, 1, served.parameters, name="")
+    lora.apply_lora(model, LoraConfig(rank=4, alpha=8.0, target_modules=["all-linear"]))
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+    assert of_module(model, 1, name="x").parameters == served.parameters  # the pushed names
+    bigger = build_model(len(build_tokenizer()) + 8, seed=0)
+    assert served.difference(of_module(bigger, 1)) == f"vocabulary size {served.vocab_size} on the server, {served.vocab_size + 8} in the trainer"

@@ -7,11 +7,18 @@ pushes weights, over the weight channel (:mod:`dapo.rollout.weight_channel`), wh
 other ranks take part in gathering FSDP shards and then wait for the push to finish, so
 that no rank generates with the old weights.
 
+At connect the client checks that the server fits the trainer: its ``max_model_len``,
+its EOS id, and its model's fingerprint (vocabulary size and parameter names and shapes,
+:mod:`dapo.rollout.fingerprint`) against the policy's. With an API key
+(``rollout.server_api_key`` or ``DAPO_SERVER_API_KEY``) every request but ``/health``
+carries ``Authorization: Bearer KEY``.
+
 Failures name the server's URL and the fix: a server that does not come up within
-``rollout.server_timeout_s``; a connection refused or dropped (retried 3 times, 1 s, 2 s
-and 4 s apart, then an error); an answer that takes longer than the time-out; a server
-that dies during a weight push. The trainer's last checkpoint is untouched by all of
-these: start a server again and continue with ``resume=true``.
+``rollout.server_timeout_s``; one that serves another model; a refused key (401); an
+unhealthy server (503, reported at once); a connection refused or dropped (retried 3
+times, 1 s, 2 s and 4 s apart, then an error); an answer that takes longer than the
+time-out; a server that dies during a weight push. The trainer's last checkpoint is
+untouched by all of these: start a server again and continue with ``resume=true``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import torch
 from dapo.errors import RolloutServerError
 from dapo.parallel import distributed as D
 from dapo.rollout.base import Group, SamplingParams
+from dapo.rollout.fingerprint import Fingerprint
+from dapo.rollout.protocol import API_KEY_ENV
 from dapo.rollout.weight_channel import WeightGroup, address_towards, dtype_name, free_port, spec_of
 
 RESUME_HINT = (
@@ -46,6 +55,14 @@ class _Transient(Exception):
     """A failure worth retrying: the connection was refused or dropped."""
 
 
+class _Refused(RolloutServerError):
+    """The server answered with an error status (``status``: 400, 401, 503, ...)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class ServerEngine:
     """Generation on a rollout server; weights pushed to it from rank 0.
 
@@ -53,6 +70,9 @@ class ServerEngine:
         url: the server, ``http://HOST:PORT`` (``rollout.server_url``).
         max_model_len: prompt + response tokens the trainer needs; the server must fit them.
         eos_token_id: the trainer's end-of-sequence token; the server must stop on it.
+        policy: the policy's fingerprint; the server's model must have the same vocabulary,
+            EOS and parameter names and shapes (None: not compared).
+        api_key: sent as ``Authorization: Bearer KEY`` (None: no key).
         timeout_s: how long to wait for the server to come up and for each answer.
         retries: re-tries of a refused or dropped connection (1 s, 2 s, 4 s, ... apart).
     """
@@ -63,6 +83,8 @@ class ServerEngine:
         *,
         max_model_len: int,
         eos_token_id: int,
+        policy: Fingerprint | None = None,
+        api_key: str | None = None,
         timeout_s: float = 600.0,
         retries: int = 3,
         backoff_s: float = 1.0,
@@ -76,9 +98,13 @@ class ServerEngine:
         self.url = f"{parsed.scheme}://{parsed.hostname}:{parsed.port}"
         self.host, self.port = parsed.hostname, parsed.port
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
         self.group: WeightGroup | None = None
         self.version = 0
         self.info = self._wait_until_up()
+        self._check_model(policy)
         if self.info["eos_token_id"] != eos_token_id:
             raise RolloutServerError(
                 f"the rollout server at {self.url} stops generation on token "
@@ -90,6 +116,20 @@ class ServerEngine:
                 f"the rollout server at {self.url} holds {self.info['max_model_len']} tokens per "
                 f"sequence; data.max_prompt_length + rollout.max_completion_length = "
                 f"{max_model_len}: restart it with --max-model-len {max_model_len} or more"
+            )
+
+    def _check_model(self, policy: Fingerprint | None) -> None:
+        """Stop unless the server's model has the policy's vocabulary, EOS and parameters
+        (fetched with the API key: a wrong key is reported here, at connect)."""
+        served = Fingerprint.from_json(self._request("GET", "/parameters", timeout=60))
+        diff = None if policy is None else served.difference(policy)
+        if policy is not None and diff is not None:
+            raise RolloutServerError(
+                f"the rollout server at {self.url} serves another model than the trainer's: "
+                f"{diff}. The server's model {served.name} has {served.describe()}; the "
+                f"trainer's {policy.name or 'policy'} has {policy.describe()}. Serve the "
+                f"trainer's model (dapo vllm-serve {policy.name or 'MODEL'} --port {self.port}), "
+                "or point rollout.server_url at a server of it"
             )
 
     # --- RolloutEngine --------------------------------------------------------------------
@@ -126,6 +166,11 @@ class ServerEngine:
                 self.group.send(named_tensors)  # type: ignore[union-attr]
             except RuntimeError as exc:
                 self._leave()
+                refused = None
+                with contextlib.suppress(Exception):  # not done in time, or cancelled
+                    refused = answer.exception(timeout=10)
+                if isinstance(refused, _Refused):  # the server refused the push: say why
+                    raise refused from exc
                 raise RolloutServerError(
                     f"the weight push to the rollout server at {self.url} broke off "
                     f"({type(exc).__name__}: {str(exc)[:200]}). {RESUME_HINT}"
@@ -218,20 +263,24 @@ class ServerEngine:
     def _once(self, method: str, path: str, body: dict | None, *, timeout: float) -> dict[str, Any]:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+            self.url + path, data=data, method=method, headers=self._headers
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:  # the server answered: with an error
             try:
-                detail = json.loads(exc.read()).get("error", "")
-            except (ValueError, OSError):
+                answer = json.loads(exc.read())
+                detail = answer.get("error") or answer.get("reason") or ""
+            except (ValueError, OSError, AttributeError):
                 detail = exc.reason
-            raise RolloutServerError(
-                f"the rollout server at {self.url} answered {method} {path} with {exc.code}: {detail}"
-            ) from None
-        except (TimeoutError, urllib.error.URLError, ConnectionError, http.client.HTTPException) as exc:
+            raise _Refused(self._refusal(method, path, exc.code, detail), exc.code) from None
+        except (
+            TimeoutError,
+            urllib.error.URLError,
+            ConnectionError,
+            http.client.HTTPException,
+        ) as exc:
             reason = getattr(exc, "reason", exc)
             if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
                 raise RolloutServerError(
@@ -240,3 +289,15 @@ class ServerEngine:
                     f"or check the server. {RESUME_HINT}"
                 ) from None
             raise _Transient(f"{type(reason).__name__}: {reason}") from None
+
+    def _refusal(self, method: str, path: str, code: int, detail: str) -> str:
+        """The message for an error answer: what it means and what to do."""
+        said = f"the rollout server at {self.url} answered {method} {path} with {code}: {detail}"
+        if code == 401:
+            return (
+                f"{said}. Give the trainer the key the server was started with: "
+                f"rollout.server_api_key=KEY or the {API_KEY_ENV} environment variable"
+            )
+        if code == 503:
+            return f"{said}. {RESUME_HINT}"
+        return said

@@ -1,0 +1,233 @@
+"""The rollout server with vLLM in a subprocess on 127.0.0.1: bad requests, a failing or
+stuck engine, stopping, the API key and the model check (issue 31).
+
+One server (``builtin:tiny``, an API key, a fault that makes a generation with seed
+``HANG_SEED`` hang; ``tests/serve_with_faults.py``) is shared by the tests of this module;
+a test that ends it leaves the next one to start another. The engine-failure test starts
+its own, whose token ids are not checked, so that an out-of-vocabulary id fails inside
+vLLM's forward pass as in the issue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from serve_with_faults import HANG_SEED  # tests/serve_with_faults.py
+from vllm_check import needs_vllm  # tests/vllm_check.py
+
+pytestmark = [needs_vllm, pytest.mark.usefixtures("one_thread")]
+
+KEY = "test-key-31"
+FAULTS = [sys.executable, str(Path(__file__).with_name("serve_with_faults.py"))]
+PROMPTS = [[3 + i % 90 for i in range(k, k + 9)] for k in range(3)]  # token ids of builtin:tiny
+REFERENCE = {"prompts": PROMPTS, "n": 2, "temperature": 1.0, "max_tokens": 12, "seed": 7}
+
+
+def request(url: str, path: str, body: bytes | dict | None = None, key: str | None = KEY,
+            timeout: float = 120) -> tuple[int, dict]:  # fmt: skip
+    """(status, JSON answer) of one request (GET without a body)."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url + path, data=data, method="GET" if data is None else "POST",
+                                 headers=headers)  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+class Server:
+    """``dapo vllm-serve builtin:tiny`` (with faults) in a subprocess; started on demand."""
+
+    def __init__(self, tiny: Path, logs: Path, faults: str, key: str | None = KEY) -> None:
+        self.tiny, self.logs, self.faults, self.key = tiny, logs, faults, key
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def ensure(self) -> str:
+        from dapo.rollout.server import launch
+        from dapo.rollout.weight_channel import free_port
+
+        if self.proc is None or self.proc.poll() is not None:
+            self.starts += 1
+            self.port = free_port()
+            self.log = self.logs / f"server-{self.faults or 'plain'}-{self.starts}.log"
+            env = dict(os.environ, DAPO_CACHE=str(self.tiny.parent), OMP_NUM_THREADS="1",
+                       DAPO_TEST_FAULTS=self.faults)  # fmt: skip
+            env.pop("DAPO_SERVER_API_KEY", None)
+            if self.key:
+                env["DAPO_SERVER_API_KEY"] = self.key
+            self.proc = launch(str(self.tiny), self.port, log=self.log, max_model_len=256,
+                               env=env, timeout_s=300, command=FAULTS)  # fmt: skip
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def tiny_path() -> Path:
+    from dapo.models import resolve_model_path
+
+    return Path(resolve_model_path("builtin:tiny", log=lambda _: None))
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_path, tmp_path_factory):
+    server = Server(tiny_path, tmp_path_factory.mktemp("servers"), "hang")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def url(shared) -> str:
+    return shared.ensure()
+
+
+def tokens(answer: dict) -> list:
+    return [g["response_ids"] for g in answer["groups"]]
+
+
+def test_an_out_of_vocabulary_id_gets_a_400_and_the_next_request_is_served(url):
+    status, before = request(url, "/generate", REFERENCE)
+    assert status == 200, before
+    status, answer = request(url, "/generate", {**REFERENCE, "prompts": [[5, 99999999]]})
+    assert status == 400, answer
+    assert "`prompts[0][1]` = 99999999 is not a token id of the served model: ids run from 0 to 98" in answer["error"]
+    status, after = request(url, "/generate", REFERENCE)
+    assert status == 200 and tokens(after) == tokens(before)
+    status, health = request(url, "/health", key=None)
+    assert status == 200 and health["status"] == "ok"
+
+
+def test_fuzzed_bad_requests_leave_the_server_generating_the_same_tokens(url):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    status, before = request(url, "/generate", REFERENCE)
+    assert status == 200
+    weird = st.one_of(
+        st.integers(-3, 140), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=4),
+        st.booleans(), st.none(), st.lists(st.integers(-2, 3), max_size=2),
+    ).filter(lambda v: v != HANG_SEED)  # fmt: skip
+    prompt = st.one_of(st.lists(weird, max_size=5), st.lists(st.integers(0, 120), max_size=5), weird)
+    fields = {"prompts": st.one_of(st.lists(prompt, max_size=3), weird), "n": weird,
+              "temperature": weird, "top_p": weird, "top_k": weird, "max_tokens": weird, "seed": weird}  # fmt: skip
+    bodies = st.one_of(
+        st.fixed_dictionaries({}, optional=fields),
+        st.dictionaries(st.sampled_from([*fields, "min_p", "stream", ""]), weird, max_size=4),
+        st.binary(max_size=40),
+    )
+    answered: list[int] = []
+
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(bodies)
+    def send(body) -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, answer = request(url, "/generate", data)
+        answered.append(status)
+        assert status in (200, 400), (body, answer)  # never a 500 or a broken server
+        if status == 400:
+            assert answer["error"].startswith("bad request to /generate: "), answer
+
+    t0 = time.monotonic()
+    send()
+    assert time.monotonic() - t0 < 120 and answered.count(400) >= 100, answered
+    status, after = request(url, "/generate", REFERENCE)
+    assert status == 200 and tokens(after) == tokens(before)
+
+
+def test_every_endpoint_but_health_needs_the_key(url):
+    assert request(url, "/health", key=None)[0] == 200
+    ok = {"prompts": PROMPTS[:1], "max_tokens": 4}
+    for key, says in [(None, "requires an API key"), ("wrong", "does not match")]:
+        for path, body in [("/generate", ok), ("/update_weights", {}), ("/init_weight_sync", {}),
+                           ("/close_weight_sync", {}), ("/parameters", None)]:  # fmt: skip
+            status, answer = request(url, path, body, key=key)
+            assert status == 401 and says in answer["error"], (path, answer)
+    assert request(url, "/generate", ok)[0] == 200
+
+
+def test_a_trainer_of_another_model_stops_with_the_mismatch_in_seconds(url, tiny_path, monkeypatch):
+    from dapo.config import RolloutConfig
+    from dapo.errors import RolloutServerError
+    from dapo.models import load_policy, load_tokenizer
+    from dapo.models.tiny import build_model
+    from dapo.rollout import make_engine
+
+    monkeypatch.setenv("DAPO_SERVER_API_KEY", KEY)
+    r = RolloutConfig(engine="vllm-server", server_url=url, server_timeout_s=600)
+    tok = load_tokenizer(str(tiny_path))
+    served = load_policy(str(tiny_path))  # the served model itself: accepted
+    assert make_engine(r, served, tok, max_model_len=64).generate(PROMPTS[:1], _params())[0].response_ids
+    other = build_model(len(tok) + 8)  # a vocabulary extended by 8 tokens
+    t0 = time.monotonic()
+    with pytest.raises(RolloutServerError) as err:
+        make_engine(r, other, tok, max_model_len=64)
+    assert time.monotonic() - t0 < 10
+    msg = str(err.value)
+    assert msg.startswith(f"the rollout server at {url} serves another model than the trainer's: "
+                          "vocabulary size 99 on the server, 107 in the trainer. The server's model ")  # fmt: skip
+    assert "has vocabulary 99, EOS 1, 38 tensors" in msg and "has vocabulary 107, EOS 1, 38 tensors" in msg
+
+
+def _params():
+    from dapo.rollout import SamplingParams
+
+    return SamplingParams(n=1, max_tokens=4, seed=1)
+
+
+def test_sigterm_during_a_stuck_job_ends_the_server_within_10_s(shared, url):
+    with ThreadPoolExecutor(1) as pool:
+        stuck = pool.submit(request, url, "/generate", {"prompts": PROMPTS[:1], "seed": HANG_SEED}, timeout=60)
+        time.sleep(2)
+        assert not stuck.done()
+        status, health = request(url, "/health", key=None)
+        assert status == 200 and health["status"] == "ok"  # busy, within --job-timeout-s
+        t0 = time.monotonic()
+        shared.proc.send_signal(signal.SIGTERM)
+        code = shared.proc.wait(timeout=10)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(OSError):  # the connection went with the process
+            stuck.result(timeout=30)
+    assert code == 1
+    last = shared.log.read_text().strip().splitlines()[-1]
+    assert last.startswith("dapo vllm-serve: error: stopped (SIGTERM received) while the engine "
+                           "was still running a generate job"), last  # fmt: skip
+
+
+@pytest.mark.slow  # its own server: about 26 s on 2 cores
+def test_a_failure_inside_the_engine_gives_503s_and_a_non_zero_exit(tiny_path, tmp_path):
+    server = Server(tiny_path, tmp_path, "no-vocab-check", key=None)
+    url = server.ensure()
+    try:
+        ok = {"prompts": PROMPTS[:1], "max_tokens": 4, "seed": 1}
+        assert request(url, "/generate", ok)[0] == 200
+        status, answer = request(url, "/generate", {**ok, "prompts": [[5, 99999999]]})
+        reason = "the engine failed during generate (IndexError: index out of range in self)"
+        assert status == 503 and answer["error"] == f"the rollout server is unhealthy: {reason}"
+        status, health = request(url, "/health")
+        assert status == 503 and health["status"] == "unhealthy" and health["reason"] == reason
+        status, answer = request(url, "/generate", ok)
+        assert status == 503 and reason in answer["error"]
+        assert server.proc.wait(timeout=20) == 1
+        last = server.log.read_text().strip().splitlines()[-1]
+        assert last == f"dapo vllm-serve: error: {reason}; exiting so that a supervisor restarts the server"
+    finally:
+        server.stop()
