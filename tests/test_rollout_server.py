@@ -519,3 +519,32 @@ def test_the_policy_fingerprint_is_the_model_directorys_also_with_lora(tmp_path)
     assert of_module(model, 1, name="x").parameters == served.parameters  # the pushed names
     bigger = build_model(len(build_tokenizer()) + 8, seed=0)
     assert served.difference(of_module(bigger, 1)) == f"vocabulary size {served.vocab_size} on the server, {served.vocab_size + 8} in the trainer"
+
+
+def test_the_trainer_takes_the_key_from_the_config_or_the_environment_and_never_writes_it(monkeypatch):
+    from dataclasses import replace
+
+    from dapo.config import load_config
+    from dapo.rollout import make_engine
+
+    srv = RolloutServer(FakeEngine(), model="fake", fingerprint=MODEL, api_key="s3cret")
+    port = free_port()
+    srv.start("127.0.0.1", port)
+    try:
+        policy = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        policy.config = SimpleNamespace(vocab_size=32, _name_or_path="mine")  # what of_module reads
+        tok = SimpleNamespace(eos_token_id=1, pad_token_id=0)
+        cfg = load_config(None, ["rollout.engine=vllm-server", f"rollout.server_url=http://127.0.0.1:{port}",
+                                 "rollout.server_api_key=s3cret"])  # fmt: skip
+        monkeypatch.delenv("DAPO_SERVER_API_KEY", raising=False)
+        eng = make_engine(cfg.rollout, policy, tok, max_model_len=32)
+        assert eng.generate([[5]], SamplingParams(max_tokens=4))[0].response_ids == [[1, 0, 0]]
+        assert "s3cret" not in cfg.to_yaml() and "server_api_key: null" in cfg.to_yaml()
+        assert cfg.to_dict()["rollout"]["server_api_key"] is None and cfg.rollout.server_api_key == "s3cret"
+        keyless = replace(cfg.rollout, server_api_key=None)
+        with pytest.raises(RolloutServerError, match="answered GET /parameters with 401"):
+            make_engine(keyless, policy, tok, max_model_len=32)
+        monkeypatch.setenv("DAPO_SERVER_API_KEY", "s3cret")
+        assert make_engine(keyless, policy, tok, max_model_len=32).info["auth"] is True
+    finally:
+        srv.close()

@@ -99,14 +99,19 @@ def opt(
     lt: float | None = None,
     nonempty: bool = False,
     hint: str = "",
+    secret: bool = False,
 ) -> Any:
     """A dataclass field with ``metadata={"help": ..., "bounds": Bounds(...)}``.
 
     ``factory`` replaces ``default`` for mutable defaults (lists, dicts, sections). ``ge``,
     ``gt``, ``le``, ``lt`` bound a number (a None of an optional field passes); ``nonempty``
     refuses an empty string or list; ``hint`` is added to the bound's error message.
+    ``secret``: the value (an API key) is written as null wherever the config is written
+    out (:func:`without_secrets`).
     """
     metadata: dict[str, Any] = {"help": " ".join(help.split())}
+    if secret:
+        metadata["secret"] = True
     bounds = Bounds(ge=ge, gt=gt, le=le, lt=lt, nonempty=nonempty, hint=hint)
     if bounds != Bounds(hint=hint):
         metadata["bounds"] = bounds
@@ -147,6 +152,22 @@ def require(ok: bool, key: str, value: Any, fix: str) -> None:
     """Raise the error of a broken rule: the key, its value, and what to do."""
     if not ok:
         raise ConfigError(f"`{key}` = {value!r} is invalid: {fix}")
+
+
+def without_secrets(obj: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (``dataclasses.asdict(obj)``) with every ``secret`` field of ``obj`` and of its
+    sections set to None, in place: what config.yaml, checkpoints and logs receive."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.metadata.get("secret"):
+            data[f.name] = None
+        elif dataclasses.is_dataclass(value):
+            without_secrets(value, data[f.name])
+        elif isinstance(value, list):
+            for item, plain in zip(value, data[f.name], strict=True):
+                if dataclasses.is_dataclass(item):
+                    without_secrets(item, plain)
+    return data
 
 
 def check_fields(obj: Any, prefix: str = "") -> None:

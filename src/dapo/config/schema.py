@@ -22,7 +22,7 @@ import yaml
 
 from dapo.choices import Curriculum, DataParallelMode, Engine, LRSchedule, Precision
 from dapo.config.algorithm import AlgorithmConfig
-from dapo.config.fields import opt
+from dapo.config.fields import opt, without_secrets
 from dapo.config.presets import PRESETS
 
 
@@ -191,6 +191,14 @@ class RolloutConfig:
         "answers (a whole generation call), before stopping with an error that names it.",
         gt=0,
         hint="seconds",
+    )
+    server_api_key: str | None = opt(
+        None,
+        "engine=vllm-server: the API key the server was started with (`dapo vllm-serve "
+        "--api-key`), sent as `Authorization: Bearer KEY`; null: the DAPO_SERVER_API_KEY "
+        "environment variable, else none. Never written out: config.yaml, checkpoints and "
+        "logs hold null (give it again, or use the environment variable, when resuming).",
+        secret=True,
     )
     async_steps: int = opt(
         0,
@@ -530,7 +538,8 @@ class Config:
     checkpoint: CheckpointConfig = opt(help=_doc(CheckpointConfig), factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain data; secret fields (``rollout.server_api_key``) as None."""
+        return without_secrets(self, dataclasses.asdict(self))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -72,7 +72,7 @@ def make_engine(
             max_model_len=max_model_len,
             eos_token_id=tokenizer.eos_token_id,
             policy=of_module(model, tokenizer.eos_token_id),
-            api_key=getattr(r, "server_api_key", None) or os.environ.get(API_KEY_ENV) or None,
+            api_key=r.server_api_key or os.environ.get(API_KEY_ENV) or None,
             timeout_s=r.server_timeout_s,
         )
     raise ValueError(f"unknown rollout engine {name!r}; choose one of: {', '.join(ENGINES)}")
