@@ -6,11 +6,12 @@
 from __future__ import annotations
 
 from dapo.data.records import PromptRecord
-from dapo.data.tasks import addition, long_addition
+from dapo.data.tasks import addition, calculator, long_addition
 
 TASKS = {
     addition.NAME: addition.addition_records,
     long_addition.NAME: long_addition.long_addition_records,
+    calculator.NAME: calculator.calculator_records,
 }
 
 

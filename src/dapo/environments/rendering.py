@@ -1,0 +1,128 @@
+"""Token-in/token-out rendering of multi-turn episodes with the model's chat template.
+
+An episode is one token sequence, built only by appending: the opening messages rendered
+once (with the tools' schemas), then each assistant turn exactly as the engine sampled it
+(ending with the EOS token when the model stopped), then the environment's reply rendered
+and tokenized on its own. Earlier turns are never re-rendered or re-tokenized, so the
+trainer sees exactly the ids the engine saw (re-rendering the whole conversation changes
+earlier tokens with templates that rewrite past turns or BPE merges across turn
+boundaries: TRL #5224, verl #3960).
+
+How a reply is rendered on its own: the template renders a fixed conversation ``[user,
+assistant MARKER]`` followed by the new messages and the generation prompt; the text after
+MARKER is what the template puts after an assistant turn, minus the EOS token's text when
+the template closes the turn with it (the model sampled that token already). What is left
+(for ChatML the ``"\\n"`` after ``<|im_end|>``, the reply, ``<|im_start|>assistant\\n``) is
+the environment's part, tokenized alone. A template that closes turns with something else
+than the EOS token gets its closing text after the sampled EOS token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dapo.environments.base import Message
+from dapo.errors import ConfigError
+
+_MARKER = "DAPO-TURN-END-7f3a9c"  # stands for an assistant turn's content; never tokenized
+_DUMMY_USER = "DAPO-USER-7f3a9c"
+
+
+class RenderError(ValueError):
+    """The chat template could not render an environment's messages (the episode ends)."""
+
+
+class ChatRenderer:
+    """Renders an episode's non-model parts as token ids for one tokenizer and tool set."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                "multi-turn episodes (rollout.environment, rollout.tools) need a chat template, "
+                "and this tokenizer has none. Fix: use a chat model, or set the tokenizer's "
+                "chat_template (tokenizer_config.json) to one that renders the roles your "
+                "environment uses"
+            )
+        self.tokenizer = tokenizer
+        self.tools = list(tools) if tools else None
+        self.eos_token_id = tokenizer.eos_token_id
+        self._eos_text = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False)
+
+    def _render(self, messages: list[Message], generation_prompt: bool = True) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
+            )
+        except Exception as exc:
+            roles = ", ".join(str(m.get("role")) for m in messages)
+            raise RenderError(
+                f"the chat template could not render messages with roles [{roles}] "
+                f"({type(exc).__name__}: {exc}); use roles the model's template knows"
+            ) from exc
+        if not isinstance(text, str):
+            raise RenderError(f"apply_chat_template returned {type(text).__name__}, not text")
+        return text
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def opening(self, messages: list[Message]) -> list[int]:
+        """The prompt ids: the opening messages, the tools and the generation prompt."""
+        return self._ids(self._render(list(messages)))
+
+    def reply_text(self, messages: list[Message]) -> str:
+        """The text appended after an assistant turn that ended with EOS: the rest of the
+        turn's closing, ``messages``, and the generation prompt of the next assistant turn."""
+        dummy = [
+            {"role": "user", "content": _DUMMY_USER},
+            {"role": "assistant", "content": _MARKER},
+        ]
+        text = self._render(dummy + list(messages))
+        at = text.rfind(_MARKER)
+        if at < 0:
+            raise RenderError(
+                "the chat template does not show an assistant message's content as it is; "
+                "multi-turn episodes need a template that does"
+            )
+        tail = text[at + len(_MARKER) :]
+        if self._eos_text and tail.startswith(self._eos_text):
+            tail = tail[len(self._eos_text) :]
+        return tail
+
+    def reply(self, messages: list[Message]) -> list[int]:
+        """:meth:`reply_text` as token ids, to append to the episode."""
+        return self._ids(self.reply_text(messages))
+
+    def assistant_text(self, ids: list[int]) -> str:
+        """An assistant turn's text, as the environment and the reward functions see it: the
+        sampled ids decoded, without the EOS token that ended the turn."""
+        if ids and ids[-1] == self.eos_token_id:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def transcript(self, messages: list[Message]) -> tuple[list[int], list[int]]:
+        """A whole conversation as :func:`~dapo.rollout.episodes.run_episodes` builds it: the
+        ids after the opening and a mask that is 1 on the assistant's tokens (each turn's
+        content tokenized, then EOS) and 0 on everything else. For supervised warm-ups.
+
+        Returns ``(ids, mask)`` of the whole sequence, the opening included (mask 0).
+        """
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+        if first is None:
+            raise ValueError("a transcript needs at least one assistant message")
+        ids = self.opening(messages[:first])
+        mask = [0] * len(ids)
+        pending: list[Message] = []
+        for m in messages[first:]:
+            if m["role"] != "assistant":
+                pending.append(m)
+                continue
+            if ids and mask[-1] == 1:  # after an assistant turn: the environment's part
+                env = self.reply(pending)
+                ids += env
+                mask += [0] * len(env)
+            turn = self._ids(m["content"]) + [self.eos_token_id]
+            ids += turn
+            mask += [1] * len(turn)
+            pending = []
+        return ids, mask

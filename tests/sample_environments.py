@@ -1,0 +1,102 @@
+"""Environments and tools for tests/test_environments.py, importable by worker processes."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from dapo.environments import Environment
+
+
+def add(numbers: list[int]) -> int:
+    """Add numbers.
+
+    Args:
+        numbers: The numbers to add.
+    """
+    return sum(numbers)
+
+
+def divide(a: float, b: float) -> float:
+    """Divide a by b.
+
+    Args:
+        a: The dividend.
+        b: The divisor.
+    """
+    return a / b
+
+
+def no_docstring(x: int) -> int:
+    return x
+
+
+class Counter(Environment):
+    """Replies ``seen N: <text>`` and ends (reward 1.0) when the model says ``stop``. Turns
+    named ``hang``, ``die``, ``raise``, ``garbage``, ``bad-message``, ``bad-reward`` misbehave."""
+
+    def reset(self, record):
+        self.n = 0
+        return [{"role": "user", "content": record["prompt"]}]
+
+    def step(self, text):
+        self.n += 1
+        if text == "hang":
+            time.sleep(60)
+        if text == "die":
+            os._exit(3)
+        if text == "raise":
+            raise ZeroDivisionError("boom")
+        if text == "garbage":
+            return "not a triple"
+        if text == "bad-message":
+            return [{"role": "user", "content": 42}], None, False
+        if text == "bad-reward":
+            return [], "high", True
+        if text == "stop":
+            return [], 1.0, True
+        return [{"role": "user", "content": f"seen {self.n}: {text}"}], None, False
+
+
+class RandomOpening(Environment):
+    """Replays differently each time: its replies depend on the process it runs in."""
+
+    def reset(self, record):
+        return [{"role": "user", "content": record["prompt"]}]
+
+    def step(self, text):
+        if text == "die":
+            os._exit(3)
+        return [{"role": "user", "content": f"pid {os.getpid()}"}], None, False
+
+
+class NoStep:
+    def reset(self, record):
+        return []
+
+
+class Forever(Environment):
+    """Never ends; replies with ``reply_chars`` characters (a class attribute)."""
+
+    reply_chars = 3
+
+    def step(self, text):
+        return [{"role": "tool", "content": "x" * self.reply_chars}], None, False
+
+
+class LongReply(Forever):
+    reply_chars = 200
+
+
+class Echo(Environment):
+    """Replies ``ok`` to the first turn and ends after the second."""
+
+    def reset(self, record):
+        self.turns = 0
+        return super().reset(record)
+
+    def step(self, text):
+        self.turns += 1
+        if self.turns >= 2:
+            return [], 0.5, True
+        return [{"role": "tool", "content": "ok"}], None, False
