@@ -548,3 +548,20 @@ def test_the_trainer_takes_the_key_from_the_config_or_the_environment_and_never_
         assert make_engine(keyless, policy, tok, max_model_len=32).info["auth"] is True
     finally:
         srv.close()
+
+
+def test_vllm_serve_listens_on_127_0_0_1_by_default_and_a_taken_port_fails_at_once(capsys):
+    import socket
+
+    from dapo.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        assert main(["vllm-serve", "builtin:tiny", "--port", str(port)]) == 1
+    assert time.monotonic() - t0 < 5  # before the engine is built
+    err = capsys.readouterr().err.strip()
+    assert err == (f"dapo: error: cannot listen on 127.0.0.1:{port} (Address already in use): "
+                   "choose another --port, or stop what listens there")  # fmt: skip

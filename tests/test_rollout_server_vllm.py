@@ -169,13 +169,19 @@ def test_a_trainer_of_another_model_stops_with_the_mismatch_in_seconds(url, tiny
     from dapo.errors import RolloutServerError
     from dapo.models import load_policy, load_tokenizer
     from dapo.models.tiny import build_model
+    from dapo.parallel.sharding import full_named_parameters
     from dapo.rollout import make_engine
 
     monkeypatch.setenv("DAPO_SERVER_API_KEY", KEY)
     r = RolloutConfig(engine="vllm-server", server_url=url, server_timeout_s=600)
     tok = load_tokenizer(str(tiny_path))
-    served = load_policy(str(tiny_path))  # the served model itself: accepted
-    assert make_engine(r, served, tok, max_model_len=64).generate(PROMPTS[:1], _params())[0].response_ids
+    served = load_policy(str(tiny_path))  # the served model itself: accepted, and its push too
+    eng = make_engine(r, served, tok, max_model_len=64)
+    before = eng.generate(PROMPTS[:2], _params())
+    eng.load_weights(full_named_parameters(served))  # every name and shape passes the check
+    assert request(url, "/health", key=None)[1]["weight_version"] == eng.version >= 1
+    assert [g.response_ids for g in eng.generate(PROMPTS[:2], _params())] == [g.response_ids for g in before]
+    eng.close()
     other = build_model(len(tok) + 8)  # a vocabulary extended by 8 tokens
     t0 = time.monotonic()
     with pytest.raises(RolloutServerError) as err:
@@ -212,7 +218,6 @@ def test_sigterm_during_a_stuck_job_ends_the_server_within_10_s(shared, url):
                            "was still running a generate job"), last  # fmt: skip
 
 
-@pytest.mark.slow  # its own server: about 26 s on 2 cores
 def test_a_failure_inside_the_engine_gives_503s_and_a_non_zero_exit(tiny_path, tmp_path):
     server = Server(tiny_path, tmp_path, "no-vocab-check", key=None)
     url = server.ensure()

@@ -59,7 +59,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from http.server import ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -378,10 +378,11 @@ class RolloutServer:
 
     # --- running and stopping -------------------------------------------------------------
 
-    def start(self, host: str, port: int) -> None:
-        """Answer HTTP requests on ``host:port`` (a thread); raises ``OSError`` when the
-        address cannot be bound."""
-        self._httpd = ThreadingHTTPServer((host, port), make_handler(self))
+    def start(self, host: str, port: int, *, listener: ThreadingHTTPServer | None = None) -> None:
+        """Answer HTTP requests on ``host:port`` (a thread), or on ``listener`` (bound
+        already, by :func:`listen`); raises ``OSError`` when the address cannot be bound."""
+        self._httpd = listener or listen(host, port)
+        self._httpd.RequestHandlerClass = make_handler(self)
         self._httpd.daemon_threads = True
         threading.Thread(target=self._httpd.serve_forever, name="dapo-http", daemon=True).start()
 
@@ -482,6 +483,7 @@ def serve(
     from dapo.models import load_tokenizer, resolve_model_path
     from dapo.rollout.vllm_engine import VLLMEngine
 
+    listener = listen(host, port)  # a taken port fails now, not after the engine's start
     path = resolve_model_path(model, log=log_fn)
     eos = load_tokenizer(path).eos_token_id
     fingerprint = of_model_dir(path, eos)
@@ -495,14 +497,7 @@ def serve(
                     max_request_bytes=int(max_request_mb * (1 << 20)), job_timeout_s=job_timeout_s)  # fmt: skip
     server = RolloutServer(engine, model=path, fingerprint=fingerprint, limits=limits,
                            api_key=api_key, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
-    try:
-        server.start(host, port)
-    except OSError as exc:
-        engine.close()
-        raise OSError(
-            f"dapo vllm-serve cannot listen on {host}:{port} ({exc.strerror or exc}): choose "
-            "another --port, or stop what listens there"
-        ) from None
+    server.start(host, port, listener=listener)
 
     def on_signal(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -529,6 +524,18 @@ def serve(
     log_fn(f"dapo vllm-serve: {message}")
     atexit._run_exitfuncs()  # the engine is closed; the interpreter's teardown took 4 s more
     _exit(0, "")
+
+
+def listen(host: str, port: int) -> ThreadingHTTPServer:
+    """A server socket bound to ``host:port``, answering nothing until started; ``OSError``
+    naming the address and the fix when it cannot be bound."""
+    try:
+        return ThreadingHTTPServer((host, port), BaseHTTPRequestHandler)
+    except OSError as exc:
+        raise OSError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}): choose "
+            "another --port, or stop what listens there"
+        ) from None
 
 
 def _exit(status: int, message: str) -> NoReturn:
