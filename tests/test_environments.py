@@ -681,3 +681,21 @@ def test_calculator_task_records_and_warm_up_noise():
         * (1 - calculator.MISCOPY_RESULT)
     )
     assert abs(right / n - clean) < 0.03
+
+
+def test_the_tool_model_warm_up_puts_the_loss_on_the_assistant_turns_only():
+    from dapo.data.tasks import calculator
+    from dapo.models.tiny import RECIPES, _sft_batch
+
+    recipe = RECIPES["builtin:tiny-tool"]
+    tok = _char_tokenizer(recipe.chat_template)
+    renderer = ChatRenderer(tok, [tool_schema(fn, "t") for fn in recipe.tools])
+    transcript = calculator.sft_example(random.Random(1))
+    ids, attn, labels = _sft_batch(tok, [transcript, ("Add 1+2.", "3")], renderer)
+    row = ids[0][attn[0].bool()].tolist()
+    assert row == renderer.transcript(transcript)[0]  # the ids the episodes will have
+    trained = tok.decode([t for t, y in zip(row, labels[0].tolist(), strict=True) if y != -100])
+    assert trained == "".join(
+        m["content"] + "<eos>" for m in transcript if m["role"] == "assistant"
+    )
+    assert labels[1].tolist().count(-100) == len("Add 1+2.") + (ids.shape[1] - len("Add 1+2.3") - 1)

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 
 BUILTIN_MODEL = "builtin:tiny"  # the default; built by dapo.models.tiny
-# Warmed up on builtin:addition and builtin:long_addition.
-BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-long")
+# Warmed up on builtin:addition, builtin:long_addition and builtin:calculator (multi-turn).
+BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-long", "builtin:tiny-tool")
 
 
 def cache_root() -> Path:

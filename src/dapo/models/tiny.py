@@ -3,7 +3,9 @@
 Nothing is downloaded. Each built-in model is the same small Llama trained briefly
 (supervised, loss on the response only) on noisy worked solutions of one built-in task, and
 cached: ``builtin:tiny`` on ``builtin:addition`` (the default run), ``builtin:tiny-long`` on
-``builtin:long_addition`` (the ablation ladder's task).
+``builtin:long_addition`` (the ablation ladder's task), ``builtin:tiny-tool`` on transcripts
+of ``builtin:calculator`` episodes (multi-turn, with a chat template of its own; the loss
+on the assistant's turns only).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 
 from dapo.atomic import staged_dir
-from dapo.data.tasks import addition, long_addition
+from dapo.data.tasks import addition, calculator, long_addition
 from dapo.models.cache import BUILTIN_MODEL, BUILTIN_MODELS, cache_root
 
 
@@ -27,13 +29,16 @@ from dapo.models.cache import BUILTIN_MODEL, BUILTIN_MODELS, cache_root
 class Recipe:
     """How one built-in model is warmed up."""
 
-    sft_example: Callable[[random.Random], tuple[str, str]]  # (prompt, noisy worked solution)
+    # (prompt, noisy worked solution), or a noisy multi-turn transcript (chat messages)
+    sft_example: Callable[[random.Random], tuple[str, str] | list[dict[str, str]]]
     version: str  # bump when the task, tokenizer, model or warm-up change
     steps: int  # supervised steps of WARMUP_BATCH examples
     minutes: str  # the warm-up's time on 2 CPU cores, for the log
     length_buckets: int = 1  # >1: batch examples of similar length together (less padding)
     base: str | None = None  # start from this built-in model's weights (None: random ones)
     lr: float = 3e-3  # peak AdamW learning rate (50 warm-up steps, then cosine to 0)
+    chat_template: str | None = None  # the tokenizer's; transcripts are rendered with it
+    tools: tuple[Callable[..., object], ...] = ()  # the transcripts' tools (their schemas)
 
 
 RECIPES = {
@@ -48,6 +53,17 @@ RECIPES = {
         length_buckets=4,
         base=BUILTIN_MODEL,
     ),
+    # Multi-turn: the loss is on the assistant's turns of builtin:calculator transcripts.
+    # From builtin:tiny, which already writes digits and the answer format.
+    "builtin:tiny-tool": Recipe(
+        calculator.sft_example,
+        "v1",
+        steps=200,
+        minutes="about 2.5 minutes",
+        base=BUILTIN_MODEL,
+        chat_template=calculator.CHAT_TEMPLATE,
+        tools=(calculator.add,),
+    ),
 }
 assert set(RECIPES) == set(BUILTIN_MODELS)
 
@@ -57,8 +73,9 @@ _CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 WARMUP_BATCH = 64  # examples per warm-up step, for every built-in model
 
 
-def build_tokenizer():
-    """A character-level fast tokenizer (every printable ASCII character and newline)."""
+def build_tokenizer(chat_template: str | None = None):
+    """A character-level fast tokenizer (every printable ASCII character and newline), with
+    ``chat_template`` if given."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -71,6 +88,8 @@ def build_tokenizer():
         tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK
     )
     tok.padding_side = "left"
+    if chat_template is not None:
+        tok.chat_template = chat_template
     return tok
 
 
@@ -123,10 +142,18 @@ def _sft_examples(recipe: Recipe, rng: random.Random) -> Iterator[list[tuple[str
         yield from batches
 
 
-def _sft_batch(tok, examples: list[tuple[str, str]]) -> tuple[torch.Tensor, ...]:
+def _sft_batch(tok, examples: list, renderer=None) -> tuple[torch.Tensor, ...]:
+    """Padded ids, attention mask and labels; the loss is on the solutions, or on the
+    assistant's turns of transcripts (rendered token-in/token-out as episodes are)."""
     ids, labels = [], []
     size = len(examples)
-    for prompt, solution in examples:
+    for example in examples:
+        if isinstance(example, list):
+            x, mask = renderer.transcript(example)
+            ids.append(x)
+            labels.append([t if m else -100 for t, m in zip(x, mask, strict=True)])
+            continue
+        prompt, solution = example
         p = tok(prompt, add_special_tokens=False)["input_ids"]
         r = tok(solution, add_special_tokens=False)["input_ids"]
         r = r + [tok.eos_token_id]
@@ -158,7 +185,14 @@ def warm_up(
     """
     recipe = RECIPES[name]
     steps = recipe.steps if steps is None else steps
-    tok = build_tokenizer()
+    tok = build_tokenizer(recipe.chat_template)
+    renderer = None
+    if recipe.chat_template is not None:
+        from dapo.environments.rendering import ChatRenderer
+        from dapo.environments.tools import tool_schema
+
+        schemas = [tool_schema(fn, f"{name} tools") for fn in recipe.tools]
+        renderer = ChatRenderer(tok, schemas)
     if recipe.base is None:
         model = build_model(len(tok), seed=seed)
     else:
@@ -173,7 +207,7 @@ def warm_up(
     batches = _sft_examples(recipe, random.Random(seed))
     start = time.time()
     for step in range(steps):
-        input_ids, attn, labels = _sft_batch(tok, next(batches))
+        input_ids, attn, labels = _sft_batch(tok, next(batches), renderer)
         loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,23 +1,27 @@
 """The built-in multi-turn task (``builtin:calculator``): long sums with a calculator tool.
 
-Each problem adds 3 or 4 numbers of 4 to 6 digits, far beyond what the ~1M-parameter
-built-in model can add itself. The model has one tool, ``add(terms)``; an episode that
-solves the problem copies the sum into a Hermes tool call, reads the tool's reply and
-copies it into the DAPO answer format (scored by ``dapo_math``, as the other built-in tasks)::
+Each problem adds 3 numbers of 4 to 6 digits (15 digits in all), far beyond what the
+~1M-parameter built-in model can add itself. The model has one tool, ``add(terms)``; an
+episode that solves the problem copies the sum into a Hermes tool call, reads the tool's
+reply and copies it into the DAPO answer format (scored by ``dapo_math``, as the other
+built-in tasks)::
 
-    U: Add 48213+90577+12345.
-    A: <tool_call>{"name": "add", "arguments": {"terms": "48213+90577+12345"}}</tool_call>
-    T: 151135
-    A: Answer: 151135
+    tools: add
+    U: Add 48213+905771+1234.
+    A: <tool_call>{"name": "add", "arguments": {"terms": "48213+905771+1234"}}</tool_call><eos>
+    T: 955218
+    A: Answer: 955218<eos>
 
-(as the chat template of ``builtin:tiny-tool`` renders it). The answer cannot be reached
-without the tool's reply: with the replies withheld the warmed-up model is right about
-0% of the time (``benchmarks/measure_tool_task.py``).
+(as the chat template of ``builtin:tiny-tool``, :data:`CHAT_TEMPLATE`, renders it). The
+operands always take 15 digits, so the copy into the call is at a fixed distance: with 3
+or 4 numbers of 4-6 digits each, the same warm-up left the model copying no digit (0%
+success). The answer cannot be reached without the tool's reply: with the replies
+withheld the warmed-up model is right 0% of the time (``benchmarks/measure_tool_task.py``).
 
 The warm-up transcripts (:func:`sft_example`) carry noise for RL to remove: some skip the
-tool and guess (``SKIP_TOOL``), some mis-copy one operand into the call (``MISCOPY_OPERAND``;
-the tool then adds the wrong numbers and the answer follows it), some mis-copy the tool's
-result into the answer (``MISCOPY_RESULT``). The environment is
+tool and guess (``SKIP_TOOL``), some mis-copy one digit of the sum into the call
+(``MISCOPY_OPERAND``; the tool then adds the wrong numbers and the answer follows it),
+some mis-copy the tool's result into the answer (``MISCOPY_RESULT``). The environment is
 :class:`CalculatorEnvironment` (``rollout.environment=calculator``).
 """
 
@@ -36,7 +40,7 @@ DATA_SOURCE = "builtin_calculator"
 # written out always has the same length (the copy into the tool call is at a fixed offset).
 LENGTHS = [(4, 5, 6), (4, 6, 5), (5, 4, 6), (5, 6, 4), (6, 4, 5), (6, 5, 4), (5, 5, 5)]
 SUGGESTED_MAX_TURNS = 3
-SUGGESTED_MAX_LENGTH = 160  # tokens after the prompt: a clean episode takes about 130
+SUGGESTED_MAX_LENGTH = 160  # tokens after the prompt: a clean episode takes about 115
 
 # Warm-up noise (only in the supervised warm-up transcripts).
 SKIP_TOOL = 0.25  # answer at once with a guess (the sum with some digits wrong)
