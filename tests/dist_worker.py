@@ -90,19 +90,17 @@ def one_step(data_parallel: str, checkpoints: Path | None = None, lora_rank: int
     rank writes its part) and loaded back into a fresh model and optimizer: ``reload_error``
     is the largest difference.
     """
+    from learner_utils import learner
     from torch.distributed.tensor import DTensor
 
     from dapo.algorithms import LossSettings
     from dapo.training.checkpoint import load_checkpoint, save_checkpoint
-    from dapo.training.step import optimizer_step
 
     torch.set_num_threads(1)
     model, ddp, opt = _model_and_optimizer(data_parallel, lora_rank)
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
-    result = optimizer_step(
-        model, opt, fixed_batch(), LossSettings(loss_agg="token-mean"),
-        pad_id=0, token_budget=TOKEN_BUDGET[data_parallel], max_grad_norm=1.0, ddp=ddp,
-    )
+    result = learner(model, LossSettings(loss_agg="token-mean"), token_budget=TOKEN_BUDGET[data_parallel],
+                     optimizer=opt, max_grad_norm=1.0, ddp=ddp).optimizer_step(fixed_batch())
     assert result.applied
     full = full_state(model, opt)
     out = {"params": full.weights, "optimizer": full.optimizer, "local_numel": local,
@@ -143,8 +141,9 @@ def variant_settings():
 def variant_step(data_parallel: str, name: str) -> dict:
     """One optimizer step with the variant ``name`` on the fixed batch, whose engine
     log-probs differ from the old ones; the full parameters after it and the selection."""
-    from dapo.training.corrections import attach_is_weights
-    from dapo.training.step import optimizer_step
+    from learner_utils import learner
+
+    from dapo.training.token_weights import attach_is_weights
 
     torch.set_num_threads(1)
     settings = variant_settings()[name]
@@ -155,24 +154,24 @@ def variant_step(data_parallel: str, name: str) -> dict:
         s.sampling_logprobs = s.old_logprobs + 0.2 * torch.randn(len(s.response_ids), generator=gen,
                                                                   dtype=torch.float64)
     attach_is_weights(batch, settings)
-    result = optimizer_step(model, opt, batch, settings, pad_id=0,
-                            token_budget=TOKEN_BUDGET[data_parallel], max_grad_norm=1.0, ddp=ddp,
-                            seed=17)  # fmt: skip
+    result = learner(model, settings, token_budget=TOKEN_BUDGET[data_parallel], optimizer=opt,
+                     max_grad_norm=1.0, ddp=ddp).optimizer_step(batch, seed=17)
     assert result.applied
     return {"params": full_state(model, opt).weights, "selection": result.selection,
-            "grad_norm": result.grad_norm, "loss": result.stats.loss}
+            "grad_norm": result.grad_norm, "loss": result.stats.parts["loss"]}
 
 
 def mixed_precision_grads(data_parallel: str) -> dict:
     """The full gradient of one bf16-mixed step on the fixed batch (the seed-3 builtin model
     in float32; FSDP with bf16 parameters and float32 reduction), the dtypes the sharded
     parameters are stored in and the dtypes a layer computes with."""
+    from learner_utils import learner
     from torch.distributed.tensor import DTensor
 
+    from dapo.algorithms import LossSettings
     from dapo.models.precision import mixed_precision_dtype, set_precision
     from dapo.models.tiny import build_model, build_tokenizer
     from dapo.parallel import sharding
-    from dapo.training.step import LossSettings, optimizer_step
 
     torch.set_num_threads(1)
     model = set_precision(build_model(len(build_tokenizer()), seed=3), "bf16-mixed")
@@ -196,8 +195,8 @@ def mixed_precision_grads(data_parallel: str) -> dict:
     batch = fixed_batch()
     for s in batch:
         s.old_logprobs = s.old_logprobs.float()
-    optimizer_step(model, Capture(), batch, LossSettings(), pad_id=0,
-                   token_budget=TOKEN_BUDGET["fsdp"], max_grad_norm=0.0)
+    learner(model, LossSettings(), token_budget=TOKEN_BUDGET["fsdp"],
+            optimizer=Capture()).optimizer_step(batch)
     handle.remove()
     stored = {p.dtype for p in model.parameters()}
     return {"grads": captured, "stored": stored, "computed": computed}
@@ -210,7 +209,7 @@ def no_grad_passes_match(data_parallel: str) -> bool:
     samples (rank 1 none), which FSDP's per-layer all-gathers could not survive.
     """
     from dapo.rollout import HFEngine, SamplingParams
-    from dapo.training.forward import compute_logprobs
+    from dapo.training.forward import ForwardOptions, compute_logprobs
 
     rank = D.current().rank
     model, _, _ = _model_and_optimizer(data_parallel)
@@ -221,7 +220,7 @@ def no_grad_passes_match(data_parallel: str) -> bool:
     same = all(a.response_ids == b.response_ids and a.logprobs == b.logprobs
                for a, b in zip(*groups, strict=True))
     samples = fixed_batch()[: 3 * (1 - rank)]
-    logps = [compute_logprobs(m, samples, pad_id=0, temperature=1.0, token_budget=40)
+    logps = [compute_logprobs(m, samples, ForwardOptions(0, 1.0, 40))
              for m in (model, plain)]
     return same and all(torch.equal(a, b) for a, b in zip(*logps, strict=True))
 
@@ -235,7 +234,7 @@ def vllm_colocated(data_parallel: str, model_path: str, out: Path, lora: bool = 
 
     from dapo.config import load_config
     from dapo.training.batch import Sample
-    from dapo.training.forward import compute_logprobs
+    from dapo.training.forward import ForwardOptions, compute_logprobs
     from dapo.training.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -254,10 +253,10 @@ def vllm_colocated(data_parallel: str, model_path: str, out: Path, lora: bool = 
         prompts = [trainer.train_ids[i] for i in range(rank, 8, 2)]  # this rank's own prompts
         groups = trainer.generate(prompts, step=99, round_no=0)
         samples = [Sample(g.prompt_ids, r, 0.0, [1.0] * len(r)) for g in groups for r in g.response_ids]
-        forward = dict(pad_id=trainer.tokenizer.pad_token_id, temperature=1.0, token_budget=4096)
-        trained = compute_logprobs(trainer.model, samples, **forward)
+        forward = ForwardOptions(trainer.tokenizer.pad_token_id, 1.0, 4096)
+        trained = compute_logprobs(trainer.model, samples, forward)
         initial = AutoModelForCausalLM.from_pretrained(model_path).float()
-        before = compute_logprobs(initial, samples, **forward)
+        before = compute_logprobs(initial, samples, forward)
         engine = [torch.tensor(lp) for g in groups for lp in g.logprobs]
         return {
             "rank": rank,
@@ -350,7 +349,8 @@ def main() -> None:
         ])
         trainer = Trainer(cfg, log=lambda _: None)
         seen: list[dict] = []
-        original_build, original_share = trainer.build_samples, trainer._my_share
+        original_build, original_step = trainer.build_samples, trainer.learner.optimizer_step
+        rows: dict[int, int] = {}  # id of a sample of this step -> its row
 
         def record(groups):
             seen.append({
@@ -359,14 +359,17 @@ def main() -> None:
                 "trained_rows": [],
                 "uids": [x.record.uid for x in groups],
             })
-            return original_build(groups)
+            samples = original_build(groups)
+            rows.clear()
+            rows.update({id(s): i for i, s in enumerate(samples)})
+            return samples
 
-        def share(samples, idx):  # the rows of each planned update that this rank trains
-            mine = original_share(samples, idx)
-            seen[-1]["trained_rows"] = sorted(set(seen[-1]["trained_rows"]) | set(mine))
-            return mine
+        def step(batch, *, share, **kw):  # the rows of each planned update that this rank trains
+            mine = {rows[id(batch[j])] for j in share}
+            seen[-1]["trained_rows"] = sorted(set(seen[-1]["trained_rows"]) | mine)
+            return original_step(batch, share=share, **kw)
 
-        trainer._my_share = share
+        trainer.learner.optimizer_step = step
         trainer.build_samples = record
         trainer.run()
         (out / f"rank{info.rank}.json").write_text(json.dumps(seen))

@@ -75,7 +75,7 @@ def two_rank_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_make_the_same_step_as_one_process(mode: str, two_rank_steps: dict) -> None:
-    from dapo.training.forward import micro_batches
+    from dapo.training.microbatch import micro_batches
 
     dist_worker = _dist_worker()
     # The ranks really hold different responses, with truncated ones among them, and
@@ -267,17 +267,17 @@ def test_fsdp_bf16_mixed_gathers_bf16_and_keeps_float32_shards(two_rank_steps: d
     mixed = two_rank_steps["fsdp"]["mixed"]
     assert mixed["computed"] == {torch.bfloat16} and mixed["stored"] == {torch.float32}
     torch.set_num_threads(1)
+    from learner_utils import backward
+
+    from dapo.algorithms import LossSettings
     from dapo.models.tiny import build_model, build_tokenizer
-    from dapo.training.step import LossSettings, accumulate_gradients, loss_denominator
 
     model = build_model(len(build_tokenizer()), seed=3)  # float32, one process
     model.train()
     batch = dist_worker.fixed_batch()
     for s in batch:
         s.old_logprobs = s.old_logprobs.float()
-    settings = LossSettings()
-    accumulate_gradients(model, batch, settings, pad_id=0, token_budget=70,
-                         denominator=loss_denominator(batch, settings))
+    backward(model, batch, LossSettings(), token_budget=70)
     ref = {n: p.grad for n, p in model.named_parameters()}
     assert ref.keys() == mixed["grads"].keys()
     num = sum(float((mixed["grads"][n] - g).square().sum()) for n, g in ref.items()) ** 0.5
@@ -287,8 +287,8 @@ def test_fsdp_bf16_mixed_gathers_bf16_and_keeps_float32_shards(two_rank_steps: d
 
 def test_fsdp_where_it_does_not_work_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from dapo.errors import TrainingError
-    from dapo.parallel import sharding
     from dapo.models.data_parallel import wrap_data_parallel
+    from dapo.parallel import sharding
 
     monkeypatch.setattr(sharding, "fsdp_support", lambda info: "no reduce_scatter in gloo")
     with pytest.raises(TrainingError) as err:
@@ -353,7 +353,7 @@ def test_two_rank_run_resumes_from_its_checkpoint(
     from dapo.config import TrainConfig
     from dapo.parallel.sharding import full_optimizer_state
     from dapo.training.checkpoint import load_checkpoint
-    from dapo.training.step import make_optimizer
+    from dapo.training.optim import make_optimizer
 
     out = tmp_path / "run"
     common = [

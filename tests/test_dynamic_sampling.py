@@ -8,15 +8,25 @@ what must be carried over) is derived from the fake's own record, not from the s
 
 from __future__ import annotations
 
+import io
 import itertools
 import pickle
 import random
 import re
 from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
+import torch
 
-from dapo.training.dynamic_sampling import DynamicSampler, DynamicSamplingError, ScoredGroup
+from dapo.training.dynamic_sampling import (
+    DynamicSampler,
+    DynamicSamplingError,
+    ScoredGroup,
+    is_uniform,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 G = 4
 MIXED = (True, False, False, True)
@@ -136,7 +146,7 @@ def test_surplus_is_carried_over_and_comes_first_next_call():
 def test_large_carry_fills_batch_without_generating():
     carried = [make_group(MIXED) for _ in range(9)]
     sampler = DynamicSampler(4)
-    sampler.load_state_dict({"carry": carried, "keep_rate": 1.0})
+    sampler.load_state_dict({"carry": carried, "keep_rate": 1.0, "empty_in_a_row": 0})
     producer = FakeProducer([])  # any call would raise StopIteration
 
     batch, stats = sampler.fill(producer)
@@ -183,7 +193,7 @@ def test_round_cap_error_message_and_carry_kept():
     patterns = [MIXED] + [ALL_OK] * 15 + [ALL_BAD] * 4
     producer = FakeProducer(patterns)
     sampler = DynamicSampler(4, max_rounds=5, max_prompts_per_round=4, round_cap="stop")
-    sampler.load_state_dict({"carry": [old], "keep_rate": 1.0})
+    sampler.load_state_dict({"carry": [old], "keep_rate": 1.0, "empty_in_a_row": 0})
 
     with pytest.raises(DynamicSamplingError) as info:
         sampler.fill(producer)
@@ -347,58 +357,44 @@ def test_state_dict_round_trip_keeps_the_carry():
     carry = list(s1.carry)
     state = s1.state_dict()
 
+    # Plain data, as a checkpoint stores it: loadable without unpickling any object.
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
     s2 = DynamicSampler(4)
-    s2.load_state_dict(state)
-    assert same_objects(s2.carry, carry)
+    s2.load_state_dict(torch.load(buf, weights_only=True))
+    assert s2.carry == carry
     assert s2.keep_rate == s1.keep_rate
-
-    # Through pickle, as a checkpoint would store it.
-    s3 = DynamicSampler(4)
-    s3.load_state_dict(pickle.loads(pickle.dumps(state)))
-    assert s3.carry == carry
-    assert s3.keep_rate == s1.keep_rate
-    batch, stats = s3.fill(FakeProducer(itertools.repeat(MIXED2)))
+    batch, stats = s2.fill(FakeProducer(itertools.repeat(MIXED2)))
     assert batch[: len(carry)] == carry
     assert stats.carried_in == len(carry)
 
     # The saved state is a snapshot: the sampler moving on does not change it.
     s1.fill(producer)
-    assert same_objects(state["carry"], carry)
+    assert state["carry"] == [g.to_state() for g in carry]
 
 
-def test_carry_over_pickled_by_earlier_versions_still_loads(monkeypatch):
-    """Checkpoints written before the package restructure pickled the carry-over as
-    ``dapo.sampling.ScoredGroup`` (with an ``extra`` field, without ``penalty``)."""
-    import io
-    import sys
-    import types
-
-    import torch
-
-    from dapo.training import checkpoint
-
-    group = make_group(MIXED)
-    del group.__dict__["penalty"]
-    group.__dict__["extra"] = {}
-    old_module = types.ModuleType("dapo.sampling")
-    old_module.ScoredGroup = ScoredGroup
-    monkeypatch.setitem(sys.modules, "dapo.sampling", old_module)
-    monkeypatch.setattr(ScoredGroup, "__module__", "dapo.sampling")
+def test_carry_over_pickled_whole_by_release_a5216fc_still_loads():
+    """Release a5216fc pickled the carried-over groups as ScoredGroup objects into
+    trainer_state.pt (tests/fixtures/trainer_state_a5216fc.pt: 2 groups carried at step 2 of
+    `dapo train seed=2 train.steps=2 train.prompts_per_step=4 train.mini_batch_size=4
+    rollout.num_generations=4 evaluate=false checkpoint.save_every=1`)."""
+    state = torch.load(FIXTURES / "trainer_state_a5216fc.pt", weights_only=False)
+    pickled = state["sampler"]["carry"]
+    assert len(pickled) == 2 and all(type(g) is ScoredGroup for g in pickled)
+    expected = [dict(vars(g)) for g in pickled]
+    sampler = DynamicSampler(4)
+    sampler.load_state_dict(state["sampler"])
+    assert [len(g.response_ids) for g in sampler.carry] == [4, 4]
+    for group, old in zip(sampler.carry, expected, strict=True):
+        for name, value in old.items():
+            assert getattr(group, name) == value
+        assert not is_uniform(group)
+    # and it is written back as plain data
     buf = io.BytesIO()
-    torch.save({"sampler": {"carry": [group]}}, buf)
-    monkeypatch.undo()  # the old module is gone again, as after an upgrade
-    assert "dapo.sampling" not in sys.modules
-
+    torch.save(sampler.state_dict(), buf)
     buf.seek(0)
-    with pytest.raises(ModuleNotFoundError):
-        torch.load(buf, weights_only=False)
-    buf.seek(0)
-    (loaded,) = torch.load(buf, weights_only=False, pickle_module=checkpoint._legacy_pickle)[
-        "sampler"
-    ]["carry"]
-    assert isinstance(loaded, ScoredGroup)
-    assert loaded.correct == list(MIXED) and loaded.penalty == []
-    assert not hasattr(loaded, "extra")
+    assert DynamicSampler(4).load_state_dict(torch.load(buf, weights_only=True)) is None
 
 
 def test_older_groups_take_their_ratio_against_the_policy_that_sampled_them() -> None:

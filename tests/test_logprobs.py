@@ -1,4 +1,4 @@
-"""Chunked log-probs and entropy (dapo.logprobs): equal to the whole-logits computation."""
+"""Chunked log-probs and entropy (dapo.models.chunked_logprobs): equal to the whole-logits computation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dapo import algorithms as alg
-from dapo.logprobs import chunked_logprobs
+from dapo.models.chunked_logprobs import chunked_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 N, H, V = 37, 16, 50
@@ -158,9 +158,10 @@ def _model_samples():
 
 def _whole_logits(model, batch, temperature, shared):
     """Log-probs and entropies from the [b, R, V] logits, as before chunking."""
-    from dapo.training.forward import collate, response_logits
+    from dapo.training.forward import response_logits
+    from dapo.training.microbatch import collate
 
-    logits = response_logits(model, batch, pad_id=0, temperature=temperature, shared_prompt=shared)
+    logits = response_logits(model, collate(batch, 0), temperature=temperature, shared_prompt=shared)
     log_p = torch.log_softmax(logits, -1)
     ids = collate(batch, 0).response_ids
     return alg.token_logprobs(logits, ids), -(log_p.exp() * log_p).sum(-1)
@@ -172,7 +173,8 @@ def test_model_logprobs_equal_the_whole_logits_path(shared: bool) -> None:
     the values and parameter gradients of the whole-logits computation."""
     from dapo.models.head import output_head
     from dapo.models.tiny import build_model, build_tokenizer
-    from dapo.training.forward import collate, response_logprobs
+    from dapo.training.forward import ForwardOptions, response_logprobs
+    from dapo.training.microbatch import collate
 
     model = build_model(len(build_tokenizer()), seed=3)
     model.train()
@@ -189,8 +191,7 @@ def test_model_logprobs_equal_the_whole_logits_path(shared: bool) -> None:
         return logp.detach() * mask, ent.detach() * mask, [p.grad.clone() for p in model.parameters()]
 
     ref = run(lambda: _whole_logits(model, batch, 0.7, shared))
-    got = run(lambda: response_logprobs(model, batch, pad_id=0, temperature=0.7, chunk_size=7,
-                                        shared_prompt=shared))
+    got = run(lambda: response_logprobs(model, collate(batch, 0), ForwardOptions(0, 0.7, logits_chunk_size=7, shared_prompt=shared)))
     torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-6)
     for a, r in zip(got[2], ref[2], strict=True):
@@ -203,7 +204,8 @@ def test_heads_that_transform_the_logits_take_the_whole_logits_path() -> None:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     from dapo.models.head import output_head
-    from dapo.training.forward import response_logprobs
+    from dapo.training.forward import ForwardOptions, response_logprobs
+    from dapo.training.microbatch import collate
 
     torch.manual_seed(0)
     gemma = Gemma2ForCausalLM(Gemma2Config(
@@ -213,7 +215,7 @@ def test_heads_that_transform_the_logits_take_the_whole_logits_path() -> None:
     ))  # fmt: skip
     assert output_head(gemma) is None
     batch = _model_samples()
-    logp, ent = response_logprobs(gemma, batch, pad_id=0, temperature=1.0)
+    logp, ent = response_logprobs(gemma, collate(batch, 0), ForwardOptions(0, 1.0))
     ref_logp, ref_ent = _whole_logits(gemma, batch, 1.0, True)
     for j, s in enumerate(batch):
         n = len(s.response_ids)

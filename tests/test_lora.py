@@ -164,18 +164,20 @@ def test_reference_policy_is_the_base_model_with_adapters_disabled(random_tiny_m
     from transformers import AutoModelForCausalLM
 
     from dapo.training.batch import Sample
-    from dapo.training.forward import compute_logprobs
+    from dapo.training.forward import ForwardOptions, compute_logprobs
 
     trainer = Trainer(_config(random_tiny_model, tmp_path / "run", "algorithm.beta=0.01"),
                       log=lambda _: None)  # fmt: skip
-    assert trainer.ref_model is None  # no copy of the policy
+    assert trainer.learner.ref_model is None  # no copy of the policy
     perturb_adapters(trainer.model)
     samples = [Sample([5, 6, 7], [8, 9, 10, 11], 1.0, [1.0] * 4) for _ in range(2)]
-    trainer._fill_logprobs(samples, [0, 1], plan=[(0, [0, 1])])
+    forward = ForwardOptions(0, 1.0, 10**6)
+    with trainer.learner.reference() as reference:
+        ref = compute_logprobs(reference, samples, forward)
     base = AutoModelForCausalLM.from_pretrained(random_tiny_model)
-    want = compute_logprobs(base, samples, pad_id=0, temperature=1.0, token_budget=10**6)
-    policy = compute_logprobs(trainer.model, samples, pad_id=0, temperature=1.0, token_budget=10**6)
-    torch.testing.assert_close(samples[0].ref_logprobs, want[0], atol=1e-6, rtol=1e-6)
+    want = compute_logprobs(base, samples, forward)
+    policy = compute_logprobs(trainer.model, samples, forward)
+    torch.testing.assert_close(ref[0], want[0], atol=1e-6, rtol=1e-6)
     assert not torch.allclose(policy[0], want[0], atol=1e-3)  # the adapters are back on
     trainer.close()
 
@@ -183,12 +185,14 @@ def test_reference_policy_is_the_base_model_with_adapters_disabled(random_tiny_m
 @pytest.mark.parametrize("targets", [("all-linear",), ("q_proj", "lm_head")])
 def test_training_log_probs_of_a_lora_model_equal_the_whole_logits_path(targets) -> None:
     """all-linear leaves the output layer a plain nn.Linear: the chunked head path
-    (dapo.logprobs) runs. A LoRA-wrapped output layer is no plain nn.Linear: the whole logits
+    (dapo.models.chunked_logprobs) runs. A LoRA-wrapped output layer is no plain nn.Linear: the whole logits
     are computed. Either way the values and the adapters' gradients are those of the whole
     logits, and an adapted output layer's adapters get their gradient."""
     from dapo import algorithms as alg
+    from dapo.models.head import output_head
     from dapo.training.batch import Sample
-    from dapo.training.forward import collate, output_head, response_logits, response_logprobs
+    from dapo.training.forward import ForwardOptions, response_logits, response_logprobs
+    from dapo.training.microbatch import collate
 
     model, _ = lora_model(targets=targets)
     perturb_adapters(model)
@@ -210,12 +214,12 @@ def test_training_log_probs_of_a_lora_model_equal_the_whole_logits_path(targets)
         return logp.detach() * mask, ent.detach() * mask, {n: p.grad.clone() for n, p in adapters}
 
     def whole():
-        logits = response_logits(model, batch, pad_id=0, temperature=0.7).double()
+        logits = response_logits(model, collate(batch, 0), temperature=0.7).double()
         ids = collate(batch, 0).response_ids
         return alg.token_logprobs(logits, ids), alg.token_entropy(logits)
 
     ref = run(whole)
-    got = run(lambda: response_logprobs(model, batch, pad_id=0, temperature=0.7, chunk_size=5))
+    got = run(lambda: response_logprobs(model, collate(batch, 0), ForwardOptions(0, 0.7, logits_chunk_size=5)))
     torch.testing.assert_close(got[0], ref[0].to(got[0].dtype), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1], ref[1].to(got[1].dtype), atol=1e-5, rtol=1e-5)
     for name, g in ref[2].items():
@@ -229,7 +233,8 @@ def test_lora_with_gradient_checkpointing_gives_the_same_adapter_gradients() -> 
     adapters, with frozen inputs (embeddings): the adapters' gradients are unchanged."""
     from dapo.models.activation_checkpointing import checkpoint_layers
     from dapo.training.batch import Sample
-    from dapo.training.forward import response_logprobs
+    from dapo.training.forward import ForwardOptions, response_logprobs
+    from dapo.training.microbatch import collate
 
     batch = [Sample([5, 6, 7], [8, 9, 10, 11], 1.0, [1.0] * 4),
              Sample([5, 6, 7], [12, 13], -1.0, [1.0] * 2)]  # fmt: skip
@@ -240,7 +245,7 @@ def test_lora_with_gradient_checkpointing_gives_the_same_adapter_gradients() -> 
         if checkpointed:
             assert checkpoint_layers(model) > 0
         model.train()
-        logp, ent = response_logprobs(model, batch, pad_id=0, temperature=1.0)
+        logp, ent = response_logprobs(model, collate(batch, 0), ForwardOptions(0, 1.0))
         (logp.sum() + 0.1 * ent.sum()).backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
     assert all(g is not None and float(g.abs().max()) > 0 for g in grads[0].values())

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from learner_utils import backward, learner
 
+from dapo.algorithms import LossSettings
 from dapo.config import ConfigError, TrainConfig, load_config
 from dapo.models.precision import (
     autocast,
@@ -20,14 +22,8 @@ from dapo.models.precision import (
 )
 from dapo.models.tiny import build_model, build_tokenizer
 from dapo.training.batch import Sample
-from dapo.training.forward import compute_logprobs
-from dapo.training.step import (
-    LossSettings,
-    accumulate_gradients,
-    loss_denominator,
-    make_optimizer,
-    optimizer_step,
-)
+from dapo.training.forward import ForwardOptions, compute_logprobs
+from dapo.training.optim import make_optimizer
 
 PAD = 0
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,10 +48,8 @@ def samples(seed: int = 0, groups: int = 4, size: int = 4) -> list[Sample]:
 
 
 def grads(model: torch.nn.Module, batch: list[Sample]) -> dict[str, torch.Tensor]:
-    settings = LossSettings()
     model.zero_grad(set_to_none=True)
-    accumulate_gradients(model, batch, settings, pad_id=PAD, token_budget=400,
-                         denominator=loss_denominator(batch, settings))
+    backward(model, batch, LossSettings(), token_budget=400, pad_id=PAD)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -87,7 +81,8 @@ def test_one_bf16_mixed_update_at_lr_1e6_moves_every_weight_pure_bf16_rounds_it_
         hooked: dict[str, torch.Tensor] = {}
         for n, p in model.named_parameters():  # the gradient each parameter received
             p.register_post_accumulate_grad_hook(lambda p, n=n, h=hooked: h.__setitem__(n, p.grad.clone()))
-        result = optimizer_step(model, opt, batch, LossSettings(), pad_id=PAD, token_budget=400)
+        result = learner(model, LossSettings(), token_budget=400, pad_id=PAD, optimizer=opt,
+                         max_grad_norm=1.0).optimizer_step(batch)
         assert result.applied
         moved = total = 0
         for n, p in model.named_parameters():
@@ -123,8 +118,7 @@ def test_bf16_mixed_computes_in_bf16_and_returns_float32_logprobs() -> None:
     layer = model.model.layers[0].mlp.down_proj
     handle = layer.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     try:
-        logps = compute_logprobs(model, samples(groups=2), pad_id=PAD, temperature=1.0,
-                                 token_budget=400)
+        logps = compute_logprobs(model, samples(groups=2), ForwardOptions(PAD, 1.0, 400))
     finally:
         handle.remove()
     assert seen and set(seen) == {torch.bfloat16}
@@ -151,8 +145,8 @@ def test_reference_copy_stores_linear_weights_in_bf16_and_matches_the_policy() -
     assert all(m.weight.dtype == torch.bfloat16 for m in linear if m.weight is not tied)
     assert tied.dtype == torch.float32 and not any(p.requires_grad for p in ref.parameters())
     batch = samples(seed=2)
-    a = compute_logprobs(policy, batch, pad_id=PAD, temperature=1.0, token_budget=400)
-    b = compute_logprobs(ref, batch, pad_id=PAD, temperature=1.0, token_budget=400)
+    a = compute_logprobs(policy, batch, ForwardOptions(PAD, 1.0, 400))
+    b = compute_logprobs(ref, batch, ForwardOptions(PAD, 1.0, 400))
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
     size = sum(p.numel() * p.element_size() for p in ref.parameters())
@@ -177,7 +171,7 @@ def test_the_hf_engine_samples_in_the_trainers_precision() -> None:
     # The engine's sampling log-probs and the trainer's forward agree to bf16 rounding.
     response = groups[0].response_ids[0]
     sample = Sample([5, 6, 7], response, 1.0, [1.0] * len(response))
-    (trainer,) = compute_logprobs(model, [sample], pad_id=PAD, temperature=1.0, token_budget=400)
+    (trainer,) = compute_logprobs(model, [sample], ForwardOptions(PAD, 1.0, 400))
     gap = (trainer - torch.tensor(groups[0].logprobs[0])).abs().max()
     assert gap < 0.05
 
@@ -201,12 +195,12 @@ def _run(tmp: Path, model_dir: Path, *extra: str) -> tuple[list[dict], list[str]
 def test_bf16_mixed_run_logs_the_engine_mismatch_without_an_extra_pass(
     random_tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dapo.training import trainer as trainer_module
+    from dapo.training import learner as learner_module
 
     passes: list[int] = []
-    original = trainer_module.compute_logprobs
-    monkeypatch.setattr(trainer_module, "compute_logprobs",
-                        lambda m, s, **kw: passes.append(len(s)) or original(m, s, **kw))
+    original = learner_module.compute_logprobs
+    monkeypatch.setattr(learner_module, "compute_logprobs",
+                        lambda m, s, o: passes.append(len(s)) or original(m, s, o))
     rows, lines = _run(tmp_path / "mixed", random_tiny_model, "train.precision=bf16-mixed")
     assert "precision: bf16-mixed" in lines
     assert passes == []  # one update per step: the training forward gave the comparison

@@ -123,14 +123,15 @@ def test_pad_equals_eos_a_finished_response_keeps_eos_as_its_last_trained_token(
     """A response that ends with EOS (id 2, also the pad id) keeps EOS as its last token, its
     log-prob and its loss-mask entry, in the engine, the trainer's log-prob pass (with pad
     id 2 padding the shorter rows) and the loss normaliser."""
+    from dapo.algorithms import LossSettings
     from dapo.config import DataConfig
     from dapo.data.prompts import encode_prompts, load_prompt_set
     from dapo.models import load_policy, load_tokenizer
     from dapo.rollout import HFEngine, SamplingParams
     from dapo.training.batch import build_samples
     from dapo.training.dynamic_sampling import ScoredGroup
-    from dapo.training.forward import collate, compute_logprobs
-    from dapo.training.step import LossSettings, loss_denominator
+    from dapo.training.forward import ForwardOptions, compute_logprobs
+    from dapo.training.microbatch import collate, loss_denominator
 
     tok, model = load_tokenizer(smollm2), load_policy(smollm2).eval()
     _, ids, _ = encode_prompts(load_prompt_set(DataConfig(train=str(train_file)), "train"), tok, 96)
@@ -156,7 +157,7 @@ def test_pad_equals_eos_a_finished_response_keeps_eos_as_its_last_trained_token(
     batch = collate(samples, pad_id=EOS)
     assert batch.loss_mask.sum(1).tolist() == [sum(s.loss_mask) for s in samples]
 
-    trainer_lp = compute_logprobs(model, samples, pad_id=EOS, temperature=1.0, token_budget=4096)
+    trainer_lp = compute_logprobs(model, samples, ForwardOptions(EOS, 1.0, 4096))
     with torch.no_grad():
         for s, lp, (g, j) in zip(samples, trainer_lp, responses, strict=True):
             full = torch.tensor([s.prompt_ids + s.response_ids])

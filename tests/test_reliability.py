@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import load_file
 
 import dapo.training.checkpoint as ckpt_mod
-import dapo.training.step
+import dapo.training.learner
 import dapo.training.trainer
 from dapo.cli import main
 from dapo.config import load_config
@@ -179,9 +179,7 @@ def _phase(dump: str) -> str | None:
         return "checkpoint"
     if "dapo/rollout/" in stack:
         return "generation"
-    if re.search(r"dapo/training/(step|forward)\.py", stack) or re.search(
-        r'trainer\.py", line \d+ in (update|_apply_updates|_fill_logprobs)', stack
-    ):
+    if re.search(r"dapo/training/(learner|forward)\.py", stack):
         # Gradient passes and optimizer steps, not the no-grad pass for the old log-probs.
         return "update-logprobs" if " in compute_logprobs" in stack else "update"
     return "other"
@@ -426,9 +424,9 @@ NAN_EXTRA = (
 def inject_nan(monkeypatch, trainer: Trainer, nan_at: set[tuple[int, int]]) -> dict:
     """Make the loss NaN at (rollout step, update of that step). Returns the weights as
     they were at the latest NaN update: the last good state when training stops there."""
-    import dapo.training.step
+    import dapo.training.learner
 
-    real_loss = dapo.training.step.alg.compute_loss
+    real_loss = dapo.training.learner.alg.compute_loss
     calls: dict[int, int] = {}
     weights_at_nan: dict[str, torch.Tensor] = {}
 
@@ -443,16 +441,16 @@ def inject_nan(monkeypatch, trainer: Trainer, nan_at: set[tuple[int, int]]) -> d
             loss = loss * float("nan")
         return loss, stats
 
-    monkeypatch.setattr(dapo.training.step.alg, "compute_loss", compute_loss)
+    monkeypatch.setattr(dapo.training.learner.alg, "compute_loss", compute_loss)
     return weights_at_nan
 
 
 def test_nonfinite_updates_are_skipped_counted_and_stop_with_last_good_state(
     random_tiny_model, train_file, tmp_path, monkeypatch
 ):
-    import dapo.training.step
+    import dapo.training.learner
 
-    real_loss = dapo.training.step.alg.compute_loss
+    real_loss = dapo.training.learner.alg.compute_loss
     out = tmp_path / "run"
     trainer = Trainer(
         load_config(overrides=base_overrides(random_tiny_model, train_file, out, *NAN_EXTRA)),
@@ -480,7 +478,7 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_with_last_good_state(
         torch.equal(weights[n], t) for n, t in last_good.items() if n in weights
     )
     # The saved state resumes (the cause gone) to the end.
-    monkeypatch.setattr(dapo.training.step.alg, "compute_loss", real_loss)
+    monkeypatch.setattr(dapo.training.learner.alg, "compute_loss", real_loss)
     overrides = base_overrides(random_tiny_model, train_file, out, *NAN_EXTRA, "resume=true")
     assert Trainer(load_config(overrides=overrides), log=quiet).run()["steps"] == 4
 

@@ -7,13 +7,15 @@ import random
 
 import pytest
 import torch
+from learner_utils import backward  # tests/learner_utils.py
 
+from dapo.algorithms import LossSettings
 from dapo.errors import TrainingError
 from dapo.models.tiny import build_model, build_tokenizer
 from dapo.training.batch import Sample
-from dapo.training.corrections import attach_is_weights
-from dapo.training.forward import compute_logprobs, micro_batches, prompt_cache, response_logits
-from dapo.training.step import LossSettings, accumulate_gradients, loss_denominator, plan_updates
+from dapo.training.forward import ForwardOptions, compute_logprobs, prompt_cache, response_logits
+from dapo.training.microbatch import collate, loss_denominator, micro_batches, plan_updates
+from dapo.training.token_weights import attach_is_weights
 
 PAD = 0
 
@@ -88,10 +90,7 @@ def reference_gradient(model: torch.nn.Module, samples: list[Sample], settings: 
 
 def step_gradient(model, samples, settings, budget, shared_prompt: bool = True) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
-    accumulate_gradients(
-        model, samples, settings, pad_id=PAD, token_budget=budget,
-        denominator=loss_denominator(samples, settings), shared_prompt=shared_prompt,
-    )
+    backward(model, samples, settings, token_budget=budget, pad_id=PAD, shared_prompt=shared_prompt)
     return grads(model)
 
 
@@ -125,11 +124,8 @@ def test_per_micro_batch_normaliser_would_be_wrong(model) -> None:
     exact = step_gradient(model, samples, settings, budget=10**6)
     model.zero_grad(set_to_none=True)
     for idx in micro_batches(samples, 130):
-        chunk = [samples[i] for i in idx]
-        accumulate_gradients(
-            model, chunk, settings, pad_id=PAD, token_budget=10**6,
-            denominator=max(loss_denominator(chunk, settings), 1.0),
-        )
+        chunk = [samples[i] for i in idx]  # normalised by its own token count
+        backward(model, chunk, settings, token_budget=10**6, pad_id=PAD)
     assert not torch.allclose(grads(model), exact, atol=1e-5)
 
 
@@ -157,11 +153,7 @@ def test_ratio_one_when_no_old_logprobs(model) -> None:
     settings = LossSettings(loss_agg="token-mean")
     samples = make_samples()
     model.zero_grad(set_to_none=True)
-    stats = accumulate_gradients(
-        model, samples, settings, pad_id=PAD, token_budget=10**6,
-        denominator=loss_denominator(samples, settings),
-    )
-    means = stats.means()
+    means = backward(model, samples, settings, token_budget=10**6, pad_id=PAD).stats.means()
     assert means["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-9)
     assert means["actor/clip_frac_high"] == 0.0 and means["actor/clip_frac_low"] == 0.0
     assert 0 < means["actor/entropy"] <= torch.log(torch.tensor(99.0)).item() + 1e-6
@@ -235,11 +227,9 @@ def test_shared_prompt_forward_equals_full_sequences(model) -> None:
         for budget in (10**6, 250, 130, 70):
             chunks = micro_batches(samples, budget)
             seen.clear()
-            full = compute_logprobs(model, samples, pad_id=PAD, temperature=0.7,
-                                    token_budget=budget, shared_prompt=False)
+            full = compute_logprobs(model, samples, ForwardOptions(PAD, 0.7, budget, shared_prompt=False))
             assert not seen
-            shared = compute_logprobs(model, samples, pad_id=PAD, temperature=0.7,
-                                      token_budget=budget)
+            shared = compute_logprobs(model, samples, ForwardOptions(PAD, 0.7, budget))
             repeated = [c for c in chunks if len({tuple(samples[i].prompt_ids) for i in c}) < len(c)]
             assert len(seen) == len(repeated) > 0  # the shared path did run
             for a, b in zip(full, shared, strict=True):
@@ -255,8 +245,8 @@ def test_shared_prompt_forward_equals_full_sequences(model) -> None:
     ones = [s for s in make_samples() if len(s.response_ids) <= 3]
     assert len({len(s.prompt_ids) for s in ones}) > 1 and min(len(s.response_ids) for s in ones) == 1
     for group in (ones, [s for s in ones if len(s.response_ids) == 1] * 2):
-        a = response_logits(model, group, pad_id=PAD, temperature=1.0, shared_prompt=False)
-        b = response_logits(model, group, pad_id=PAD, temperature=1.0)
+        a = response_logits(model, collate(group, PAD), temperature=1.0, shared_prompt=False)
+        b = response_logits(model, collate(group, PAD), temperature=1.0)
         assert a.shape == b.shape
         for j, s in enumerate(group):  # padding positions predict nothing
             r = len(s.response_ids)
@@ -268,9 +258,8 @@ def test_shared_prompt_forward_in_float32() -> None:
     m = build_model(len(build_tokenizer()), seed=5)
     m.train()
     samples = make_samples(seed=8)
-    a = compute_logprobs(m, samples, pad_id=PAD, temperature=1.0, token_budget=250,
-                         shared_prompt=False)
-    b = compute_logprobs(m, samples, pad_id=PAD, temperature=1.0, token_budget=250)
+    a = compute_logprobs(m, samples, ForwardOptions(PAD, 1.0, 250, shared_prompt=False))
+    b = compute_logprobs(m, samples, ForwardOptions(PAD, 1.0, 250))
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
 
@@ -309,9 +298,8 @@ def test_checkpointed_layers_with_the_shared_prompt_equal_the_plain_forward(mode
     assert calls["plain"] == passes and calls["checkpointed"] == 2 * (passes + len(seen))
     assert plain.abs().max() > 1e-4
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
-    a = compute_logprobs(model, samples, pad_id=PAD, temperature=0.8, token_budget=130,
-                         shared_prompt=False)
-    b = compute_logprobs(checkpointed, samples, pad_id=PAD, temperature=0.8, token_budget=130)
+    a = compute_logprobs(model, samples, ForwardOptions(PAD, 0.8, 130, shared_prompt=False))
+    b = compute_logprobs(checkpointed, samples, ForwardOptions(PAD, 0.8, 130))
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-6)
 
@@ -426,13 +414,9 @@ def variant_samples(seed: int) -> list[Sample]:
 def variant_gradient(model, samples, settings, budget, *, seed: int = 0) -> torch.Tensor:
     """One step's gradient as optimizer_step computes it on one process: IS weights, the
     covariance selection and the denominator first, then the micro-batches."""
-    from dapo.training.corrections import cov_selection
-
     attach_is_weights(samples, settings)
-    selected, _ = cov_selection(samples, list(range(len(samples))), settings, seed=seed)
     model.zero_grad(set_to_none=True)
-    accumulate_gradients(model, samples, settings, pad_id=PAD, token_budget=budget,
-                         denominator=loss_denominator(samples, settings), selected=selected)
+    backward(model, samples, settings, token_budget=budget, pad_id=PAD, seed=seed)
     return grads(model)
 
 
@@ -532,7 +516,7 @@ def test_cov_selection_equals_the_single_batch_algorithm(name) -> None:
     on the whole batch at once, with the same random draws."""
     from dapo import algorithms as alg
     from dapo.seeding import mix_seed
-    from dapo.training.corrections import cov_selection
+    from dapo.training.token_weights import cov_selection
 
     def pad(rows):
         return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(x, dtype=torch.float64)
@@ -580,14 +564,14 @@ class FakeRanks:
 def test_cov_selection_is_the_same_on_any_number_of_ranks(monkeypatch, name, world) -> None:
     import threading
 
-    from dapo.training import corrections
+    from dapo.training import token_weights
 
     settings = VARIANTS[name]
     samples = variant_samples(seed=16)
-    single, single_metrics = corrections.cov_selection(samples, list(range(len(samples))),
+    single, single_metrics = token_weights.cov_selection(samples, list(range(len(samples))),
                                                        settings, seed=5)
     fake = FakeRanks(world)
-    monkeypatch.setattr(corrections, "all_gather_objects", fake.all_gather_objects)
+    monkeypatch.setattr(token_weights, "all_gather_objects", fake.all_gather_objects)
     order = list(range(len(samples)))
     random.Random(world).shuffle(order)
     parts = [order[r::world] for r in range(world)]
@@ -596,7 +580,7 @@ def test_cov_selection_is_the_same_on_any_number_of_ranks(monkeypatch, name, wor
     def run(rank: int) -> None:
         fake.local.rank = rank
         ids = parts[rank]
-        results[rank] = corrections.cov_selection([samples[i] for i in ids], ids, settings, seed=5)
+        results[rank] = token_weights.cov_selection([samples[i] for i in ids], ids, settings, seed=5)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
     for th in threads:

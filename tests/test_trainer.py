@@ -151,7 +151,7 @@ def test_steps_without_signal_skip_the_update_then_stop_also_after_resume(random
         trainer.run()
     after = trainer.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # no update was made
-    assert trainer.optimizer.state == {}
+    assert trainer.learner.optimizer.state == {}
     (m,) = read_metrics(out)
     assert m["actor/updates"] == 0.0 and m["sampling/trained_groups"] == 0.0
     assert m["sampling/short_batch"] == 1.0
@@ -192,12 +192,12 @@ def test_same_seed_same_metrics(random_tiny_model, tmp_path):
 
 def test_beta_loads_reference_model_only_when_needed(random_tiny_model, tmp_path):
     no_kl = Trainer(small_config(random_tiny_model, tmp_path / "a"), log=lambda _: None)
-    assert no_kl.ref_model is None
+    assert no_kl.learner.ref_model is None
     with_kl = Trainer(
         small_config(random_tiny_model, tmp_path / "b", "algorithm.beta=0.1", "algorithm.dynamic_sampling=false", "train.steps=1"),
         log=lambda _: None,
     )
-    assert with_kl.ref_model is not None
+    assert with_kl.learner.ref_model is not None
     with_kl.run()
     import json
 
@@ -246,7 +246,8 @@ def test_trains_a_transformers_model_on_reference_parquet(tmp_path):
     summary = trainer.run()
     assert summary["steps"] == 2 and "accuracy_after" in summary
     rows_out = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows_out[0]["actor/grad_norm"] > 0
+    assert rows_out[0] == {"step": 0, "val/acc": summary["accuracy_before"], "time": rows_out[0]["time"]}
+    assert rows_out[1]["actor/grad_norm"] > 0
     assert (out / "final_model" / "model.safetensors").is_file()
 
 
@@ -317,7 +318,7 @@ def test_overlong_penalty_metric_is_the_penalty_applied(random_tiny_model, tmp_p
 
 def test_only_rank_zero_prints_start_up_lines(random_tiny_model, tmp_path, monkeypatch):
     """Set-up messages (here: prompts dropped by the length filter) come from rank 0 only."""
-    import dapo.training.trainer as trainer_mod
+    import dapo.training.learner as learner_mod
     from dapo.parallel import distributed as D
 
     data = tmp_path / "train.jsonl"
@@ -327,7 +328,7 @@ def test_only_rank_zero_prints_start_up_lines(random_tiny_model, tmp_path, monke
             for i in range(8)
         )
     )
-    monkeypatch.setattr(trainer_mod, "wrap_data_parallel", lambda *a, **k: ("ddp", None))
+    monkeypatch.setattr(learner_mod, "wrap_data_parallel", lambda *a, **k: ("ddp", None))
     heard: dict[int, list[str]] = {}
     for rank in (0, 1):
         monkeypatch.setattr(D, "init_distributed", lambda rank=rank: D.DistInfo(rank=rank, world_size=2))

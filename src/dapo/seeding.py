@@ -3,6 +3,7 @@ coins for decisions every rank must take alike."""
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import random
 
@@ -31,6 +32,21 @@ def mix_seed(*parts: int) -> int:
     for p in parts:
         h = ((h ^ (p & 0xFFFFFFFF)) * 1099511628211) % 2**61
     return h
+
+
+class Stream(enum.Enum):
+    """The salts that give each use of the run seed its own random stream: the mini-batch
+    order of a rollout step, Clip-Cov's token draw of an update, held-out sampling. Their
+    values are fixed: changing one changes every run's numbers."""
+
+    UPDATE_PLAN = (99991,)  # plan_updates: the groups' order in each epoch
+    COV_DRAW = (7919,)  # cov_selection: Clip-Cov's random choice among candidate tokens
+    EVALUATION = (7, 7)  # held-out sampling (the same prompts and seeds before and after)
+
+
+def stream_seed(seed: int, stream: Stream, *parts: int) -> int:
+    """The seed of ``stream`` for ``parts`` (a step, an update, ...) of the run ``seed``."""
+    return mix_seed(seed, *parts, *stream.value)
 
 
 def unit_hash(*parts: int | str) -> float:

@@ -30,7 +30,7 @@ from dapo.algorithms.entropy import (
 )
 from dapo.algorithms.kl import kl_penalty
 from dapo.algorithms.logprobs import gen_prob, token_logprobs
-from dapo.algorithms.objective import LossSettings, compute_loss
+from dapo.algorithms.objective import LOSS_PARTS, LossSettings, compute_loss
 from dapo.algorithms.policy_loss import (
     REGISTRY,
     TokenLossFn,
@@ -56,6 +56,7 @@ __all__ = [
     "IS_LEVELS",
     "IS_MODES",
     "KL_KINDS",
+    "LOSS_PARTS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "REGISTRY",

@@ -53,6 +53,11 @@ class LossSettings:
     kl_cov_coef: float = _ALGO.kl_cov_coef
 
 
+# The entries of compute_loss's stats that are parts of the loss itself, aggregated with the
+# global denominator (they add up over micro-batches); every other entry is a per-token mean.
+LOSS_PARTS = ("pg_loss", "entropy_bonus")
+
+
 def compute_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -72,7 +77,7 @@ def compute_loss(
       ``advantages`` ``[b]`` or ``[b, R]``, ``mask`` the tokens that count (overlong- and
       IS-masked tokens are 0);
     - ``denominator``: the global normaliser of the mini-batch for ``settings.loss_agg``
-      (``dapo.training.step.loss_denominator`` summed over ranks); None: this batch's own;
+      (``dapo.training.microbatch.loss_denominator`` summed over ranks); None: this batch's own;
     - ``is_weights``: engine-vs-trainer importance weights, multiply the policy term;
     - ``selected``: the Clip-Cov / KL-Cov token selection (with ``entropy_control``);
     - ``ref_logprobs``: the reference policy's, for ``beta > 0``;

@@ -1,7 +1,7 @@
 """The policy's output layer: whether it is a plain linear layer, and replacing what it computes.
 
 dapo applies the output layer itself where that saves memory or precision (chunked
-log-probs in training, float32 logits in generation: ``dapo.logprobs``). That is exact only
+log-probs in training, float32 logits in generation: ``dapo.models.chunked_logprobs``). That is exact only
 when the model's logits are that ``nn.Linear`` applied to the final hidden states.
 """
 

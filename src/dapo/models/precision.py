@@ -9,7 +9,7 @@
 The policy module carries its precision (:func:`set_precision`), so every pass that runs it
 (training micro-batches, old and reference log-probs, generation) enters the same
 :func:`autocast` without an extra argument. Log-probs, ratios, the loss and the entropy are
-float32 in every mode (``dapo.logprobs``).
+float32 in every mode (``dapo.models.chunked_logprobs``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from dapo.logprobs import Float32Linear
+from dapo.models.chunked_logprobs import Float32Linear
 from dapo.models.head import head_replaced, output_head
 from dapo.models.inputs import device_of
 from dapo.parallel.sharding import is_fsdp
@@ -87,7 +87,7 @@ def autocast(model: nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def float32_logits(model: nn.Module) -> Iterator[None]:
     """Inside, a bf16 ``model``'s output layer returns float32 logits: bf16 inputs, products
-    summed in float32 (:class:`~dapo.logprobs.Float32Linear`), as the training log-probs are
+    summed in float32 (:class:`~dapo.models.chunked_logprobs.Float32Linear`), as the training log-probs are
     computed, instead of logits rounded to bf16. A no-op in fp32 and for heads that are not
     a plain linear layer."""
     head = output_head(model)

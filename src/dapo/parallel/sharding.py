@@ -8,7 +8,7 @@ in every forward and backward, so the ranks must run the same sequence of passes
 - passes whose count depends on each rank's data and that need no gradient (generation,
   one forward per decoding step; log-prob passes) run inside :func:`full_params`, which
   gathers the parameters once and keeps them whole until it ends;
-- training micro-batches are padded to the same count on every rank (``dapo.training.step``).
+- training micro-batches are padded to the same count on every rank (``dapo.training.learner``).
 
 FSDP checkpoints are written in shards by every rank (``dapo.training.checkpoint``); the
 full (gathered) state dicts here serve the final ``save_pretrained`` export

@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import errno
 import os
-import pickle
 import re
 import shutil
-import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -389,10 +387,13 @@ def load_checkpoint(
     if optimizer is not None:
         for group, flags in zip(optimizer.param_groups, kernels, strict=True):
             group.update(flags)
-    return _read(
-        path / "trainer_state.pt",
-        lambda p: torch.load(p, weights_only=False, pickle_module=_legacy_pickle),
-    )
+    return read_trainer_state(path)
+
+
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The trainer state of the checkpoint ``path`` (plain data: step, data position, RNG,
+    carry-over, the run's resolved config), without touching model or optimizer."""
+    return _read(Path(path) / "trainer_state.pt", lambda p: torch.load(p, weights_only=False))
 
 
 def _load_whole(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -462,21 +463,6 @@ def _load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
     set_model_state_dict(model, target["model"], options=options)
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, target["optim"], options=options)
-
-
-class _LegacyUnpickler(pickle.Unpickler):
-    """Finds classes that moved since a checkpoint was written (the dynamic-sampling
-    carry-over pickles its groups), so checkpoints of earlier versions still resume."""
-
-    MOVED = {"dapo.sampling": "dapo.training.dynamic_sampling"}
-
-    def find_class(self, module: str, name: str) -> Any:
-        return super().find_class(self.MOVED.get(module, module), name)
-
-
-_legacy_pickle = types.SimpleNamespace(
-    Unpickler=_LegacyUnpickler, load=pickle.load, __name__="pickle"
-)
 
 
 def _read(file: Path, reader: Any) -> Any:

@@ -14,12 +14,14 @@ there are none; ``max_empty_steps`` such empty steps in a row stop the run) and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from dapo.choices import RoundCap
+from dapo.data.records import PromptRecord
 from dapo.errors import DynamicSamplingError
 
 ADVICE = (
@@ -40,16 +42,32 @@ class ScoredGroup:
     truncated: list[bool]
     rewards: list[float]  # correctness + length shaping
     correct: list[bool]
-    record: Any = None  # the PromptRecord
+    record: PromptRecord | None = None
     step: int = 0  # rollout step that generated it (carried-over groups are older)
     penalty: list[float] = field(default_factory=list)  # the length shaping in `rewards`
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # Groups pickled by earlier versions (checkpoint carry-over) lack `penalty` and
-        # may hold the removed `extra`.
-        state.pop("extra", None)
-        state.setdefault("penalty", [])
-        self.__dict__.update(state)
+    def to_state(self) -> dict[str, Any]:
+        """Plain data for a checkpoint (no pickled objects)."""
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if isinstance(self.record, PromptRecord):
+            state["record"] = dataclasses.asdict(self.record)
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any] | ScoredGroup) -> ScoredGroup:
+        """A group from :meth:`to_state`'s data; a group object (a checkpoint of release
+        a5216fc pickled them whole) is taken as it is, fields added since then set to their
+        defaults."""
+        if isinstance(state, cls):
+            for f in dataclasses.fields(cls):
+                if f.name not in vars(state):
+                    default = f.default_factory() if callable(f.default_factory) else f.default
+                    setattr(state, f.name, default)
+            return state
+        data = dict(state)
+        if isinstance(data.get("record"), dict):
+            data["record"] = PromptRecord(**data["record"])
+        return cls(**data)
 
     @property
     def size(self) -> int:
@@ -235,12 +253,12 @@ class DynamicSampler:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "carry": self.carry,
+            "carry": [g.to_state() for g in self.carry],
             "keep_rate": self.keep_rate,
             "empty_in_a_row": self.empty_in_a_row,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.carry = list(state["carry"])
+        self.carry = [ScoredGroup.from_state(g) for g in state["carry"]]
         self.keep_rate = float(state["keep_rate"])
-        self.empty_in_a_row = int(state.get("empty_in_a_row", 0))  # older checkpoints lack it
+        self.empty_in_a_row = int(state["empty_in_a_row"])

@@ -1,48 +1,44 @@
-"""Forward passes for training: collate samples, shared-prompt caches, response log-probs."""
+"""Training forward passes: the model's states at the response positions, and the log-probs
+and entropies of the sampled tokens from them.
+
+:func:`response_states` is the one place that calls the model in training. With a shared
+prompt (the responses of one group), each distinct prompt is forwarded once into a key/value
+cache (:mod:`dapo.training.kv_cache`) and the responses on top of it; the output layer is
+applied afterwards by :func:`token_logprobs`, chunk by chunk
+(:func:`dapo.models.chunked_logprobs.chunked_logprobs`), so no ``[tokens x vocabulary]``
+logits exist.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dapo import algorithms as alg
-from dapo.logprobs import chunked_logprobs
+from dapo.models.chunked_logprobs import chunked_logprobs
 from dapo.models.head import head_replaced, output_head
-from dapo.models.inputs import device_of, left_pad, right_pad
+from dapo.models.inputs import device_of
 from dapo.models.precision import autocast, compute_dtype
 from dapo.parallel import sharding
-from dapo.parallel.distributed import all_reduce_sum
 from dapo.training.batch import Sample
+from dapo.training.microbatch import MicroBatch, collate, micro_batches
 
 if TYPE_CHECKING:
     from dapo.training.kv_cache import SharedPromptCache
 
 
-@dataclass
-class Collated:
-    """The targets of a micro-batch: responses right-padded to R."""
+@dataclass(frozen=True)
+class ForwardOptions:
+    """How the training forward runs (``train.*`` and the sampling temperature)."""
 
-    response_ids: torch.Tensor  # [b, R]
-    loss_mask: torch.Tensor  # [b, R]
-    response_len: int  # R
-
-    def to(self, device: torch.device) -> Collated:
-        if device.type == "cpu":
-            return self
-        return Collated(self.response_ids.to(device), self.loss_mask.to(device), self.response_len)
-
-
-def collate(samples: Sequence[Sample], pad_id: int) -> Collated:
-    r = max(len(s.response_ids) for s in samples)
-    resp = torch.full((len(samples), r), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), r))
-    for i, s in enumerate(samples):
-        resp[i, : len(s.response_ids)] = torch.tensor(s.response_ids)
-        mask[i, : len(s.response_ids)] = torch.tensor(s.loss_mask)
-    return Collated(resp, mask, r)
+    pad_id: int
+    temperature: float = 1.0  # the logits are divided by it, as the sampler's were
+    token_budget: int = 8192  # train.micro_batch_tokens: padded tokens per micro-batch
+    logits_chunk_size: int = 1024  # train.logits_chunk_size: positions per output-layer chunk
+    shared_prompt: bool = True  # train.shared_prompt_forward
 
 
 def prompt_cache(model: torch.nn.Module) -> SharedPromptCache | None:
@@ -77,61 +73,19 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def response_logprobs(
+def response_states(
     model: torch.nn.Module,
-    samples: Sequence[Sample],
+    batch: MicroBatch,
     *,
-    pad_id: int,
-    temperature: float,
-    chunk_size: int = 1024,
     shared_prompt: bool = True,
     ddp: torch.nn.Module | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the sampled response tokens and the entropies of the distributions they
-    were drawn from (softmax of logits / temperature): two float32 ``[b, R]`` tensors, 0 on
-    padding, both differentiable.
-
-    The model runs up to its final hidden states (its output layer bypassed); the output
-    layer, log-softmax and entropy are applied ``chunk_size`` positions at a time and
-    recomputed in backward (:func:`dapo.logprobs.chunked_logprobs`), so no ``[tokens x
-    vocabulary]`` logits exist. Models whose head is not a plain linear layer
-    (:func:`~dapo.models.head.output_head`) take the whole logits. The forward passes: see
-    :func:`response_logits`.
-    """
-    head = output_head(model)
-    with autocast(model), head_replaced(head, _identity):  # the "logits" are hidden states
-        out = _response_outputs(model, samples, pad_id=pad_id, shared_prompt=shared_prompt,
-                                ddp=ddp)  # [b, R, H] hidden states, or [b, R, V] logits
-    device = out.device
-    lengths = torch.tensor([len(s.response_ids) for s in samples], device=device)
-    valid = torch.arange(out.shape[1], device=device)[None, :] < lengths[:, None]
-    targets = collate(samples, pad_id).response_ids.to(device)[valid]
-    if head is not None:
-        logp, entropy = chunked_logprobs(
-            out[valid], head.weight, targets, bias=head.bias, temperature=temperature,
-            chunk_size=chunk_size, compute_dtype=compute_dtype(model),
-        )  # fmt: skip
-    else:
-        logits = out[valid].float()
-        logits = logits / temperature if temperature != 1.0 else logits
-        logp, entropy = alg.token_logprobs(logits, targets), alg.token_entropy(logits)
-    full = torch.zeros(valid.shape, dtype=torch.float32, device=device)
-    return full.masked_scatter(valid, logp), full.masked_scatter(valid, entropy)
-
-
-def response_logits(
-    model: torch.nn.Module,
-    samples: Sequence[Sample],
-    *,
-    pad_id: int,
-    temperature: float,
-    shared_prompt: bool = True,
-    ddp: torch.nn.Module | None = None,
+    hidden: bool = True,
 ) -> torch.Tensor:
-    """Logits ``[b, R, V]`` that predict each response token (scaled by 1/temperature), in
-    float32: the whole-logits path (:func:`response_logprobs` avoids it).
+    """The model's output at the positions that predict the response tokens, ``[b, R, .]``:
+    the final hidden states (``hidden`` and a plain linear output layer, which is bypassed;
+    :func:`token_logprobs` applies it) or the logits.
 
-    When some prompt of ``samples`` has several responses (a group) and ``shared_prompt`` is
+    When some prompt of the batch has several responses (a group) and ``shared_prompt`` is
     on, each distinct prompt is forwarded once (left-padded, with a cache), the cache is
     expanded to its responses (an ``index_select``, so the gradient of every response flows
     back into the one prompt pass) and the responses are forwarded on top of it with their
@@ -147,121 +101,100 @@ def response_logits(
     ``model`` itself: its gradient reaches the same parameters in the same backward, which
     DDP (``find_unused_parameters`` off) reduces once.
     """
-    with autocast(model):
-        logits = _response_outputs(model, samples, pad_id=pad_id, shared_prompt=shared_prompt,
-                                   ddp=ddp)
-    logits = logits.float()
+    first_pass = ddp if ddp is not None else model
+    distinct = batch.distinct_prompts
+    cache = prompt_cache(model) if shared_prompt and len(distinct) < len(batch.owner) else None
+    device = device_of(model)
+    r = batch.width
+    head = output_head(model) if hidden else None
+    with autocast(model), head_replaced(head, _identity):  # the "logits" are hidden states
+        if cache is None:
+            attn = torch.cat([batch.prompt_mask, batch.response_mask], 1).to(device)
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)
+            ids = torch.cat([batch.prompt_ids, batch.response_ids], 1).to(device)
+            out = first_pass(input_ids=ids, attention_mask=attn, position_ids=pos,
+                             logits_to_keep=r + 1, use_cache=False)  # fmt: skip
+            return out.logits[:, :-1]
+        prompt_mask = batch.prompt_mask[distinct].to(device)
+        prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        out = first_pass(input_ids=batch.prompt_ids[distinct].to(device), attention_mask=prompt_mask,
+                         position_ids=prompt_pos, past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)  # fmt: skip
+        rows = torch.tensor(batch.owner, device=device)
+        first = out.logits[:, -1:].index_select(0, rows)  # predicts response token 0
+        if r == 1:
+            return first
+        # Tokens 1..R-1, from response positions 0..R-2 (the last token is no input).
+        attn = torch.cat([batch.prompt_mask, batch.response_mask[:, : r - 1]], 1).to(device)
+        pos = batch.prompt_mask.sum(-1)[:, None].to(device) + torch.arange(r - 1, device=device)
+        rest = model(input_ids=batch.response_ids[:, : r - 1].to(device), attention_mask=attn,
+                     position_ids=pos, past_key_values=cache.expand(rows), use_cache=True)  # fmt: skip
+        return torch.cat([first, rest.logits], 1)
+
+
+def token_logprobs(
+    model: torch.nn.Module, states: torch.Tensor, batch: MicroBatch, *, temperature: float,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Log-probs of the sampled response tokens and the entropies of the distributions they
+    were drawn from (softmax of logits / temperature), from :func:`response_states`: two
+    float32 ``[b, R]`` tensors, 0 on padding, both differentiable.
+
+    The output layer, log-softmax and entropy are applied ``chunk_size`` positions at a time
+    and recomputed in backward (:func:`~dapo.models.chunked_logprobs.chunked_logprobs`).
+    Models whose head is not a plain linear layer (:func:`~dapo.models.head.output_head`)
+    give whole logits, used as they are.
+    """
+    head = output_head(model)
+    device = states.device
+    valid = batch.response_mask.to(device) > 0
+    targets = batch.response_ids.to(device)[valid]
+    if head is not None:
+        logp, entropy = chunked_logprobs(
+            states[valid], head.weight, targets, bias=head.bias, temperature=temperature,
+            chunk_size=chunk_size, compute_dtype=compute_dtype(model),
+        )  # fmt: skip
+    else:
+        logits = states[valid].float()
+        logits = logits / temperature if temperature != 1.0 else logits
+        logp, entropy = alg.token_logprobs(logits, targets), alg.token_entropy(logits)
+    full = torch.zeros(valid.shape, dtype=torch.float32, device=device)
+    return full.masked_scatter(valid, logp), full.masked_scatter(valid, entropy)
+
+
+def response_logprobs(
+    model: torch.nn.Module, batch: MicroBatch, options: ForwardOptions,
+    ddp: torch.nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`response_states` then :func:`token_logprobs`: ``(logp, entropy)``, ``[b, R]``."""
+    states = response_states(model, batch, shared_prompt=options.shared_prompt, ddp=ddp)
+    return token_logprobs(model, states, batch, temperature=options.temperature,
+                          chunk_size=options.logits_chunk_size)  # fmt: skip
+
+
+def response_logits(
+    model: torch.nn.Module, batch: MicroBatch, *, temperature: float, shared_prompt: bool = True
+) -> torch.Tensor:
+    """Logits ``[b, R, V]`` that predict each response token (scaled by 1/temperature), in
+    float32: the whole-logits reference that :func:`token_logprobs` avoids."""
+    logits = response_states(model, batch, shared_prompt=shared_prompt, hidden=False).float()
     return logits / temperature if temperature != 1.0 else logits
 
 
-def _response_outputs(
-    model: torch.nn.Module,
-    samples: Sequence[Sample],
-    *,
-    pad_id: int,
-    shared_prompt: bool,
-    ddp: torch.nn.Module | None,
-) -> torch.Tensor:
-    """The model's output (``logits``) at the positions that predict the response tokens."""
-    first_pass = ddp if ddp is not None else model
-    owner: dict[tuple[int, ...], int] = {}
-    index = [owner.setdefault(tuple(s.prompt_ids), len(owner)) for s in samples]
-    cache = prompt_cache(model) if shared_prompt and len(owner) < len(samples) else None
-    device = device_of(model)
-    r = max(len(s.response_ids) for s in samples)
-    if cache is None:
-        prompt_ids, prompt_mask = left_pad([s.prompt_ids for s in samples], pad_id)
-        resp_ids, resp_mask = right_pad([s.response_ids for s in samples], r, pad_id)
-        attn = torch.cat([prompt_mask, resp_mask], 1)
-        ids = torch.cat([prompt_ids, resp_ids], 1)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = _forward(first_pass, device, ids, attn, pos, logits_to_keep=r + 1, use_cache=False)
-        logits = out.logits[:, :-1]
-    else:
-        prompt_ids, prompt_mask = left_pad(list(owner), pad_id)
-        prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        out = _forward(
-            first_pass, device, prompt_ids, prompt_mask, prompt_pos,
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
-        )  # fmt: skip
-        rows = torch.tensor(index, device=device)
-        logits = out.logits[:, -1:].index_select(0, rows)  # predicts response token 0
-        if r > 1:  # tokens 1..R-1, from response positions 0..R-2 (the last is no input)
-            cache = cache.expand(rows)  # index_select of each layer's keys and values
-            resp_ids, resp_mask = right_pad([s.response_ids for s in samples], r - 1, pad_id)
-            attn = torch.cat([prompt_mask[index], resp_mask], 1)
-            pos = prompt_mask.sum(-1)[index, None] + torch.arange(r - 1)
-            rest = _forward(model, device, resp_ids, attn, pos, past_key_values=cache, use_cache=True)
-            logits = torch.cat([logits, rest.logits], 1)
-    return logits
+def zero_backward(model: torch.nn.Module, pad_id: int) -> None:
+    """Forward and backward with a zero loss: the collectives of a pass, a zero gradient.
 
-
-def _forward(
-    module: torch.nn.Module,
-    device: torch.device,
-    ids: torch.Tensor,
-    attn: torch.Tensor,
-    pos: torch.Tensor,
-    **kw: Any,
-) -> Any:
-    """``module``'s forward on token ids, attention mask and positions moved to ``device``."""
-    return module(
-        input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device), **kw
-    )
-
-
-def pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), width))
-    for i, row in enumerate(rows):
-        out[i, : row.numel()] = row
-    return out
-
-
-def micro_batches(samples: Sequence[Sample], token_budget: int) -> list[list[int]]:
-    """Indices of samples split into micro-batches of at most ``token_budget`` padded tokens.
-
-    Samples are kept in groups (the responses of one prompt), so that a micro-batch
-    forwards each of its prompts once (:func:`response_logits`): groups sorted by their
-    longest sample fill the micro-batches one after the other, and a group is split only
-    when it alone exceeds the budget. Sorting by length keeps padding small. The split does
-    not change the result, only the memory and time it takes.
+    A rank with nothing (more) to train joins DDP's all-reduce or FSDP's all-gathers and
+    reduce-scatters this way.
     """
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, s in enumerate(samples):
-        groups.setdefault(tuple(s.prompt_ids), []).append(i)
-    members = [sorted(g, key=lambda i: samples[i].length) for g in groups.values()]
-    members.sort(key=lambda g: samples[g[-1]].length)
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    widest = 0
-    for group in members:
-        longest = samples[group[-1]].length
-        together = max(widest, longest) * (len(current) + len(group))
-        if current and longest * len(group) <= token_budget < together:
-            chunks.append(current)
-            current, widest = [], 0
-        for i in group:  # all at once unless the group alone exceeds the budget
-            w = max(widest, samples[i].length)
-            if current and w * (len(current) + 1) > token_budget:
-                chunks.append(current)
-                current, w = [], samples[i].length
-            current.append(i)
-            widest = w
-    if current:
-        chunks.append(current)
-    return chunks
+    with autocast(model):
+        out = model(input_ids=torch.tensor([[pad_id]], device=device_of(model)), use_cache=False)
+    (out.logits.float().sum() * 0.0).backward()
 
 
 @torch.no_grad()
 def compute_logprobs(
-    model: torch.nn.Module,
-    samples: Sequence[Sample],
-    *,
-    pad_id: int,
-    temperature: float,
-    token_budget: int,
-    shared_prompt: bool = True,
-    logits_chunk_size: int = 1024,
+    model: torch.nn.Module, samples: Sequence[Sample], options: ForwardOptions
 ) -> list[torch.Tensor]:
     """Per-response log-probs of the sampled tokens under ``model`` (no grad).
 
@@ -270,23 +203,11 @@ def compute_logprobs(
     """
     out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
     with sharding.full_params(model):
-        for idx in micro_batches(samples, token_budget):
-            chunk = [samples[i] for i in idx]
-            logp, _ = response_logprobs(model, chunk, pad_id=pad_id, temperature=temperature,
-                                        chunk_size=logits_chunk_size, shared_prompt=shared_prompt)
+        for idx in micro_batches(samples, options.token_budget):
+            batch = collate([samples[i] for i in idx], options.pad_id)
+            states = response_states(model, batch, shared_prompt=options.shared_prompt)
+            logp, _ = token_logprobs(model, states, batch, temperature=options.temperature,
+                                     chunk_size=options.logits_chunk_size)  # fmt: skip
             for j, i in enumerate(idx):
                 out[i] = logp[j, : len(samples[i].response_ids)].clone()
     return out
-
-
-def logprob_mismatch(samples: Sequence[Sample]) -> dict[str, float]:
-    """Mean |engine log-prob - trainer log-prob| over the response tokens (all ranks):
-    ``rollout/logprob_mismatch``, or nothing when no sample has both."""
-    total, count = 0.0, 0
-    for s in samples:
-        if s.sampling_logprobs is None or s.old_logprobs is None:
-            continue
-        total += float((s.sampling_logprobs.to(s.old_logprobs) - s.old_logprobs).abs().sum())
-        count += len(s.response_ids)
-    total, n = all_reduce_sum([total, float(count)])
-    return {"rollout/logprob_mismatch": total / n} if n else {}

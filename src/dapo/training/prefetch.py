@@ -23,6 +23,7 @@ uninterrupted one would.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -121,7 +122,7 @@ class RolloutPrefetcher:
             "indices": ahead.indices,
             "version": ahead.version,
             "skipped": ahead.skipped,
-            "groups": D.unshard(parts),
+            "groups": [dataclasses.asdict(g) for g in D.unshard(parts)],  # plain data
         }
 
     def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
@@ -134,7 +135,7 @@ class RolloutPrefetcher:
         info = D.current()
         self.ahead = Prefetched(
             state["step"], list(state["indices"]), int(state["version"]),
-            groups=D.shard(state["groups"], info), skipped=list(state.get("skipped", [])),
+            groups=D.shard([_group(g) for g in state["groups"]], info), skipped=list(state["skipped"]),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -142,3 +143,10 @@ class RolloutPrefetcher:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+def _group(state: dict[str, Any] | Group) -> Group:
+    """A group from a checkpoint's plain data (or one pickled whole by an earlier release)."""
+    data = state if isinstance(state, dict) else vars(state)
+    names = {f.name for f in dataclasses.fields(Group)}
+    return Group(**{k: v for k, v in data.items() if k in names})

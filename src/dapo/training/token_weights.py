@@ -1,4 +1,5 @@
-"""Per-token weights and selections that must be known before the micro-batches run.
+"""Per-token weights and selections that must be known before the micro-batches run, and the
+engine-vs-trainer log-prob comparison.
 
 - :func:`attach_is_weights`: the engine-vs-trainer importance weights of a rollout step's
   samples (``algorithm.is_*``). Masked IS drops tokens from the loss, so it must run before
@@ -11,6 +12,9 @@
   It uses the old policy's log-probs, the ones known before the micro-batches (equal to
   the current policy's at the first update of a rollout step; verl selects per
   micro-batch from the current ones, which is not split-invariant).
+
+- :func:`logprob_mismatch`: ``rollout/logprob_mismatch``, how far the engine's sampling
+  log-probs are from the trainer's.
 
 The maths is in :mod:`dapo.algorithms` (``is_weights``, ``token_covariance``,
 ``clip_cov_keys``, ``kl_cov_keys``, ``selection_count``); this module gathers across ranks.
@@ -65,6 +69,20 @@ def attach_is_weights(samples: Sequence[Sample], settings: LossSettings) -> dict
         return {}
     share = "rollout/is_truncated_frac" if settings.is_mode == "truncate" else "rollout/is_masked_frac"
     return {"rollout/is_weight_mean": weight_sum / max(kept, 1.0), share: over / total}
+
+
+def logprob_mismatch(samples: Sequence[Sample], trainer: Sequence[torch.Tensor]) -> dict[str, float]:
+    """Mean |engine log-prob - trainer log-prob| over the response tokens of ``samples`` (all
+    ranks; ``trainer``: each sample's log-probs under the trainer's forward):
+    ``rollout/logprob_mismatch``, or nothing when no sample has the engine's."""
+    total, count = 0.0, 0
+    for s, lp in zip(samples, trainer, strict=True):
+        if s.sampling_logprobs is None:
+            continue
+        total += float((s.sampling_logprobs.to(lp) - lp).abs().sum())
+        count += len(s.response_ids)
+    total, n = all_reduce_sum([total, float(count)])
+    return {"rollout/logprob_mismatch": total / n} if n else {}
 
 
 def cov_selection(
