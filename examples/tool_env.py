@@ -17,13 +17,16 @@ from __future__ import annotations
 from dapo.environments import Environment
 
 
-def add(numbers: list[int]) -> int:
-    """Add numbers exactly.
+def add(terms: str) -> int:
+    """Add whole numbers exactly.
 
     Args:
-        numbers: The numbers to add.
+        terms: The numbers joined by "+", e.g. "12+345".
     """
-    return sum(numbers)
+    numbers = terms.replace(" ", "").split("+")
+    if not all(n.isdigit() for n in numbers):
+        raise ValueError(f"not whole numbers joined by '+': {terms!r}")  # the model reads this
+    return sum(int(n) for n in numbers)
 
 
 class CheckedAnswer(Environment):

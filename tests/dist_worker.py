@@ -250,8 +250,8 @@ def vllm_colocated(data_parallel: str, model_path: str, out: Path, lora: bool = 
     try:
         steps = [trainer.train_step()[0] for _ in range(2)]
         rank = trainer.dist.rank
-        prompts = [trainer.train_ids[i] for i in range(rank, 8, 2)]  # this rank's own prompts
-        groups = trainer.generate(prompts, step=99, round_no=0)
+        # this rank's own prompts
+        groups = trainer.rollouts.generate(list(range(rank, 8, 2)), step=99, round_no=0)
         samples = [Sample(g.prompt_ids, r, 0.0, [1.0] * len(r)) for g in groups for r in g.response_ids]
         forward = ForwardOptions(trainer.tokenizer.pad_token_id, 1.0, 4096)
         trained = compute_logprobs(trainer.model, samples, forward)
@@ -286,7 +286,7 @@ def skip_run(model: str, out: str, rewards: str, data: str, rank: int) -> None:
     ])
     trainer = Trainer(cfg, log=lambda _: None)
     seen: dict = {"taken": [], "skipped": [], "generated": []}
-    next_prompts, generate = trainer.prompts.next, trainer.engine.generate
+    next_prompts, generate = trainer.rollouts.prompts.next, trainer.rollouts.engine.generate
 
     def record_prompts(k, skipped):
         before = len(skipped)
@@ -299,10 +299,10 @@ def skip_run(model: str, out: str, rewards: str, data: str, rank: int) -> None:
         seen["generated"] += [list(p) for p in prompt_ids]
         return generate(prompt_ids, params)
 
-    trainer.prompts.next, trainer.engine.generate = record_prompts, record_generate
+    trainer.rollouts.prompts.next, trainer.rollouts.engine.generate = record_prompts, record_generate
     trainer.run()
-    seen["taken_ids"] = [trainer.train_ids[i] for i in seen["taken"]]
-    seen["history"] = trainer.prompts.history.state_dict()
+    seen["taken_ids"] = [trainer.rollouts.train_ids[i] for i in seen["taken"]]
+    seen["history"] = trainer.rollouts.prompts.history.state_dict()
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(seen))
 
 

@@ -66,9 +66,9 @@ def test_skipped_prompts_are_never_generated_and_rounds_stay_full(
     draws: list[tuple[int, int, int]] = []  # (position, index, streak)
     mine = PromptHistory()
     requested: list[tuple[int, int]] = []  # (prompts asked for, prompts returned)
-    selector = trainer.prompts
+    selector = trainer.rollouts.prompts
     generate, score, next_index, next_prompts = (
-        trainer.engine.generate, trainer.score, selector.stream._next, selector.next)
+        trainer.rollouts.engine.generate, trainer.rollouts.scorer.score, selector.stream._next, selector.next)
 
     def record_generate(prompt_ids, params):
         engine_prompts.extend(list(p) for p in prompt_ids)
@@ -83,7 +83,7 @@ def test_skipped_prompts_are_never_generated_and_rounds_stay_full(
     def record_draw():
         position = selector.stream.position
         index = next_index()
-        draws.append((position, index, mine.streak(trainer.train_records[index].uid)))
+        draws.append((position, index, mine.streak(trainer.rollouts.train_records[index].uid)))
         return index
 
     def record_request(k, skipped):
@@ -91,13 +91,13 @@ def test_skipped_prompts_are_never_generated_and_rounds_stay_full(
         requested.append((k, len(taken)))
         return taken
 
-    trainer.engine.generate, trainer.score = record_generate, record_score
+    trainer.rollouts.engine.generate, trainer.rollouts.scorer.score = record_generate, record_score
     selector.stream._next, selector.next = record_draw, record_request
     trainer.run()
 
     cap = cfg.algorithm.skip_max_prob
-    uid = [r.uid for r in trainer.train_records]
-    expected = [trainer.train_ids[i] for pos, i, streak in draws
+    uid = [r.uid for r in trainer.rollouts.train_records]
+    expected = [trainer.rollouts.train_ids[i] for pos, i, streak in draws
                 if not should_skip(cfg.seed, pos, uid[i], streak, cap)]  # fmt: skip
     assert engine_prompts == expected  # exactly the draws the rule did not skip, in order
     skipped = len(draws) - len(expected)
@@ -150,8 +150,8 @@ def test_skip_key_shares_one_history_between_rows(random_tiny_model, twelve_prom
                  "algorithm.skip_key=level", "train.steps=2")  # fmt: skip
     trainer = Trainer(cfg, log=lambda _: None)
     trainer.run()
-    history = trainer.prompts.history
-    assert trainer.prompts.keys == [str(i % 3) for i in range(12)]
+    history = trainer.rollouts.prompts.history
+    assert trainer.rollouts.prompts.keys == [str(i % 3) for i in range(12)]
     assert len(history) == 3
     # Level 0 (answers divisible by 3) is always right: its streak counts all its groups.
     assert history.streak("0") == history.groups("0") > 1
@@ -160,13 +160,13 @@ def test_skip_key_shares_one_history_between_rows(random_tiny_model, twelve_prom
 def _prompts_by_step(trainer: Trainer) -> dict[int, list[list[int]]]:
     """Record the prompts the engine is asked to generate, by rollout step."""
     seen: dict[int, list[list[int]]] = {}
-    generate = trainer.engine.generate
+    generate = trainer.rollouts.engine.generate
 
     def record(prompt_ids, params):
         seen.setdefault(trainer.step, []).extend(list(p) for p in prompt_ids)
         return generate(prompt_ids, params)
 
-    trainer.engine.generate = record
+    trainer.rollouts.engine.generate = record
     return seen
 
 
@@ -179,11 +179,11 @@ def test_easy_first_by_a_difficulty_field(random_tiny_model, twelve_prompts, tmp
     trainer = Trainer(cfg, log=lambda _: None)
     seen = _prompts_by_step(trainer)
     trainer.run()
-    level = {tuple(ids): i % 3 for i, ids in enumerate(trainer.train_ids)}
+    level = {tuple(ids): i % 3 for i, ids in enumerate(trainer.rollouts.train_ids)}
     levels = {step: {level[tuple(p)] for p in prompts} for step, prompts in seen.items()}
     assert levels[0] == {0} and len({tuple(p) for p in seen[0]}) <= 3
     assert set().union(*(levels[s] for s in range(4, 8))) == {0, 1, 2}
-    assert trainer.prompts.history is None  # a difficulty field needs no history
+    assert trainer.rollouts.prompts.history is None  # a difficulty field needs no history
 
 
 def test_easy_first_by_measured_pass_rate(random_tiny_model, twelve_prompts, tmp_path):
@@ -193,13 +193,13 @@ def test_easy_first_by_measured_pass_rate(random_tiny_model, twelve_prompts, tmp
                  "data.curriculum_start=0.5", "algorithm.dynamic_sampling=false")  # fmt: skip
     trainer = Trainer(cfg, log=lambda _: None)
     pools: list[tuple[list[int], int, list]] = []  # (order, size, pass rates then)
-    use_pool, history = trainer.prompts.stream.use_pool, trainer.prompts.history
+    use_pool, history = trainer.rollouts.prompts.stream.use_pool, trainer.rollouts.prompts.history
 
     def record_pool(order, size):
-        pools.append((list(order), size, [history.pass_rate(r.uid) for r in trainer.train_records]))
+        pools.append((list(order), size, [history.pass_rate(r.uid) for r in trainer.rollouts.train_records]))
         use_pool(order, size)
 
-    trainer.prompts.stream.use_pool = record_pool
+    trainer.rollouts.prompts.stream.use_pool = record_pool
     seen = _prompts_by_step(trainer)
     trainer.run()
     order, size, rates = pools[-1]
@@ -209,5 +209,5 @@ def test_easy_first_by_measured_pass_rate(random_tiny_model, twelve_prompts, tmp
     # Each step generated only prompts of that step's pool.
     for step, prompts in seen.items():
         order, size, _ = pools[step]
-        pool = {tuple(trainer.train_ids[i]) for i in order[:size]}
+        pool = {tuple(trainer.rollouts.train_ids[i]) for i in order[:size]}
         assert {tuple(p) for p in prompts} <= pool

@@ -205,3 +205,102 @@ def test_warm_up_continues_from_the_base_model_on_the_named_task(tmp_path, monke
     # One step at the first warm-up learning rate moves the base weights a little.
     assert 0 < distance(base) < 0.01 * distance(fresh)
     assert all(torch.isfinite(p).all() for p in trained.parameters())
+
+
+# --- builtin:chat_addition, the task for a real chat model ------------------------------------
+
+QUESTION = re.compile(r"What is (\d+) ([-+x]) (\d+)\?")
+
+
+def asked(record) -> tuple[int, str, int]:
+    """The operands and operation of a chat problem, read from its last user message."""
+    last = record.prompt[-1]
+    assert last["role"] == "user"
+    m = QUESTION.fullmatch(last["content"])
+    assert m, last
+    return int(m[1]), m[2], int(m[3])
+
+
+def test_chat_addition_asks_in_chat_messages_with_the_format_and_three_worked_examples():
+    from dapo.data.tasks import chat_addition as C
+
+    record = C.chat_addition_records("test", n=1)[0]
+    a, _, b = asked(record)
+    assert record.prompt == [
+        {"role": "system", "content": "Answer with the equation, then a last line: Answer: <number>"},
+        {"role": "user", "content": "What is 23 + 45?"},
+        {"role": "assistant", "content": "23 + 45 = 68\nAnswer: 68"},
+        {"role": "user", "content": "What is 47 + 38?"},
+        {"role": "assistant", "content": "47 + 38 = 85\nAnswer: 85"},
+        {"role": "user", "content": "What is 76 + 49?"},
+        {"role": "assistant", "content": "76 + 49 = 125\nAnswer: 125"},
+        {"role": "user", "content": f"What is {a} + {b}?"},
+    ]
+    assert (record.data_source, record.uid) == ("chat_addition", f"chat-{a}+{b}")
+
+
+def test_chat_addition_answers_are_right_and_the_default_scorer_reads_them():
+    from dapo.data.tasks import chat_addition as C
+    from dapo.rewards import scorer_for_source
+
+    # Not mapped to a scorer of its own: the default reward (dapo_math) scores it.
+    assert scorer_for_source(C.DATA_SOURCE) == "dapo_math"
+    ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "x": lambda a, b: a * b}
+    for name, variant in C.VARIANTS.items():
+        for record in C.variant_records(variant, "train", n=200):
+            a, op, b = asked(record)
+            assert (op, a, b) == (variant.op, record.extra["a"], record.extra["b"])
+            assert record.ground_truth == str(ops[op](a, b)), name
+            # The examples' own format, answered right, scores +1; one off scores -1.
+            right = variant.response(a, b)
+            assert dapo_math_score(right, record.ground_truth) == 1.0
+            wrong = right.replace(f"Answer: {record.ground_truth}", f"Answer: {ops[op](a, b) + 1}")
+            assert dapo_math_score(wrong, record.ground_truth) == -1.0
+        shown = [m for m in variant.messages(50, 5) if m["role"] == "assistant"]
+        assert len(shown) == len(variant.examples)
+        assert all(("=" in m["content"]) == variant.equation for m in shown)
+    levels = {r.extra["level"] for r in C.chat_addition_records("test", n=300)}
+    assert levels == {0, 1, 2}  # no carry, a carry, a sum of 100 or more
+
+
+def test_chat_addition_splits_are_disjoint_seeded_and_without_repeats():
+    from dapo.data.tasks import chat_addition as C
+
+    variant = C.CHOSEN
+    every = variant.problems()
+    assert len(every) == 90 * 90 == len(set(every))
+    held_out = {p for p in every if variant.split_of(*p) == "test"}
+    assert 0.08 < len(held_out) / len(every) < 0.12  # about 1 in TEST_SHARE
+    assert not held_out & set(variant.examples)  # the prompt's examples are never held out
+
+    test = C.chat_addition_records("test", n=len(held_out))
+    train = C.chat_addition_records("train", n=20000)  # what data.train loads
+    test_problems = {(r.extra["a"], r.extra["b"]) for r in test}
+    assert test_problems == held_out  # every held-out problem once, none twice
+    train_problems = {(r.extra["a"], r.extra["b"]) for r in train}
+    assert train_problems == set(every) - held_out  # 20000 > 7278: all, in repeated passes
+    assert not {r.uid for r in train} & {r.uid for r in test}
+    # Seeded: the same seed gives the same order, another seed another one.
+    assert [r.uid for r in C.chat_addition_records("test", n=50)] == [r.uid for r in test[:50]]
+    other = C.chat_addition_records("test", n=50, seed=7)
+    assert [r.uid for r in other] != [r.uid for r in test[:50]]
+    with pytest.raises(ValueError, match="splits 'train' and 'test'"):
+        C.chat_addition_records("valid", n=1)
+
+
+def test_chat_addition_and_its_sanity_set_are_builtin_data_sets():
+    from dapo.config import DataConfig
+    from dapo.data.prompts import load_prompt_set
+    from dapo.data.tasks import chat_addition as C
+
+    data = DataConfig(train=C.NAME, eval=C.NAME, max_eval_prompts=300)
+    train, held_out = load_prompt_set(data, "train"), load_prompt_set(data, "eval")
+    assert len(held_out) == 300 and not {r.uid for r in train} & {r.uid for r in held_out}
+
+    sanity = load_task(C.SANITY_NAME, "train", n=20000)
+    assert len(sanity) == len({r.uid for r in sanity}) == 32
+    assert [r.uid for r in load_task(C.SANITY_NAME, "test", n=500)] == [r.uid for r in sanity]
+    assert all(C.CHOSEN.split_of(*asked(r)[::2]) == "train" for r in sanity)
+    for r in sanity:
+        a, _, b = asked(r)
+        assert r.ground_truth == str(a + b)

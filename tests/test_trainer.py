@@ -48,7 +48,7 @@ def test_dynamic_sampling_trains_only_mixed_groups_and_reuses_surplus(random_tin
     trainer = Trainer(cfg, log=lambda _: None)
     trained: list[list] = []
     carried_after: list[list] = []
-    original_build, original_fill = trainer.build_samples, trainer.sampler.fill
+    original_build, original_fill = trainer.build_samples, trainer.rollouts.sampler.fill
 
     def record_build(groups):
         trained.append(list(groups))
@@ -56,11 +56,11 @@ def test_dynamic_sampling_trains_only_mixed_groups_and_reuses_surplus(random_tin
 
     def record_fill(produce):
         out = original_fill(produce)
-        carried_after.append(list(trainer.sampler.carry))
+        carried_after.append(list(trainer.rollouts.sampler.carry))
         return out
 
     trainer.build_samples = record_build
-    trainer.sampler.fill = record_fill
+    trainer.rollouts.sampler.fill = record_fill
     trainer.run()
 
     assert len(trained) == 4
@@ -241,8 +241,8 @@ def test_trains_a_transformers_model_on_reference_parquet(tmp_path):
         "algorithm.dynamic_sampling=false", "train.steps=2", "checkpoint.save_final_model=true",
     )
     trainer = Trainer(cfg, log=lambda _: None)
-    assert len(trainer.train_records) == 12
-    assert trainer.tokenizer.decode(trainer.train_ids[0]).startswith("user: What is")
+    assert len(trainer.rollouts.train_records) == 12
+    assert trainer.tokenizer.decode(trainer.rollouts.train_ids[0]).startswith("user: What is")
     summary = trainer.run()
     assert summary["steps"] == 2 and "accuracy_after" in summary
     rows_out = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -305,7 +305,7 @@ def test_overlong_penalty_metric_is_the_penalty_applied(random_tiny_model, tmp_p
     )
     trainer = Trainer(cfg, log=lambda _: None)
     try:
-        groups, metrics = trainer.fill_batch(0)  # dynamic sampling off: every group kept
+        groups, metrics = trainer.rollouts.fill_batch(0)  # dynamic sampling off: every group kept
     finally:
         trainer.close()
     lengths = [len(r) for g in groups for r in g.response_ids]

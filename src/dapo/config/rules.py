@@ -36,6 +36,13 @@ def _check_rollout(cfg: Config) -> None:
             "rollout.engine=vllm-server needs the server's address, e.g. "
             "rollout.server_url=http://HOST:8000 (start the server with dapo vllm-serve MODEL)",
         )
+    require(
+        r.max_turns == 1 or r.environment is not None or bool(r.tools),
+        "rollout.max_turns",
+        r.max_turns,
+        "more than one turn needs something to answer the model: set rollout.environment "
+        "(module:Class or a built-in, e.g. calculator) or rollout.tools, or use max_turns=1",
+    )
     if r.async_steps:
         require(
             r.engine != "hf",

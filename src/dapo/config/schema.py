@@ -237,8 +237,49 @@ class RolloutConfig:
         64,
         "L_max, the cap on a response in tokens (TRL: max_completion_length); a response "
         "without an end-of-sequence token by then is truncated. The DAPO paper uses 20480 "
-        "(16384 expected tokens + the 4096-token overlong buffer).",
+        "(16384 expected tokens + the 4096-token overlong buffer). A multi-turn episode's "
+        "budget: model and environment tokens after the prompt together.",
         ge=1,
+    )
+    environment: str | None = opt(
+        None,
+        "Multi-turn episodes: an environment class as module:Class (or path/file.py:Class), "
+        "or a built-in one (calculator). One instance per episode, in a worker process: "
+        "reset(record) -> opening messages, step(assistant_text) -> (messages, reward | None, "
+        "done). null with rollout.tools: a tools-only environment. null and no tools: one "
+        "response per prompt.",
+    )
+    tools: list[str] = opt(
+        help="Tools the model may call, as module:function (schema from the signature and "
+        "docstring, passed to the chat template's tools=); a turn with a tool call gets the "
+        "tools' results as the environment's reply.",
+        factory=list,
+    )
+    tool_parser: str = opt(
+        "hermes",
+        "How tool calls are read from a model turn: hermes (<tool_call>{\"name\": ..., "
+        "\"arguments\": {...}}</tool_call>, the format of Qwen, Hermes and SmolLM2 templates) "
+        "or module:function returning the calls of a text.",
+        nonempty=True,
+    )
+    max_turns: int = opt(
+        1,
+        "Model turns per episode at most; an episode still running after them is truncated "
+        "(overlong filtering and the soft punishment apply to it). 1 with no environment: "
+        "one response per prompt.",
+        ge=1,
+    )
+    env_timeout_s: float = opt(
+        30.0,
+        "Seconds an environment's reset or step may take; past it the episode fails (counted "
+        "in env/failures) and its worker is replaced.",
+        gt=0,
+    )
+    env_workers: int = opt(
+        1,
+        "Worker processes hosting the environments (time-outs, crash isolation); 0 runs them "
+        "in the training process, without time-outs.",
+        ge=0,
     )
     generation_batch_size: int = opt(
         256,

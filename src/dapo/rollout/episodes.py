@@ -66,8 +66,8 @@ class _Episode:
     def stats(self) -> dict[str, Any]:
         return {
             "turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
-            "env_seconds": self.env_seconds, "env_tokens": self.env_tokens, "end": self.end,
-            "failure": self.failure,
+            "env_seconds": self.env_seconds, "env_tokens": self.env_tokens,
+            "tokens": len(self.ids), "end": self.end, "failure": self.failure,
         }  # fmt: skip
 
 

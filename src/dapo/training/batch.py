@@ -32,10 +32,19 @@ class Sample:
     # tokens they keep (0: dropped by is_mode=mask); None: no correction.
     is_weight: torch.Tensor | None = None
     is_keep: torch.Tensor | None = None
+    # Multi-turn: 1 on the tokens the model sampled, 0 on the environment's (which count in
+    # no loss, denominator, importance weight or engine comparison); None: all the model's.
+    model_mask: list[int] | None = None
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    def sampled(self) -> torch.Tensor:
+        """1.0 on the response tokens the model sampled ``[len(response_ids)]``."""
+        if self.model_mask is None:
+            return torch.ones(len(self.response_ids))
+        return torch.tensor(self.model_mask, dtype=torch.float32)
 
     def train_mask(self) -> torch.Tensor:
         """The tokens that count in the loss ``[len(response_ids)]``: the loss mask (overlong
@@ -73,8 +82,13 @@ def build_samples(
     keep_list = keep[:, 0].tolist()
     samples, k = [], 0
     for g in groups:
-        for resp, lp in zip(g.response_ids, g.sample_logprobs, strict=True):
-            s = Sample(g.prompt_ids, resp, adv[k], [keep_list[k]] * len(resp))
+        masks = g.model_mask or [None] * g.size
+        for j, (resp, lp, model) in enumerate(zip(g.response_ids, g.sample_logprobs, masks, strict=True)):
+            if model is None:
+                s = Sample(g.prompt_ids, resp, adv[k], [keep_list[k]] * len(resp))
+            else:  # environment tokens are in no loss, nor is an episode its environment failed
+                keep_k = 0.0 if g.episode_stats[j]["end"] == "env_failure" else keep_list[k]
+                s = Sample(g.prompt_ids, resp, adv[k], [keep_k * m for m in model], model_mask=model)
             if keep_engine_logprobs:
                 s.sampling_logprobs = torch.tensor(lp)
             if g.step < step and exact_sampling_logprobs:
@@ -97,7 +111,29 @@ def group_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
         "response_length/mean": mean(lengths),
         "response_length/max": max(lengths, default=0.0),
         "response_length/clip_ratio": mean([float(x) for g in groups for x in g.truncated]),
+        **episode_metrics([e for g in groups for e in g.episode_stats or []]),
     }
+
+
+def episode_metrics(episodes: list[dict]) -> dict[str, float]:
+    """Turns, tool calls and errors, environment time and token share, and how episodes
+    ended, over multi-turn episodes (nothing for single-turn groups)."""
+    if not episodes:
+        return {}
+    turns = [float(e["turns"]) for e in episodes]
+    out = {
+        "env/turns_mean": mean(turns),
+        "env/turns_max": max(turns),
+        "env/tool_calls": mean([float(e["tool_calls"]) for e in episodes]),
+        "env/tool_errors": mean([float(e["tool_errors"]) for e in episodes]),
+        "env/seconds": sum(float(e["env_seconds"]) for e in episodes),
+        "env/token_share": sum(e["env_tokens"] for e in episodes)
+        / max(1, sum(e["tokens"] for e in episodes)),
+        "env/failures": float(sum(e["end"] == "env_failure" for e in episodes)),
+    }
+    for end in ("done", "max_turns", "budget", "env_failure", "bad_tool_call"):
+        out[f"env/ended_{end}"] = mean([float(e["end"] == end) for e in episodes])
+    return out
 
 
 def mean(xs: list[float]) -> float:

@@ -45,6 +45,10 @@ class ScoredGroup:
     record: PromptRecord | None = None
     step: int = 0  # rollout step that generated it (carried-over groups are older)
     penalty: list[float] = field(default_factory=list)  # the length shaping in `rewards`
+    # Multi-turn episodes (see dapo.rollout.Group): 1 on the model's tokens, 0 on the
+    # environment's; per-episode statistics. None for single-turn groups.
+    model_mask: list[list[int]] | None = None
+    episode_stats: list[dict[str, Any]] | None = None
 
     def to_state(self) -> dict[str, Any]:
         """Plain data for a checkpoint (no pickled objects)."""

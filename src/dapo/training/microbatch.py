@@ -85,10 +85,12 @@ def micro_batches(samples: Sequence[Sample], token_budget: int) -> list[list[int
     groups sorted by their longest sample fill the micro-batches one after the other, and a
     group is split only when it alone exceeds the budget. Sorting by length keeps padding
     small. The split does not change the result, only the memory and time it takes.
+    Samples without response tokens are left out (they have nothing to train).
     """
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, s in enumerate(samples):
-        groups.setdefault(tuple(s.prompt_ids), []).append(i)
+        if s.response_ids:  # an episode whose environment failed to open has none
+            groups.setdefault(tuple(s.prompt_ids), []).append(i)
     members = [sorted(g, key=lambda i: samples[i].length) for g in groups.values()]
     members.sort(key=lambda g: samples[g[-1]].length)
     chunks: list[list[int]] = []

@@ -49,9 +49,8 @@ def attach_is_weights(samples: Sequence[Sample], settings: LossSettings) -> dict
     for s in samples:
         if s.sampling_logprobs is None or s.old_logprobs is None:
             continue
-        n = len(s.response_ids)
         w, keep, above = alg.is_weights(
-            s.old_logprobs[None].double(), s.sampling_logprobs[None], torch.ones(1, n),
+            s.old_logprobs[None].double(), s.sampling_logprobs[None], s.sampled()[None],
             cap=settings.is_cap, level=settings.is_level, mode=settings.is_mode,
         )  # fmt: skip
         s.is_weight, s.is_keep = w[0].to(s.old_logprobs.dtype), keep[0]
@@ -79,8 +78,13 @@ def logprob_mismatch(samples: Sequence[Sample], trainer: Sequence[torch.Tensor])
     for s, lp in zip(samples, trainer, strict=True):
         if s.sampling_logprobs is None:
             continue
-        total += float((s.sampling_logprobs.to(lp) - lp).abs().sum())
-        count += len(s.response_ids)
+        gap = (s.sampling_logprobs.to(lp) - lp).abs()
+        if s.model_mask is None:
+            total += float(gap.sum())
+            count += len(s.response_ids)
+        else:  # the environment's tokens were not sampled
+            total += float((gap * s.sampled().to(gap)).sum())
+            count += sum(s.model_mask)
     total, n = all_reduce_sum([total, float(count)])
     return {"rollout/logprob_mismatch": total / n} if n else {}
 
