@@ -19,7 +19,7 @@ NOISE_CARRY = 0.5  # share of worked solutions (with a carry) that drop one carr
 NOISE_FORMAT = 0.3  # share of worked solutions that end "Sum: X", not "Answer: X"
 
 
-def _prompt(a: int, b: int) -> str:
+def prompt_text(a: int, b: int) -> str:
     return f"Add {a}+{b} column by column. End with: Answer: <sum>\n"
 
 
@@ -70,7 +70,7 @@ def _column_sum(da: str, db: str, i: int, carry: int) -> int:
     return x + y + carry
 
 
-def _split_of(a: int, b: int) -> str:
+def split_of(a: int, b: int) -> str:
     h = int(hashlib.sha1(f"{a}+{b}".encode()).hexdigest()[:8], 16)
     return "test" if h % 10 == 0 else "train"
 
@@ -109,11 +109,11 @@ def sum_records(
     out: list[PromptRecord] = []
     while len(out) < n:
         a, b = sample_operands(rng)
-        if _split_of(a, b) != split:
+        if split_of(a, b) != split:
             continue
         out.append(
             PromptRecord(
-                prompt=_prompt(a, b),
+                prompt=prompt_text(a, b),
                 ground_truth=str(a + b),
                 data_source=data_source,
                 uid=f"{uid_prefix}-{a}-{b}",
@@ -128,6 +128,6 @@ def sum_records(
 def sft_example(rng: random.Random) -> tuple[str, str]:
     """A training-split problem and a worked solution with the warm-up noise: (prompt, solution)."""
     a, b = _sample_operands(rng)
-    while _split_of(a, b) != "train":
+    while split_of(a, b) != "train":
         a, b = _sample_operands(rng)
-    return _prompt(a, b), worked_solution(a, b, rng)[0]
+    return prompt_text(a, b), worked_solution(a, b, rng)[0]

@@ -43,7 +43,7 @@ from __future__ import annotations
 import random
 
 from dapo.data.records import PromptRecord
-from dapo.data.tasks.addition import _prompt, _split_of, sum_records
+from dapo.data.tasks.addition import prompt_text, split_of, sum_records
 
 NAME = "builtin:long_addition"
 DATA_SOURCE = "builtin_long_addition"
@@ -104,7 +104,7 @@ def _sample_operands(rng: random.Random) -> tuple[int, int]:
 
 def _sample_split(rng: random.Random, split: str) -> tuple[int, int]:
     a, b = _sample_operands(rng)
-    while _split_of(a, b) != split:
+    while split_of(a, b) != split:
         a, b = _sample_operands(rng)
     return a, b
 
@@ -123,4 +123,4 @@ def long_addition_records(
 def sft_example(rng: random.Random) -> tuple[str, str]:
     """A training-split problem and a worked solution with the warm-up noise: (prompt, solution)."""
     a, b = _sample_split(rng, "train")
-    return _prompt(a, b), worked_solution(a, b, rng)[0]
+    return prompt_text(a, b), worked_solution(a, b, rng)[0]
