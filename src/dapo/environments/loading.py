@@ -11,11 +11,8 @@ name, and objects from a cloudpickle copy (:meth:`EnvironmentSpec.payload`).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import pickle
 import re
-import sys
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +21,7 @@ from typing import Any
 from dapo.environments.base import ToolEnvironment
 from dapo.environments.tools import PARSERS, ToolCall, tool_schema
 from dapo.errors import ConfigError
+from dapo.workers import NotPythonError, import_file
 
 # Built-in environments, by name (rollout.environment).
 BUILTIN_ENVIRONMENTS = {
@@ -264,18 +262,7 @@ def _import_file(path_text: str) -> Any:
     path = Path(path_text).expanduser().resolve()
     if not path.is_file():
         raise ModuleNotFoundError(f"no file {str(path)!r}")
-    stem = re.sub(r"\W", "_", path.stem)
-    name = f"_dapo_env_{stem}_{zlib.crc32(str(path).encode()):08x}"
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ModuleNotFoundError(f"cannot load {str(path)!r} as Python")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
     try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+        return import_file(path, "_dapo_env_")
+    except NotPythonError as exc:  # import_spec says "not found" for it, as for a missing file
+        raise ModuleNotFoundError(str(exc)) from exc

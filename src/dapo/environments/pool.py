@@ -1,9 +1,10 @@
 """The environment pool: one environment instance per episode, in worker processes.
 
 :class:`EnvironmentPool` creates each episode's instance in a worker process (the pattern
-of the reward pool, :mod:`dapo.rewards.pool`) and runs batched ``reset`` / ``step`` calls
-over many episodes. A call that raises, returns malformed output, takes longer than
-``timeout_s`` or kills its worker ends that episode with a recorded reason (and a one-line
+of the reward pool, :mod:`dapo.rewards.pool`; both start and stop their workers with
+:mod:`dapo.workers`) and runs batched ``reset`` / ``step`` calls over many episodes. A call
+that raises, returns malformed output, takes longer than ``timeout_s`` or kills its worker
+ends that episode with a recorded reason (and a one-line
 :class:`~dapo.environments.base.EnvironmentWarning`, once per kind); never the run.
 
 A killed or crashed worker takes its other episodes' instances with it. They are rebuilt
@@ -17,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import math
 import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -25,12 +25,13 @@ import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Pipe, wait
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from dapo.environments.base import EnvironmentWarning, Message
 from dapo.environments.loading import EnvironmentSpec
-from dapo.environments.worker import BOOT, EpisodeHost, new_result
+from dapo.environments.worker import EpisodeHost, new_result, worker_main
+from dapo.workers import exit_text, retire, start_worker, stop_workers
 
 _STARTUP_TIMEOUT_S = 120.0
 
@@ -122,7 +123,7 @@ class EnvironmentPool:
         self._lock = threading.Lock()
         self._closed = False
         self._workers: list[_Worker] = []
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         while len(self._workers) < self.num_workers:
             self._workers.append(self._spawn())
 
@@ -262,18 +263,9 @@ class EnvironmentPool:
     # -- the worker processes ------------------------------------------------------------
 
     def _spawn(self) -> _Worker:
-        parent_conn, child_conn = Pipe(duplex=True)
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", BOOT, str(child_conn.fileno())],
-                pass_fds=(child_conn.fileno(),),
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            child_conn.close()
-        parent_conn.send(list(sys.path))
-        parent_conn.send(("init", self._payload, self.spec.name))
-        return _Worker(proc, parent_conn, time.monotonic())
+        proc, conn = start_worker(worker_main)
+        conn.send(("init", self._payload, self.spec.name))
+        return _Worker(proc, conn, time.monotonic())
 
     def _run_in_workers(self, ops: list[tuple[int, str, Any]]) -> list[dict[str, Any]]:
         results: list[dict[str, Any] | None] = [None] * len(ops)
@@ -342,7 +334,7 @@ class EnvironmentPool:
                 code = w.proc.wait()
                 self._retire(w)
                 raise RuntimeError(
-                    f"an environment worker {_exit_text(code)} during start-up; its error output "
+                    f"an environment worker {exit_text(code)} during start-up; its error output "
                     "is above"
                 ) from None
             self._lose(w, "died", results, queues)
@@ -405,7 +397,7 @@ class EnvironmentPool:
                 detail = f"{blamed.kind} took longer than {self._op_timeout(blamed):g} s"
                 seconds = self._op_timeout(blamed)
             else:
-                detail = f"the worker process {_exit_text(code)} during {blamed.kind}"
+                detail = f"the worker process {exit_text(code)} during {blamed.kind}"
                 seconds = 0.0
             self._logs.pop(blamed.episode, None)
             self._answer(blamed, _failed(kind, detail, seconds), results)
@@ -422,10 +414,7 @@ class EnvironmentPool:
         queues[new] = deque(replays + pending)
 
     def _retire(self, w: _Worker) -> int | None:
-        if w.proc.poll() is None:
-            w.proc.kill()
-        code = w.proc.wait()
-        w.conn.close()
+        code = retire(w)
         if w in self._workers:
             self._workers.remove(w)
         return code
@@ -435,27 +424,3 @@ def _failed(kind: str, detail: str, seconds: float) -> dict[str, Any]:
     result = new_result()
     result.update(failure=(kind, detail), seconds=seconds)
     return result
-
-
-def _shutdown(workers: list[_Worker]) -> None:
-    """Ask every worker to exit (EOF), then reap it, killing stragglers."""
-    for w in workers:
-        with contextlib.suppress(OSError):
-            w.conn.close()
-    deadline = time.monotonic() + 2.0
-    for w in workers:
-        try:
-            w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait()
-    workers.clear()
-
-
-def _exit_text(code: int | None) -> str:
-    if code is not None and code < 0:
-        import signal
-
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"

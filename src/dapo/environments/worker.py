@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dapo import workers
 from dapo.environments.base import (
     MalformedOutput,
     ToolEnvironment,
@@ -25,30 +26,11 @@ from dapo.environments.base import (
 )
 from dapo.environments.loading import make_environment, resolve_refs
 
-# What a fresh interpreter runs to become a worker (argv: the pipe's file descriptor).
-BOOT = (
-    "import sys\n"
-    "from multiprocessing.connection import Connection\n"
-    "conn = Connection(int(sys.argv[1]))\n"
-    "try:\n"
-    "    sys.path[:] = conn.recv()\n"
-    "except EOFError:\n"  # the pool was closed before this worker started
-    "    sys.exit(0)\n"
-    "from dapo.environments.worker import worker_main\n"
-    "worker_main(conn)\n"
-)
-
 
 def describe_exception(exc: BaseException) -> str:
-    """``Type: message (at file:line in function)``, the innermost frame, at most 400 chars."""
-    text = f"{type(exc).__name__}: {exc}"
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is not None:
-        code = tb.tb_frame.f_code
-        text += f" (at {code.co_filename}:{tb.tb_lineno} in {code.co_name})"
-    return text[:400]
+    """What a failure says of an environment's exception (at most 400 characters;
+    :func:`dapo.workers.describe_exception`)."""
+    return workers.describe_exception(exc, 400)
 
 
 def new_result() -> dict[str, Any]:
@@ -145,7 +127,8 @@ class _Lost(Exception):
 
 
 def worker_main(conn: Connection) -> None:
-    """Entry point of a worker: load the environment, then run batches until EOF."""
+    """Entry point of a worker (:func:`dapo.workers.start_worker`): load the environment,
+    then run batches until EOF."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business

@@ -9,7 +9,8 @@
 - ``pool`` and ``worker``: the persistent worker processes that run the functions, each call
   timed; ``inprocess``: the helper thread for callables that cannot be pickled.
 
-The package imports neither torch nor the trainer: scoring workers import only it.
+The package imports neither torch nor the trainer: scoring workers import only it (and
+:mod:`dapo.workers`).
 """
 
 from dapo.errors import RewardFunctionWarning

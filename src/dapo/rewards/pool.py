@@ -9,21 +9,20 @@ was in (``ERROR``); with no call to blame its samples are retried a bounded numb
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
 import subprocess
-import sys
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Pipe, wait
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from dapo.rewards.user import ERROR, TIMEOUT, Outcome, Source
-from dapo.rewards.worker import BOOT, PROGRESS
+from dapo.rewards.worker import PROGRESS, main
+from dapo.workers import exit_text, retire, start_worker, stop_workers
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +52,10 @@ class _Worker:
 
 
 def _shutdown_workers(workers: list[_Worker]) -> None:
-    """Ask every worker to exit (EOF), then reap it, killing stragglers."""
+    """Close the progress slots (a worker has its own mapping), then stop the workers."""
     for w in workers:
-        with contextlib.suppress(OSError):
-            w.conn.close()
-    deadline = time.monotonic() + 2.0
-    for w in workers:
-        try:
-            w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait()
         w.progress.close()
-    workers.clear()
+    stop_workers(workers)
 
 
 class WorkerPool:
@@ -132,24 +122,17 @@ class WorkerPool:
         return [w.startup_s for w in self._workers if w.startup_s is not None]
 
     def _spawn(self) -> _Worker:
-        parent_conn, child_conn = Pipe(duplex=True)
         progress_fd = (
             os.memfd_create("dapo-reward-progress") if hasattr(os, "memfd_create") else _temp_fd()
         )
         try:
             os.ftruncate(progress_fd, PROGRESS.size)
             progress = mmap.mmap(progress_fd, PROGRESS.size)
-            proc = subprocess.Popen(
-                [sys.executable, "-c", BOOT, str(child_conn.fileno()), str(progress_fd)],
-                pass_fds=(child_conn.fileno(), progress_fd),
-                stdin=subprocess.DEVNULL,
-            )
+            proc, conn = start_worker(main, progress_fd)
         finally:
-            child_conn.close()
             os.close(progress_fd)
-        parent_conn.send(list(sys.path))
-        parent_conn.send(("init", self.entries, self.warm))
-        return _Worker(proc, parent_conn, progress, time.monotonic())
+        conn.send(("init", self.entries, self.warm))
+        return _Worker(proc, conn, progress, time.monotonic())
 
     def _fill_pool(self) -> None:
         while len(self._workers) < self.num_workers:
@@ -157,10 +140,7 @@ class WorkerPool:
 
     def _retire(self, w: _Worker) -> None:
         """Kill a worker, reap it and drop it from the pool (a fresh one replaces it)."""
-        if w.proc.poll() is None:
-            w.proc.kill()
-        w.proc.wait()
-        w.conn.close()
+        retire(w)
         w.progress.close()
         self._workers.remove(w)
 
@@ -193,7 +173,7 @@ class WorkerPool:
             code = w.proc.wait()
             self._retire(w)
             raise RuntimeError(
-                f"a reward worker {_exit_text(code)} during start-up; its error output is above"
+                f"a reward worker {exit_text(code)} during start-up; its error output is above"
             ) from None
         if msg[0] == "ready":
             w.ready = True
@@ -218,7 +198,7 @@ class WorkerPool:
         if kind == TIMEOUT:
             detail = f"timed out after {self.timeout_s:g} s"
         else:
-            detail = f"WorkerDied: the worker process {_exit_text(w.proc.returncode)}"
+            detail = f"WorkerDied: the worker process {exit_text(w.proc.returncode)}"
         if value:
             pos, fid = (value >> 16) - 1, value & 0xFFFF
             if 0 <= pos < len(chunk) and run.outcomes[chunk[pos]] is None:
@@ -261,17 +241,6 @@ class _Run:
     outcomes: list[Outcome | None]
     retries: list[int]  # requeues of a sample after a worker death with no call to blame
     pending: deque[list[int]] = field(default_factory=deque)
-
-
-def _exit_text(code: int | None) -> str:
-    if code is not None and code < 0:
-        import signal
-
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def _temp_fd() -> int:

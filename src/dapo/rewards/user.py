@@ -8,20 +8,18 @@ A reward function is called ``fn(response, ground_truth, data_source=...)`` when
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 import os
 import pickle
 import re
-import sys
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dapo import workers
 from dapo.rewards.math import SCORERS
 
 SPEC_FORMS = "'package.module:function' or 'path/to/file.py:function'"
@@ -70,23 +68,14 @@ def _import_file(spec: str, path_text: str) -> Any:
     path = Path(path_text).expanduser().resolve()
     if not path.is_file():
         raise ValueError(f"reward function spec {spec!r}: file {str(path)!r} not found")
-    stem = re.sub(r"\W", "_", path.stem)
-    name = f"_dapo_reward_{stem}_{zlib.crc32(str(path).encode()):08x}"
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"reward function spec {spec!r}: cannot load {str(path)!r} as Python")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
     try:
-        module_spec.loader.exec_module(module)
+        return workers.import_file(path, "_dapo_reward_")
+    except workers.NotPythonError as e:
+        raise ValueError(f"reward function spec {spec!r}: {e}") from e
     except BaseException as e:
-        del sys.modules[name]
         raise ValueError(
             f"reward function spec {spec!r}: running {str(path)!r} raised {type(e).__name__}: {e}"
         ) from e
-    return module
 
 
 def _import_module(spec: str, name: str) -> Any:
@@ -241,16 +230,9 @@ def _as_number(value: Any) -> float | None:
 
 
 def describe_exception(e: BaseException) -> str:
-    """``Type: message (at file:line in function)`` of where ``e`` was raised, at most 500
-    characters: what a failure warning says about a user function's exception."""
-    text = f"{type(e).__name__}: {e}"
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is not None:
-        code = tb.tb_frame.f_code
-        text += f" (at {code.co_filename}:{tb.tb_lineno} in {code.co_name})"
-    return text[:500]
+    """What a failure warning says about a user function's exception (at most 500 characters;
+    :func:`dapo.workers.describe_exception`)."""
+    return workers.describe_exception(e, 500)
 
 
 def run_sample(

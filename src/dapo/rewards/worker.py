@@ -2,7 +2,8 @@
 
 Runs in a fresh interpreter started by :class:`~dapo.rewards.pool.WorkerPool` (the parent
 side, owned by :class:`~dapo.rewards.scorer.RewardScorer`). It imports only the rewards
-package (and what the reward functions need): not torch, not the training script. Functions
+package and :mod:`dapo.workers` (and what the reward functions need): not torch, not the
+training script. Functions
 given as Python callables arrive pickled with cloudpickle and are unpickled here.
 """
 
@@ -21,22 +22,10 @@ from dapo.rewards.user import Outcome, load_entry, run_sample
 PROGRESS = struct.Struct("<Q")  # shared slot: ((position in chunk + 1) << 16) | fn id, 0 = idle
 _FLUSH_INTERVAL_S = 0.2  # a worker reports finished samples at least this often
 
-# What a fresh interpreter runs to become a worker (argv: the pipe's fd, the progress fd).
-BOOT = (
-    "import sys\n"
-    "from multiprocessing.connection import Connection\n"
-    "conn = Connection(int(sys.argv[1]))\n"
-    "try:\n"
-    "    sys.path[:] = conn.recv()\n"
-    "except EOFError:\n"  # the scorer was closed before this worker started
-    "    sys.exit(0)\n"
-    "from dapo.rewards.worker import main\n"
-    "main(conn, int(sys.argv[2]))\n"
-)
-
 
 def main(conn: Connection, progress_fd: int) -> None:
-    """Entry point of a scoring worker: load the functions, then score chunks until EOF."""
+    """Entry point of a scoring worker (:func:`dapo.workers.start_worker`): load the
+    functions, then score chunks until EOF."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business
