@@ -274,15 +274,19 @@ class RolloutServer:
             failed = Unavailable(f"the rollout server is unhealthy: {reason}")
             for j in self._running[0] if self._running else []:
                 _settle(j.future, failed)
-            while True:
-                try:
-                    j = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if j is not None:
-                    _settle(j.future, failed)
+            self._refuse_queued(failed)
         log.error("dapo vllm-serve: unhealthy: %s", reason)
         self._wake.set()
+
+    def _refuse_queued(self, refusal: Unavailable) -> None:
+        """Answer every job waiting in the queue with ``refusal`` (under the lock)."""
+        while True:
+            try:
+                j = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if j is not None:
+                _settle(j.future, refusal)
 
     # --- the operations -------------------------------------------------------------------
 
@@ -409,15 +413,7 @@ class RolloutServer:
 
     def _stop_engine(self) -> tuple[int, str]:
         with self._lock:  # no new work; what waits in the queue gets a 503
-            while True:
-                try:
-                    j = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if j is not None:
-                    _settle(
-                        j.future, Unavailable(f"the rollout server is stopping ({self.stopping})")
-                    )
+            self._refuse_queued(Unavailable(f"the rollout server is stopping ({self.stopping})"))
             self._jobs.put(None)
         self._worker.join(STOP_WAIT_S)
         self._shutdown_http()
@@ -474,6 +470,7 @@ def serve(
     max_n: int = 256,
     max_request_mb: float = 64,
     job_timeout_s: float = 1800.0,
+    quantization: str | None = None,
     log_fn: Callable[[str], None] = print,
 ) -> NoReturn:
     """``dapo vllm-serve``: build the engine for ``model`` and serve it until SIGTERM or
@@ -491,7 +488,8 @@ def serve(
     engine = VLLMEngine(
         path, eos, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=False, seed=seed,
-        distributed=False, worker_extension_cls=WORKER_EXTENSION, **extra,
+        distributed=False, worker_extension_cls=WORKER_EXTENSION, quantization=quantization,
+        **extra,
     )  # fmt: skip
     limits = Limits(engine.max_model_len, fingerprint.vocab_size, max_n=max_n,
                     max_request_bytes=int(max_request_mb * (1 << 20)), job_timeout_s=job_timeout_s)  # fmt: skip
