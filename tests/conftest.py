@@ -39,3 +39,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """builtin:tiny-tool's architecture and chat template with random weights (no warm-up)."""
+    from dapo.data.tasks.calculator import CHAT_TEMPLATE
+    from dapo.models.tiny import build_model, build_tokenizer
+
+    path = tmp_path_factory.mktemp("tool_model")
+    tok = build_tokenizer(CHAT_TEMPLATE)
+    build_model(len(tok), seed=0).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

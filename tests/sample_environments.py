@@ -100,3 +100,41 @@ class Echo(Environment):
         if self.turns >= 2:
             return [], 0.5, True
         return [{"role": "tool", "content": "ok"}], None, False
+
+
+class TwoTurns(Environment):
+    """Replies ``ok`` to the first turn and ends after the second, without a reward (the
+    reward functions score the final answer)."""
+
+    def reset(self, record):
+        self.turns = 0
+        return super().reset(record)
+
+    def step(self, text):
+        self.turns += 1
+        if self.turns >= 2:
+            return [], None, True
+        return [{"role": "tool", "content": "ok"}], None, False
+
+
+class Flaky(TwoTurns):
+    """Misbehaves by prompt: the sum's last digit 0-1 raises in reset, 2-3 hangs in step, 4-5
+    answers garbage; the others play TwoTurns."""
+
+    def reset(self, record):
+        self.kind = int(record.ground_truth[-1]) // 2
+        if self.kind == 0:
+            raise RuntimeError("no such table")
+        return super().reset(record)
+
+    def step(self, text):
+        if self.kind == 1:
+            time.sleep(60)
+        if self.kind == 2:
+            return {"messages": "not a triple"}
+        return super().step(text)
+
+
+def half_right(response: str, ground_truth: str) -> float:
+    """+1 for an odd number of characters in the final answer, else -1: mixed groups."""
+    return 1.0 if len(response) % 2 else -1.0

@@ -326,6 +326,24 @@ def test_dynamic_sampling_is_global_across_ranks(
         assert a["trained_rows"] and b["trained_rows"]
 
 
+def test_two_ranks_train_multi_turn_episodes_alike(tool_model: Path, tmp_path: Path) -> None:
+    """Episodes with an environment under 2 ranks: each rank plays its share, every rank
+    sees the same batch, and the ranks together train every episode once."""
+    out = tmp_path / "run"
+    envs = HERE / "sample_environments.py"
+    torchrun(str(HERE / "dist_worker.py"), "dynamic", str(tool_model), str(out),
+             f"{envs}:half_right", "data.train=builtin:calculator", f"rollout.environment={envs}:TwoTurns",
+             "rollout.max_turns=2", "rollout.max_completion_length=80", "algorithm.overlong_buffer=8",
+             cwd=tmp_path)  # fmt: skip
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(ranks[0]) == len(ranks[1]) == 3
+    assert all(m["env/turns_mean"] > 1 and m["env/token_share"] > 0 for m in metrics)
+    for a, b in zip(*ranks, strict=True):
+        assert a["uids"] == b["uids"] and len(a["uids"]) == 4
+        assert sorted(a["trained_rows"] + b["trained_rows"]) == list(range(16))
+
+
 def test_prompt_skipping_decides_the_same_on_every_rank(random_tiny_model: Path, tmp_path: Path) -> None:
     """algorithm.skip_uniform_prompts under 2 ranks: both hold the same history and skip
     the same draws; together they generate exactly the prompts not skipped."""

@@ -239,11 +239,18 @@ def _appended(renderer: ChatRenderer, tok, messages) -> tuple[list[int], list[li
 
 
 def _check_appending_equals_a_full_render(tok, tools=None):
-    renderer = ChatRenderer(tok, tools)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        renderer = ChatRenderer(tok, tools)
+    # A template that ignores tools= gets them in a system message (and a warning saying so).
+    assert bool(caught) == (renderer.tools_prompt is not None)
     messages = CONVERSATION[:-1]  # ends with tool replies: the full render's generation prompt
     ids, prefixes = _appended(renderer, tok, messages)
+    shown = messages
+    if renderer.tools_prompt is not None:
+        shown = [{"role": "system", "content": renderer.tools_prompt}, *messages]
     full = tok.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False
+        shown, tools=tools, add_generation_prompt=True, tokenize=False
     )
     assert ids == tok(full, add_special_tokens=False)["input_ids"]
     for shorter, longer in zip(prefixes, prefixes[1:], strict=False):
@@ -257,7 +264,9 @@ def test_appending_gives_exactly_the_ids_of_a_full_render(template):
 
     tok = _char_tokenizer(template)
     renderer = _check_appending_equals_a_full_render(tok, [tool_schema(add, "t")])
+    assert (renderer.tools_prompt is None) == (template == "builtin")  # CHATML ignores tools=
     if template == CHATML:  # the "\n" after the end token belongs to the environment's part
+        assert '"name": "add"' in renderer.tools_prompt
         assert renderer.reply_text([{"role": "tool", "content": "3"}]) == (
             "\n<|im_start|>tool\n3<eos>\n<|im_start|>assistant\n"
         )

@@ -241,3 +241,45 @@ def test_two_step_train_with_a_user_reward_checkpoints_resumes_and_exports(smoll
                            initial.state_dict()["model.layers.0.mlp.up_proj.weight"])  # fmt: skip
     tok = load_tokenizer(str(final))
     assert tok.eos_token_id == tok.pad_token_id == EOS and tok.chat_template
+
+
+def test_two_steps_of_tool_episodes_through_smollm2s_chat_template(smollm2, tmp_path):
+    """SmolLM2-135M-Instruct plays episodes with the `add` tool (schema in its ChatML
+    system turn) and an environment that always answers once: 2 rollout steps through its
+    own chat template, the environment's turns appended as ids between the model's."""
+    from dapo.cli import main
+    from dapo.environments import ChatRenderer, load_environment
+    from dapo.metrics.logger import read_metrics
+    from dapo.models import load_tokenizer
+
+    envs = HERE / "sample_environments.py"
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content":
+        f"What is {a} + {b}? Call the add tool, then answer with the number."}],
+        "reward_model": {"ground_truth": str(a + b)}}) + "\n" for a, b in [(12, 30), (7, 8)]))  # fmt: skip
+    out = tmp_path / "run"
+    assert main([
+        "train", f"model.name_or_path={gguf_file()}", f"data.train={data}", f"output_dir={out}",
+        "data.max_prompt_length=400", f"rollout.environment={envs}:TwoTurns",
+        f"rollout.tools=[{HERE.parent / 'examples' / 'tool_env.py'}:add]", "rollout.max_turns=2",
+        "rollout.max_completion_length=48", "algorithm.overlong_buffer=8", "train.steps=2",
+        "train.prompts_per_step=2", "train.mini_batch_size=2", "rollout.num_generations=2",
+        "algorithm.dynamic_sampling=false", "evaluate=false", "logging.tensorboard=false",
+        "logging.console=false", "checkpoint.save_every=0", "checkpoint.save_final_model=false",
+        "reward.num_workers=1", "train.lr=1e-6",
+    ]) == 0  # fmt: skip
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["env/turns_mean"] > 1 and r["env/token_share"] > 0  # the environment answered
+        assert r["env/failures"] == 0 and r["actor/updates"] == 1
+    tok = load_tokenizer(smollm2)
+    spec = load_environment(f"{envs}:TwoTurns", [f"{HERE.parent / 'examples' / 'tool_env.py'}:add"])
+    # SmolLM2's template ignores tools=: the schemas go into a system message instead.
+    with pytest.warns(UserWarning, match="ignores tools="):
+        renderer = ChatRenderer(tok, spec.schemas)
+    opening = tok.decode(renderer.opening([{"role": "user", "content": "hi"}]))
+    assert opening.startswith("<|im_start|>system\nYou can call these tools:")
+    assert '"name": "add"' in opening and opening.endswith("<|im_start|>assistant\n")
+    reply = tok.decode(renderer.reply([{"role": "tool", "content": "ok"}]))
+    assert reply.startswith("\n<|im_start|>") and reply.endswith("<|im_start|>assistant\n")

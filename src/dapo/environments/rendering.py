@@ -19,13 +19,25 @@ than the EOS token gets its closing text after the sampled EOS token.
 
 from __future__ import annotations
 
+import json
+import warnings
 from typing import Any
 
-from dapo.environments.base import Message
+from dapo.environments.base import EnvironmentWarning, Message
 from dapo.errors import ConfigError
 
 _MARKER = "DAPO-TURN-END-7f3a9c"  # stands for an assistant turn's content; never tokenized
 _DUMMY_USER = "DAPO-USER-7f3a9c"
+
+
+def tools_system_prompt(schemas: list[dict[str, Any]]) -> str:
+    """The tools described in the Hermes form, for templates that ignore ``tools=``."""
+    listed = "\n".join(json.dumps(s) for s in schemas)
+    return (
+        "You can call these tools:\n<tools>\n" + listed + "\n</tools>\nTo call one, write "
+        '<tool_call>{"name": <tool name>, "arguments": <arguments as JSON>}</tool_call>; its '
+        "result comes back in the next message."
+    )
 
 
 class RenderError(ValueError):
@@ -47,12 +59,25 @@ class ChatRenderer:
         self.tools = list(tools) if tools else None
         self.eos_token_id = tokenizer.eos_token_id
         self._eos_text = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False)
+        # A template that ignores `tools=` (SmolLM2's, many base models'): the schemas go into
+        # a system message in the Hermes form instead, so the model does see its tools.
+        self.tools_prompt = None
+        if self.tools:
+            probe = [{"role": "user", "content": _DUMMY_USER}]
+            if self._render(probe) == self._render(probe, tools=False):
+                self.tools_prompt = tools_system_prompt(self.tools)
+                warnings.warn(
+                    "the chat template ignores tools=; dapo describes the tools in a system "
+                    "message instead (Hermes form: <tool_call>{...}</tool_call>)",
+                    EnvironmentWarning, stacklevel=2,
+                )  # fmt: skip
 
-    def _render(self, messages: list[Message], generation_prompt: bool = True) -> str:
+    def _render(self, messages: list[Message], tools: bool = True) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
-            )
+                messages, tools=self.tools if tools else None, add_generation_prompt=True,
+                tokenize=False,
+            )  # fmt: skip
         except Exception as exc:
             roles = ", ".join(str(m.get("role")) for m in messages)
             raise RenderError(
@@ -68,7 +93,14 @@ class ChatRenderer:
 
     def opening(self, messages: list[Message]) -> list[int]:
         """The prompt ids: the opening messages, the tools and the generation prompt."""
-        return self._ids(self._render(list(messages)))
+        messages = list(messages)
+        if self.tools_prompt is not None:
+            if messages and messages[0].get("role") == "system":
+                first = messages[0]
+                messages[0] = {**first, "content": f"{first['content']}\n\n{self.tools_prompt}"}
+            else:
+                messages.insert(0, {"role": "system", "content": self.tools_prompt})
+        return self._ids(self._render(messages))
 
     def reply_text(self, messages: list[Message]) -> str:
         """The text appended after an assistant turn that ended with EOS: the rest of the

@@ -126,7 +126,7 @@ def episode_metrics(episodes: list[dict]) -> dict[str, float]:
         "env/turns_max": max(turns),
         "env/tool_calls": mean([float(e["tool_calls"]) for e in episodes]),
         "env/tool_errors": mean([float(e["tool_errors"]) for e in episodes]),
-        "env/seconds": sum(float(e["env_seconds"]) for e in episodes),
+        "perf/env_s": sum(float(e["env_seconds"]) for e in episodes),
         "env/token_share": sum(e["env_tokens"] for e in episodes)
         / max(1, sum(e["tokens"] for e in episodes)),
         "env/failures": float(sum(e["end"] == "env_failure" for e in episodes)),
