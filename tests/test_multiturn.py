@@ -163,3 +163,25 @@ def test_carried_over_episode_groups_survive_a_resume(tool_model, tmp_path) -> N
     assert not differences(a, b, TIMING, 0.0)
     assert any(r.get("sampling/carried_in", 0) > 0 for r in a)
     assert not math.isnan(a[-1]["actor/loss"])
+
+
+def test_more_than_one_turn_needs_an_environment_or_tools() -> None:
+    from dapo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="more than one turn needs something to answer the model"):
+        load_config(overrides=["rollout.max_turns=3"])
+    assert load_config(overrides=["rollout.max_turns=3", "rollout.environment=calculator"])
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_episodes_are_generated_ahead_with_async_rollouts(tool_model, tmp_path) -> None:
+    """rollout.async_steps=1: the next step's episodes are played while the trainer trains
+    (one policy version behind), as single responses are."""
+    out = tmp_path / "run"
+    cfg = episode_config(tool_model, out, "rollout.engine=vllm", "rollout.async_steps=1",
+                         "algorithm.dynamic_sampling=false", "train.steps=3")  # fmt: skip
+    Trainer(cfg, log=lambda _: None).run()
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["env/turns_mean"] > 1 and "perf/async_gen_s" in r for r in rows[:2])
