@@ -26,6 +26,7 @@ from dapo.config.loading import (
     config_from_dict,
     load_config,
     parse_override,
+    read_config_file,
 )
 from dapo.config.presets import ABLATION_LADDER, PRESETS, describe_presets
 from dapo.config.rules import validate
@@ -66,5 +67,6 @@ __all__ = [
     "load_config",
     "opt",
     "parse_override",
+    "read_config_file",
     "validate",
 ]

@@ -197,17 +197,27 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 
 def _nest(dotted: dict[str, Any]) -> dict[str, Any]:
+    """``{"train.lr": 1e-5, "train": {"steps": 9}}`` -> ``{"train": {"lr": 1e-5, "steps": 9}}``:
+    dotted keys and sections given as mappings (``dapo.train(train={...})``) are merged."""
     out: dict[str, Any] = {}
     for path, value in dotted.items():
-        parts = path.split(".")
+        parts = str(path).split(".")
         node = out
         for part in parts[:-1]:
             nxt = node.setdefault(part, {})
             if not isinstance(nxt, dict):
                 raise ConfigError(f"`{path}`: `{part}` is a value, not a section")
             node = nxt
-        node[parts[-1]] = value
+        leaf = parts[-1]
+        if isinstance(value, dict):  # a copy, merged with what dotted keys set before it
+            value = _merge(node[leaf] if isinstance(node.get(leaf), dict) else {}, _copy(value))
+        node[leaf] = value
     return out
+
+
+def _copy(value: Any) -> Any:
+    """``value`` with every mapping in it copied (the caller's mappings are never changed)."""
+    return {k: _copy(v) for k, v in value.items()} if isinstance(value, dict) else value
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -238,29 +248,40 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{problem} at {where}" + (f" ({context})" if context else "")
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping a YAML config file holds; :class:`ConfigError` saying what is wrong."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p} (give a YAML file path)")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {p} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+            "give a YAML file"
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(exc)}") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"config file {p} is nested too deeply to be a config") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of keys, got {data!r}")
+    return data
+
+
 def load_config(
-    path: str | Path | None = None,
+    path: str | Path | dict[str, Any] | None = None,
     overrides: list[str] | dict[str, Any] | None = None,
 ) -> Config:
-    """Defaults < preset < YAML file < overrides; validated."""
-    file_data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p} (give a YAML file path)")
-        try:
-            file_data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                f"config file {p} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                "give a YAML file"
-            ) from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(exc)}") from exc
-        except RecursionError as exc:
-            raise ConfigError(f"config file {p} is nested too deeply to be a config") from exc
-        if not isinstance(file_data, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of keys, got {file_data!r}")
+    """Defaults < preset < YAML file < overrides; validated.
+
+    ``path`` may also be the mapping a YAML file would hold (``dapo.train(config={...})``).
+    ``overrides`` are ``key.path=value`` strings (the command line) or a dict of dotted keys
+    and sections (``{"train.lr": 1e-5, "rollout": {"temperature": 0.7}}``)."""
+    if isinstance(path, dict):
+        file_data = _copy(path)
+    else:
+        file_data = {} if path is None else read_config_file(path)
     if isinstance(overrides, dict):
         dotted = dict(overrides)
     else:
