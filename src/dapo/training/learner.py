@@ -44,6 +44,7 @@ from dapo.training.forward import (
     token_logprobs,
     zero_backward,
 )
+from dapo.training.inputs import prepare_given_model
 from dapo.training.microbatch import (
     collate,
     loss_denominator,
@@ -179,6 +180,9 @@ class Learner:
             model = load_policy(model_path, dtype=load_dtype(precision),
                                 trust_remote_code=cfg.model.trust_remote_code,
                                 gradient_checkpointing=cfg.model.gradient_checkpointing)  # fmt: skip
+        else:  # given as an object (dapo.train(model=...)): made what load_policy makes
+            model = prepare_given_model(model, load_dtype(precision),
+                                        cfg.model.gradient_checkpointing, log)  # fmt: skip
         set_precision(model, precision)
         peft = lora.apply_lora(model, cfg.model.lora) if cfg.model.lora.rank > 0 else None
         counts = lora.parameter_counts(model)  # before sharding

@@ -39,7 +39,7 @@ from dapo.training.checkpoint import (
     step_dir,
 )
 from dapo.training.dynamic_sampling import ScoredGroup
-from dapo.training.inputs import RunInputs
+from dapo.training.inputs import Callbacks, RunInputs
 from dapo.training.learner import Learner, NonFiniteUpdates
 from dapo.training.resume import check_resume
 from dapo.training.rollouts import Rollouts
@@ -193,6 +193,7 @@ class Trainer:
         cfg = self.cfg
         start = time.time()
         try:
+            callbacks = Callbacks(self.callbacks)  # a bad one is refused before anything runs
             resumed_from = self._resume_or_start()
         except BaseException:
             self.close()  # run() owns the reward workers and engine: release them on every exit
@@ -211,6 +212,7 @@ class Trainer:
                 self.summary["accuracy_before"] = ev["acc"]
                 logger.message(f"held-out accuracy before training: {ev['acc']:.1%} ({ev['n']} samples)")
                 logger.log(self.step, {"val/acc": ev["acc"]})
+                callbacks.on_evaluate(self.step, ev)
             while self.step < cfg.train.steps and not self.budget_spent():
                 try:
                     metrics, _ = self.train_step()
@@ -219,23 +221,33 @@ class Trainer:
                 every = cfg.logging.eval_every
                 last = self.step >= cfg.train.steps or self.budget_spent()  # evaluated below
                 if self.rollouts.eval_records and every and self.step % every == 0 and not last:
-                    metrics["val/acc"] = self.evaluate()["acc"]
+                    ev = self.evaluate()
+                    metrics["val/acc"] = ev["acc"]
+                    callbacks.on_evaluate(self.step, ev)
                 logger.log(self.step, metrics)
                 if cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0:
-                    self.save()
-                if any([bool(fn(self.step, metrics)) for fn in self.callbacks]):
-                    logger.message(f"stopped by a callback after rollout step {self.step}")
+                    callbacks.on_save(self.step, self.save())
+                if callbacks.on_step(self.step, metrics):  # every rank stops together
+                    logger.message(f"stopped: {callbacks.requested}")
                     break
             if self.rollouts.eval_records:
                 ev = self.evaluate()
                 self.summary["accuracy_after"] = ev["acc"]
                 logger.log(self.step, {"val/acc": ev["acc"]})
+                callbacks.on_evaluate(self.step, ev)
+            final = step_dir(self.out / "checkpoints", self.step)
+            existed = final.is_dir()
             self._save_final()
+            if not existed and final.is_dir():
+                callbacks.on_save(self.step, final)
+            if callbacks.requested:  # not in the checkpoint: a resumed run goes on
+                self.summary["stopped_early"] = callbacks.requested
         finally:
             logger.close()
             self.close()
         self._write_summary(start, resumed_from)
         D.barrier()
+        callbacks.raise_error()  # after the clean stop, on every rank
         return self.summary
 
     def _resume_or_start(self) -> int | None:
