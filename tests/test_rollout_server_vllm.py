@@ -236,3 +236,33 @@ def test_a_failure_inside_the_engine_gives_503s_and_a_non_zero_exit(tiny_path, t
         assert last == f"dapo vllm-serve: error: {reason}; exiting so that a supervisor restarts the server"
     finally:
         server.stop()
+
+
+def test_multi_turn_episodes_are_generated_on_the_server(url, tiny_path):
+    """run_episodes on the rollout server: each turn is one /generate for the live episodes;
+    the environment's ids are appended between the model's turns; seeded, it repeats."""
+    from dapo.data.tasks.calculator import CHAT_TEMPLATE
+    from dapo.environments import EnvironmentPool, load_environment
+    from dapo.models.tiny import build_tokenizer
+    from dapo.rollout import SamplingParams
+    from dapo.rollout.episodes import run_episodes
+    from dapo.rollout.server_client import ServerEngine
+
+    tok = build_tokenizer(CHAT_TEMPLATE)  # builtin:tiny's vocabulary, with a chat template
+    engine = ServerEngine(url, max_model_len=256, eos_token_id=tok.eos_token_id, api_key=KEY)
+    spec = load_environment(f"{Path(__file__).with_name('sample_environments.py')}:TwoTurns")
+    records = [{"prompt": [{"role": "user", "content": f"Add {i}+{i}."}]} for i in range(3)]
+    params = SamplingParams(n=2, max_tokens=120, seed=3)
+    runs = []
+    for _ in range(2):
+        with EnvironmentPool(spec, num_workers=0) as pool:
+            runs.append(run_episodes(engine, tok, records, params, pool, max_turns=2))
+    groups = runs[0]
+    assert [g.response_ids for g in groups] == [g.response_ids for g in runs[1]]
+    two = [(g, i) for g in groups for i, s in enumerate(g.episode_stats) if s["turns"] == 2]
+    assert two, "no episode reached its second turn"
+    for g, i in two:
+        mask, ids = g.model_mask[i], g.response_ids[i]
+        first = ids.index(tok.eos_token_id) + 1
+        assert mask[:first] == [1] * first and 0 in mask[first:] and mask[-1] == 1
+        assert all(lp == 0.0 for lp, m in zip(g.logprobs[i], mask, strict=True) if not m)
