@@ -7,6 +7,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import dapo
 from dapo.cli import main as cli_main
 from dapo.config import ConfigError, load_config
 from dapo.data.tasks import load_task
-from dapo.errors import RewardFunctionWarning, TrainingError
+from dapo.errors import ModelError, RewardFunctionWarning, TrainingError
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -146,6 +147,12 @@ def test_python_objects_are_checked_before_anything_runs(random_tiny_model, tmp_
         from dapo.models.tiny import build_model
 
         dapo.make_trainer(**{**kw, "model": build_model(40, seed=0)}, reward_funcs=parity)
+    with pytest.raises(ConfigError, match=r"tools = 'f': give a list \(or one function or object\)"):
+        dapo.make_trainer(reward_funcs=parity, tools="f", **kw)
+    with pytest.raises(ModelError, match="tokenizer = SimpleNamespace has no EOS token"):
+        dapo.make_trainer(reward_funcs=parity, tokenizer=SimpleNamespace(eos_token_id=None), **kw)
+    with pytest.raises(ConfigError, match=r"config = 5: give a YAML file path, a mapping of keys"):
+        dapo.make_trainer(5, reward_funcs=parity, **kw)
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 
