@@ -16,7 +16,7 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 KLKind = Literal["k1", "k2", "k3"]
 RoundCap = Literal["train", "stop"]
 PolicyLoss = Literal["ppo", "gspo", "cispo"]
-ISLevel = Literal["token", "sequence"]
+ISLevel = Literal["token", "sequence", "geometric"]
 ISMode = Literal["truncate", "mask"]
 EntropyControl = Literal["none", "clip_cov", "kl_cov"]
 Engine = Literal["hf", "vllm", "vllm-server"]
@@ -26,6 +26,8 @@ LRSchedule = Literal["constant", "cosine"]
 DataParallelMode = Literal["auto", "fsdp", "ddp"]
 DynamicSamplingMetric = Literal["acc", "reward"]
 Curriculum = Literal["none", "easy_first"]
+# rollout.vllm_quantization: vLLM quantizes the served weights (fp8: online, per tensor)
+VLLMQuantization = Literal["none", "fp8"]
 
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)  # algorithm.advantage_scale
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAgg)  # algorithm.loss_agg
@@ -42,3 +44,4 @@ DATA_PARALLEL_MODES: tuple[str, ...] = get_args(DataParallelMode)  # train.data_
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = get_args(DynamicSamplingMetric)
 ROUND_CAP_ACTIONS: tuple[str, ...] = get_args(RoundCap)  # algorithm.round_cap
 CURRICULA: tuple[str, ...] = get_args(Curriculum)  # data.curriculum: dapo.data.curriculum
+VLLM_QUANTIZATIONS: tuple[str, ...] = get_args(VLLMQuantization)  # rollout.vllm_quantization

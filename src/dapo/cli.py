@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from dapo.choices import VLLM_QUANTIZATIONS
 from dapo.config import PRESETS, ConfigError, describe_config, describe_presets, load_config
 
 _TRAIN_HELP = """\
@@ -199,6 +200,11 @@ def _vllm_serve(argv: list[str]) -> int:
         help="a generation or weight load running longer is taken as a stuck engine: the server "
         "turns unhealthy and exits (default 1800)",
     )  # fmt: skip
+    parser.add_argument(
+        "--quantization", choices=[q for q in VLLM_QUANTIZATIONS if q != "none"], default=None,
+        help="vLLM's weight quantization (fp8: FP8 weights on a GPU, quantized at every push; "
+        "the trainer should set algorithm.is_cap)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.tensor_parallel_size < 1 or not 0 < args.gpu_memory_utilization <= 1:
         parser.error("--tensor-parallel-size must be >= 1 and --gpu-memory-utilization in (0, 1]")
@@ -213,6 +219,7 @@ def _vllm_serve(argv: list[str]) -> int:
         max_num_seqs=args.max_num_seqs, seed=args.seed,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, max_n=args.max_n,
         max_request_mb=args.max_request_mb, job_timeout_s=args.job_timeout_s,
+        quantization=args.quantization,
     )  # fmt: skip
     return 0
 

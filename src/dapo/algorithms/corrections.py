@@ -3,12 +3,13 @@ than the trainer's old policy (vLLM kernels, bf16, weights synced every k update
 
 The responses come from ``pi_engine``; the loss's ratio is taken against the trainer's
 ``pi_old`` (the same weights, recomputed). The gap is corrected with the importance ratio
-``rho = pi_old / pi_engine`` of the sampled tokens, either per token or per response, and
-large ratios are either truncated (TIS, a biased, low-variance weight) or the token or
-response is dropped from the loss (masked IS, rejection). Papers and peers: "Your
-Efficient RL Framework Secretly Brings You Off-Policy RL Training" (Yao et al., 2025,
-token-level TIS, cap 2); verl's ``rollout_corr`` (token or sequence, truncate or reject);
-TRL's ``vllm_importance_sampling_mode`` (default ``sequence_mask``, cap 3.0).
+``rho = pi_old / pi_engine`` of the sampled tokens, per token or per response (their
+product, or their geometric mean), and large ratios are either truncated (TIS, a biased,
+low-variance weight) or the token or response is dropped from the loss (masked IS,
+rejection). Papers and peers: "Your Efficient RL Framework Secretly Brings You Off-Policy
+RL Training" (Yao et al., 2025, token-level TIS, cap 2); verl's ``rollout_corr`` (token,
+sequence or geometric, truncate or reject) and SkyRL's off-policy correction; TRL's
+``vllm_importance_sampling_mode`` (default ``sequence_mask``, cap 3.0).
 """
 
 from __future__ import annotations
@@ -34,9 +35,16 @@ def is_weights(
     ``level="token"``: ``rho_t = pi_old(o_t) / pi_engine(o_t) = exp(logp_old_t - logp_engine_t)``.
     ``level="sequence"``: one ratio per response, the likelihood ratio of the whole response,
     ``rho_i = prod_t rho_it = exp(sum_t (logp_old_it - logp_engine_it))`` over the tokens
-    where ``mask`` is 1 (the response tokens), applied to all of them. The product, not the
-    geometric mean: it is the importance weight of the response as a sample (unbiased), as
-    in verl and TRL; a geometric mean is the GSPO *ratio*, a different quantity.
+    where ``mask`` is 1 (the response tokens), applied to all of them. The product: it is
+    the importance weight of the response as a sample (unbiased), as in verl and TRL; its
+    spread grows with the length (a per-token gap of 0.01 nats is a factor e^10 over 1000
+    tokens), so on long responses most of them cross any cap.
+    ``level="geometric"``: one ratio per response, the geometric mean of its token ratios,
+    ``rho_i = exp(mean_t (logp_old_it - logp_engine_it))`` over the tokens where ``mask`` is
+    1 (1 for a response without any), applied to all of them: the ``geo`` mode of verl's
+    ``rollout_corr`` and of SkyRL (the form of the GSPO ratio). It is not the response's
+    likelihood ratio (biased, as truncation is), but it does not grow with the length: a
+    cap means the same for short and long responses.
 
     ``mode="truncate"``: ``w = min(rho, cap)``, every token kept. ``mode="mask"``:
     ``w = rho`` where ``rho <= cap``; a token (or response) above the cap is dropped: weight
@@ -56,6 +64,9 @@ def is_weights(
         log_rho = (old_logprobs - sampling_logprobs.to(old_logprobs)) * mask
         if level == "sequence":
             log_rho = log_rho.sum(-1, keepdim=True).expand_as(mask)
+        elif level == "geometric":
+            tokens = mask.sum(-1, keepdim=True).clamp(min=1.0)
+            log_rho = (log_rho.sum(-1, keepdim=True) / tokens).expand_as(mask)
         rho = torch.exp(log_rho.clamp(-SAFETY_BOUND, SAFETY_BOUND))
         over = (rho > cap).to(mask) * mask
         if mode == "truncate":

@@ -174,12 +174,14 @@ class AlgorithmConfig:
     is_level: ISLevel = opt(
         "token",
         "is_cap: token weighs each token by its own rho_t; sequence weighs every token of a "
-        "response by the response's rho = prod_t rho_t (its likelihood ratio).",
+        "response by the response's rho = prod_t rho_t (its likelihood ratio, which grows "
+        "with the length); geometric by the geometric mean exp(mean_t log rho_t) (verl's and "
+        "SkyRL's geo: the same cap for short and long responses).",
     )
     is_mode: ISMode = opt(
         "truncate",
         "is_cap: truncate weighs by min(rho, C) (TIS); mask weighs by rho and drops the "
-        "tokens (is_level=token) or responses (sequence) with rho > C from the loss and "
+        "tokens (is_level=token) or responses (sequence, geometric) with rho > C from the loss and "
         "from its denominator, as overlong filtering does.",
     )
     entropy_coef: float = opt(

@@ -3,11 +3,12 @@
 A field's own bounds and choices are declared on the field (:func:`~dapo.config.fields.opt`)
 and checked first, by :func:`~dapo.config.fields.check_fields`, so a rule here may rely on
 them (``train.mini_batch_size >= 1`` before it divides). A rule names the key whose value
-it refuses, that value, and the fix.
+it refuses, that value, and the fix; a warning (``UserWarning``) says what a setting risks.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 from dapo.config.fields import check_fields, require
@@ -26,7 +27,8 @@ def _check_data(cfg: Config) -> None:
 
 
 def _check_rollout(cfg: Config) -> None:
-    """The rollout server, and asynchronous rollouts: which engine, which correction."""
+    """The rollout server, vLLM's quantization and asynchronous rollouts: which engine,
+    which correction."""
     r, a = cfg.rollout, cfg.algorithm
     if r.engine == "vllm-server":
         require(
@@ -36,6 +38,26 @@ def _check_rollout(cfg: Config) -> None:
             "rollout.engine=vllm-server needs the server's address, e.g. "
             "rollout.server_url=http://HOST:8000 (start the server with dapo vllm-serve MODEL)",
         )
+    q = r.vllm_quantization
+    if q != "none":
+        fix = (f"start the server quantized instead (dapo vllm-serve MODEL --quantization {q})"
+               if r.engine == "vllm-server" else "use rollout.engine=vllm, or none")  # fmt: skip
+        require(
+            r.engine == "vllm",
+            "rollout.vllm_quantization",
+            q,
+            f"it quantizes the in-process vLLM engine (rollout.engine=vllm), not engine="
+            f"{r.engine}: {fix}",
+        )
+        if a.is_cap is None:
+            warnings.warn(
+                f"rollout.vllm_quantization={q}: vLLM samples with "
+                "quantized weights while the trainer's ratio uses its own, uncorrected "
+                "(algorithm.is_cap is null); set algorithm.is_cap (e.g. 2.0) to correct "
+                "the gap, and watch rollout/mismatch_kl",
+                UserWarning,
+                stacklevel=2,
+            )
     require(
         r.max_turns == 1 or r.environment is not None or bool(r.tools),
         "rollout.max_turns",

@@ -20,7 +20,14 @@ from typing import Any
 
 import yaml
 
-from dapo.choices import Curriculum, DataParallelMode, Engine, LRSchedule, Precision
+from dapo.choices import (
+    Curriculum,
+    DataParallelMode,
+    Engine,
+    LRSchedule,
+    Precision,
+    VLLMQuantization,
+)
 from dapo.config.algorithm import AlgorithmConfig
 from dapo.config.fields import opt, without_secrets
 from dapo.config.presets import PRESETS
@@ -326,6 +333,12 @@ class RolloutConfig:
         True,
         "engine=vllm on a GPU: release vLLM's memory while the trainer trains and take it "
         "back to generate.",
+    )
+    vllm_quantization: VLLMQuantization = opt(
+        "none",
+        "engine=vllm on a GPU: fp8 makes vLLM sample with FP8 weights (its quantization=fp8, "
+        "at every push), a rounded policy: set algorithm.is_cap to correct it, watch "
+        "rollout/mismatch_kl. vllm-server: `dapo vllm-serve MODEL --quantization fp8`.",
     )
 
 

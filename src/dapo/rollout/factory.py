@@ -29,16 +29,16 @@ def make_engine(
 ) -> RolloutEngine:
     """The engine ``r.engine`` sampling from ``model``, set up by the ``rollout`` section.
 
-    ``r.generation_batch_size`` sequences are generated together; ``max_model_len``
-    (prompt + response tokens) sizes vLLM's context. ``r.vllm_gpu_memory_utilization`` and
-    ``r.vllm_sleep`` apply to vLLM on a GPU. ``state_dict``: the weights a separate engine
-    (vLLM) starts from, in the base model's names, instead of ``model``'s own (a LoRA
+    ``r.generation_batch_size`` sequences are generated together; ``max_model_len`` (prompt +
+    response tokens) sizes vLLM's context. ``r.vllm_gpu_memory_utilization``, ``r.vllm_sleep``
+    and ``r.vllm_quantization`` apply to vLLM on a GPU. ``state_dict``: the weights a separate
+    engine (vLLM) starts from, in the base model's names, instead of ``model``'s own (a LoRA
     policy's merged weights). ``vllm-server`` generates on the rollout server at
     ``r.server_url`` (which must hold ``max_model_len`` and serve a model of ``model``'s
     vocabulary and parameter shapes) with the key ``r.server_api_key`` (default: the
-    ``DAPO_SERVER_API_KEY`` environment variable), and starts with the server's weights:
-    push the policy's (merged, for LoRA). Raises :class:`~dapo.errors.VLLMUnavailableError`
-    / ``VLLMEngineError`` when vLLM is missing or cannot start,
+    ``DAPO_SERVER_API_KEY`` environment variable), and starts with the server's weights: push
+    the policy's (merged, for LoRA). Raises :class:`~dapo.errors.VLLMUnavailableError` /
+    ``VLLMEngineError`` when vLLM is missing or cannot start,
     :class:`~dapo.errors.RolloutServerError` when the server does not answer or does not fit.
     """
     name = r.engine
@@ -61,6 +61,7 @@ def make_engine(
             enable_sleep_mode=None if r.vllm_sleep else False,  # None: on a GPU only
             seed=seed,
             state_dict=state_dict,
+            quantization=None if r.vllm_quantization == "none" else r.vllm_quantization,
         )
     if name == "vllm-server":
         from dapo.rollout.fingerprint import of_module

@@ -132,6 +132,8 @@ class VLLMEngine:
         seed: the engine's base seed (each request gets its own seed anyway).
         state_dict: the weights to start from, in the base model's names, instead of
             ``model``'s own (a LoRA policy's merged weights).
+        quantization: vLLM's ``quantization`` (``"fp8"``: the weights, as loaded and at
+            every :meth:`load_weights`, quantized to FP8 on a GPU; ``rollout.vllm_quantization``).
         **llm_kwargs: passed on to ``vllm.LLM``.
     """
 
@@ -150,6 +152,7 @@ class VLLMEngine:
         seed: int = 0,
         distributed: bool | None = None,
         state_dict: dict[str, torch.Tensor] | None = None,
+        quantization: str | None = None,
         **llm_kwargs: Any,
     ) -> None:
         vllm = import_vllm()
@@ -212,6 +215,8 @@ class VLLMEngine:
                 "logprobs_mode": "processed_logprobs",
                 "enable_sleep_mode": self.sleep_enabled,
             })
+            if quantization is not None:
+                kwargs["quantization"] = quantization
             if self.on_cpu:
                 # A seeded request whose prompt is split across steps (chunked prefill) makes
                 # vLLM rewind its random generator, which only CUDA generators can do ("CPU

@@ -13,8 +13,8 @@ engine-vs-trainer log-prob comparison.
   the current policy's at the first update of a rollout step; verl selects per
   micro-batch from the current ones, which is not split-invariant).
 
-- :func:`logprob_mismatch`: ``rollout/logprob_mismatch``, how far the engine's sampling
-  log-probs are from the trainer's.
+- :func:`logprob_mismatch`: ``rollout/logprob_mismatch`` and ``rollout/mismatch_kl``, how
+  far the engine's sampling log-probs are from the trainer's.
 
 The maths is in :mod:`dapo.algorithms` (``is_weights``, ``token_covariance``,
 ``clip_cov_keys``, ``kl_cov_keys``, ``selection_count``); this module gathers across ranks.
@@ -41,7 +41,8 @@ def attach_is_weights(samples: Sequence[Sample], settings: LossSettings) -> dict
 
     ``rollout/is_weight_mean``: mean weight over the loss tokens kept; ``rollout/is_truncated_frac``
     (``is_mode=truncate``) or ``rollout/is_masked_frac`` (``mask``): the share of loss tokens
-    (``is_level=token``) or of responses with loss tokens (``sequence``) above ``is_cap``.
+    (``is_level=token``) or of responses with loss tokens (``sequence``, ``geometric``) above
+    ``is_cap``.
     """
     if settings.is_cap is None:
         return {}
@@ -71,22 +72,30 @@ def attach_is_weights(samples: Sequence[Sample], settings: LossSettings) -> dict
 
 
 def logprob_mismatch(samples: Sequence[Sample], trainer: Sequence[torch.Tensor]) -> dict[str, float]:
-    """Mean |engine log-prob - trainer log-prob| over the response tokens of ``samples`` (all
-    ranks; ``trainer``: each sample's log-probs under the trainer's forward):
-    ``rollout/logprob_mismatch``, or nothing when no sample has the engine's."""
-    total, count = 0.0, 0
+    """How far the engine's sampling log-probs are from the trainer's, over the response
+    tokens the model sampled (an environment's tokens were not sampled: they do not count),
+    all ranks together (``trainer``: each sample's log-probs under the trainer's forward):
+
+    - ``rollout/logprob_mismatch``: the mean ``|log pi_engine - log pi_trainer|``;
+    - ``rollout/mismatch_kl``: the k3 estimate of ``KL(pi_engine || pi_trainer)`` from the
+      engine's own samples, the mean of ``r - 1 - log r`` with ``r = pi_trainer / pi_engine``
+      (unbiased, never negative; :func:`dapo.algorithms.kl_penalty`'s ``k3``).
+
+    Nothing when no sample has the engine's log-probs."""
+    gap_sum = kl_sum = count = 0.0
     for s, lp in zip(samples, trainer, strict=True):
         if s.sampling_logprobs is None:
             continue
-        gap = (s.sampling_logprobs.to(lp) - lp).abs()
-        if s.model_mask is None:
-            total += float(gap.sum())
-            count += len(s.response_ids)
-        else:  # the environment's tokens were not sampled
-            total += float((gap * s.sampled().to(gap)).sum())
-            count += sum(s.model_mask)
-    total, n = all_reduce_sum([total, float(count)])
-    return {"rollout/logprob_mismatch": total / n} if n else {}
+        trainer_lp = lp.detach().double().cpu()
+        engine_lp = s.sampling_logprobs.to(trainer_lp)
+        sampled = s.sampled().to(trainer_lp)
+        gap_sum += float(((engine_lp - trainer_lp).abs() * sampled).sum())
+        kl_sum += float((alg.kl_penalty(engine_lp, trainer_lp, "k3") * sampled).sum())
+        count += float(sampled.sum())
+    gap_sum, kl_sum, n = all_reduce_sum([gap_sum, kl_sum, count])
+    if not n:
+        return {}
+    return {"rollout/logprob_mismatch": gap_sum / n, "rollout/mismatch_kl": kl_sum / n}
 
 
 def cov_selection(
