@@ -26,7 +26,10 @@ ANSWER = re.compile(r"Answer:\s*(-?\d+)")
 
 def addition_rows(split: str, n: int) -> list[dict[str, str]]:
     """``n`` problems "Add 17+5 column by column. End with: Answer: <sum>" and their sums."""
-    return [{"question": r.prompt, "sum": r.ground_truth} for r in load_task("builtin:addition", split, n)]
+    return [
+        {"question": r.prompt, "sum": r.ground_truth}
+        for r in load_task("builtin:addition", split, n)
+    ]
 
 
 def main() -> None:
@@ -50,7 +53,11 @@ def main() -> None:
         eval_dataset=addition_rows("test", 500),
         data={"prompt_key": "question", "answer_key": "sum"},
         # Correct (1) when the last "Answer: N" is the sum, else -1 (no answer counts as wrong).
-        reward_funcs=[lambda response, ground_truth: 1.0 if ANSWER.findall(response)[-1:] == [ground_truth] else -1.0],
+        reward_funcs=[
+            lambda response, ground_truth: (
+                1.0 if ANSWER.findall(response)[-1:] == [ground_truth] else -1.0
+            )
+        ],
         callbacks=[report],
         output_dir=args.output_dir,
         train={"steps": args.steps},
@@ -58,9 +65,14 @@ def main() -> None:
     )
     if main_rank:
         before, after = summary["accuracy_before"], summary["accuracy_after"]
-        print(f"held-out accuracy: {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points) "
-              f"in {summary['steps']} rollout steps, {summary['wall_seconds']} s")
-        print(f"metrics: {args.output_dir}/metrics.jsonl   dashboard: {args.output_dir}/dashboard.png")
+        gain = (after - before) * 100
+        print(
+            f"held-out accuracy: {before:.1%} -> {after:.1%} ({gain:+.1f} points) "
+            f"in {summary['steps']} rollout steps, {summary['wall_seconds']} s"
+        )
+        print(
+            f"metrics: {args.output_dir}/metrics.jsonl   dashboard: {args.output_dir}/dashboard.png"
+        )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,10 @@ SMALL = {
 
 def rows(split: str, n: int) -> list[dict[str, str]]:
     """``n`` addition problems as row dicts with a prompt and an answer column."""
-    return [{"prompt": r.prompt, "answer": r.ground_truth} for r in load_task("builtin:addition", split, n)]
+    return [
+        {"prompt": r.prompt, "answer": r.ground_truth}
+        for r in load_task("builtin:addition", split, n)
+    ]
 
 
 def parity(response: str, ground_truth: str) -> float:
@@ -113,11 +116,21 @@ def test_yaml_mapping_dotted_keys_sections_and_preset_make_the_cli_config(tmp_pa
     base = {"seed": 3, "train": {"lr": 1e-4, "steps": 7}, "algorithm": {"clip_high": 0.3}}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(base))
-    cli = ["preset=grpo", "train.lr=2e-5", "rollout.temperature=0.7", "train.prompts_per_step=32",
-           "model.lora.rank=4"]  # fmt: skip
+    cli = [
+        "preset=grpo",
+        "train.lr=2e-5",
+        "rollout.temperature=0.7",
+        "train.prompts_per_step=32",
+        "model.lora.rank=4",
+    ]
     expected = load_config(path, cli).to_dict()
-    overrides = {"preset": "grpo", "train.lr": 2e-5, "rollout": {"temperature": 0.7},
-                 "train": {"prompts_per_step": 32}, "model.lora.rank": 4}  # fmt: skip
+    overrides = {
+        "preset": "grpo",
+        "train.lr": 2e-5,
+        "rollout": {"temperature": 0.7},
+        "train": {"prompts_per_step": 32},
+        "model.lora.rank": 4,
+    }
     assert dapo.make_config(path, **overrides).to_dict() == expected
     assert dapo.make_config(base, **overrides).to_dict() == expected
     assert dapo.make_config(load_config(path, ["preset=grpo"]), **overrides).to_dict() == expected
@@ -125,17 +138,26 @@ def test_yaml_mapping_dotted_keys_sections_and_preset_make_the_cli_config(tmp_pa
         dapo.make_config(load_config(path), **overrides)
     # The caller's mappings are left as they were.
     assert base == {"seed": 3, "train": {"lr": 1e-4, "steps": 7}, "algorithm": {"clip_high": 0.3}}
-    assert overrides["rollout"] == {"temperature": 0.7} and overrides["train"] == {"prompts_per_step": 32}
+    assert overrides["rollout"] == {"temperature": 0.7} and overrides["train"] == {
+        "prompts_per_step": 32
+    }
     cfg = dapo.make_config(base, **overrides)
     # grpo's own values, under the file's clip_high (file < overrides; preset < file)
-    assert (cfg.preset, cfg.algorithm.dynamic_sampling, cfg.algorithm.clip_high) == ("grpo", False, 0.3)
+    assert (cfg.preset, cfg.algorithm.dynamic_sampling, cfg.algorithm.clip_high) == (
+        "grpo",
+        False,
+        0.3,
+    )
     assert (cfg.train.lr, cfg.train.steps, cfg.train.prompts_per_step) == (2e-5, 7, 32)
 
 
 def test_python_objects_are_checked_before_anything_runs(random_tiny_model, tmp_path):
     kw = {**SMALL, "model": str(random_tiny_model), "output_dir": str(tmp_path / "run")}
-    with pytest.raises(ConfigError, match=r"reward_funcs\[1\] \(.*<locals>.<lambda>\(completions, \*\*kwargs\)\) "
-                       r"cannot be called as fn\(response, ground_truth\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"reward_funcs\[1\] \(.*<locals>.<lambda>\(completions, \*\*kwargs\)\) "
+        r"cannot be called as fn\(response, ground_truth\)",
+    ):
         dapo.make_trainer(reward_funcs=[parity, lambda completions, **kwargs: 0.0], **kw)
     with pytest.raises(ConfigError, match=r"reward_funcs\[0\]: the weight must be a finite number"):
         dapo.make_trainer(reward_funcs=[(parity, float("nan"))], **kw)
@@ -147,7 +169,9 @@ def test_python_objects_are_checked_before_anything_runs(random_tiny_model, tmp_
         from dapo.models.tiny import build_model
 
         dapo.make_trainer(**{**kw, "model": build_model(40, seed=0)}, reward_funcs=parity)
-    with pytest.raises(ConfigError, match=r"tools = 'f': give a list \(or one function or object\)"):
+    with pytest.raises(
+        ConfigError, match=r"tools = 'f': give a list \(or one function or object\)"
+    ):
         dapo.make_trainer(reward_funcs=parity, tools="f", **kw)
     with pytest.raises(ModelError, match="tokenizer = SimpleNamespace has no EOS token"):
         dapo.make_trainer(reward_funcs=parity, tokenizer=SimpleNamespace(eos_token_id=None), **kw)
@@ -175,12 +199,16 @@ def test_a_run_from_python_with_a_dataset_a_lambda_and_a_closure(random_tiny_mod
     recorded: list[tuple[int, dict]] = []
     train = datasets.Dataset.from_list(rows("train", 16))
     summary = dapo.train(
-        model=str(random_tiny_model), output_dir=str(tmp_path / "run"), train_dataset=train,
-        reward_funcs=[lambda response, ground_truth: 1.0 if len(response) % 2 == odd else -1.0,
-                      (log_calls, 0.5)],
+        model=str(random_tiny_model),
+        output_dir=str(tmp_path / "run"),
+        train_dataset=train,
+        reward_funcs=[
+            lambda response, ground_truth: 1.0 if len(response) % 2 == odd else -1.0,
+            (log_calls, 0.5),
+        ],
         callbacks=[lambda step, metrics: recorded.append((step, metrics))],
         **SMALL,
-    )  # fmt: skip
+    )
     out = tmp_path / "run"
     assert summary == json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and "accuracy_before" not in summary  # no eval data given
@@ -217,15 +245,29 @@ def test_hooks_see_every_step_evaluation_and_checkpoint(random_tiny_model, tmp_p
     hooks = Hooks()
     out = tmp_path / "run"
     summary = dapo.train(
-        model=str(random_tiny_model), output_dir=str(out), train_dataset=rows("train", 16),
-        eval_dataset=rows("test", 4), reward_funcs=[parity], callbacks=hooks,
+        model=str(random_tiny_model),
+        output_dir=str(out),
+        train_dataset=rows("train", 16),
+        eval_dataset=rows("test", 4),
+        reward_funcs=[parity],
+        callbacks=hooks,
         **{**SMALL, "train.steps": 3, "logging.eval_every": 2, "checkpoint.save_every": 2},
-    )  # fmt: skip
+    )
     kinds = [(kind, step) for kind, step, _ in hooks.calls]
-    assert kinds == [("evaluate", 0), ("step", 1), ("evaluate", 2), ("save", 2), ("step", 2),
-                     ("step", 3), ("evaluate", 3), ("save", 3)]  # fmt: skip
+    assert kinds == [
+        ("evaluate", 0),
+        ("step", 1),
+        ("evaluate", 2),
+        ("save", 2),
+        ("step", 2),
+        ("step", 3),
+        ("evaluate", 3),
+        ("save", 3),
+    ]
     evaluations = [m for kind, _, m in hooks.calls if kind == "evaluate"]
-    assert [e["val/acc"] for e in evaluations] == [r["val/acc"] for r in metric_rows(out) if "val/acc" in r]
+    assert [e["val/acc"] for e in evaluations] == [
+        r["val/acc"] for r in metric_rows(out) if "val/acc" in r
+    ]
     assert all(e["val/n"] == 4 for e in evaluations)  # 4 prompts x 1 response
     assert evaluations[0]["val/acc"] == summary["accuracy_before"]
     assert evaluations[-1]["val/acc"] == summary["accuracy_after"]
@@ -237,8 +279,13 @@ def test_hooks_see_every_step_evaluation_and_checkpoint(random_tiny_model, tmp_p
 
 
 def test_a_callback_stops_the_run_which_resumes_as_if_never_stopped(random_tiny_model, tmp_path):
-    kw = {**SMALL, "train.steps": 4, "model": str(random_tiny_model), "train_dataset": rows("train", 16),
-          "reward_funcs": [parity]}  # fmt: skip
+    kw = {
+        **SMALL,
+        "train.steps": 4,
+        "model": str(random_tiny_model),
+        "train_dataset": rows("train", 16),
+        "reward_funcs": [parity],
+    }
     whole, part = tmp_path / "whole", tmp_path / "part"
     dapo.train(output_dir=str(whole), **kw)
     summary = dapo.train(output_dir=str(part), callbacks=[lambda step, m: step >= 2], **kw)
@@ -261,8 +308,14 @@ def test_a_callback_that_raises_stops_cleanly_and_is_named(random_tiny_model, tm
 
     out = tmp_path / "run"
     with pytest.raises(TrainingError) as info:
-        dapo.train(model=str(random_tiny_model), output_dir=str(out), train_dataset=rows("train", 16),
-                   reward_funcs=[parity], callbacks=[boom], **{**SMALL, "train.steps": 4})  # fmt: skip
+        dapo.train(
+            model=str(random_tiny_model),
+            output_dir=str(out),
+            train_dataset=rows("train", 16),
+            reward_funcs=[parity],
+            callbacks=[boom],
+            **{**SMALL, "train.steps": 4},
+        )
     msg = str(info.value)
     assert msg.startswith(
         "callback 'test_a_callback_that_raises_stops_cleanly_and_is_named.<locals>.boom' raised "
@@ -292,26 +345,37 @@ def test_the_same_config_as_yaml_and_as_python_gives_the_same_metrics(random_tin
         "model": {"name_or_path": str(random_tiny_model)},
         "output_dir": str(tmp_path / "yaml"),
         **nested,
-        "data": {**nested["data"], "train": str(tmp_path / "train.jsonl"),
-                 "eval": str(tmp_path / "eval.jsonl")},
-        "reward": {**nested["reward"], "functions": [{"name": f"{HERE / 'trainer_rewards.py'}:by_answer_class"}]},
-    }  # fmt: skip
+        "data": {
+            **nested["data"],
+            "train": str(tmp_path / "train.jsonl"),
+            "eval": str(tmp_path / "eval.jsonl"),
+        },
+        "reward": {
+            **nested["reward"],
+            "functions": [{"name": f"{HERE / 'trainer_rewards.py'}:by_answer_class"}],
+        },
+    }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     assert cli_main(["train", str(tmp_path / "run.yaml")]) == 0
 
     dapo.train(
-        model=str(random_tiny_model), output_dir=str(tmp_path / "python"),
-        train_dataset=datasets.Dataset.from_list(train), eval_dataset=held_out,
+        model=str(random_tiny_model),
+        output_dir=str(tmp_path / "python"),
+        train_dataset=datasets.Dataset.from_list(train),
+        eval_dataset=held_out,
         reward_funcs=[by_answer_class],
-        **{**SMALL, "train.steps": 3}, logging={"eval_every": 2, "tensorboard": False, "console": False},
-    )  # fmt: skip
+        **{**SMALL, "train.steps": 3},
+        logging={"eval_every": 2, "tensorboard": False, "console": False},
+    )
     runs = compare_runs()
     a, b = runs.load(tmp_path / "yaml"), runs.load(tmp_path / "python")
     assert [r["step"] for r in a] == [0, 1, 2, 3, 3]  # val/acc at 0, every 2 steps and after
     assert runs.differences(a, b, runs.TIMING, tol=0.0) == []
 
 
-def test_a_reward_callable_that_raises_or_hangs_costs_samples_not_the_run(random_tiny_model, tmp_path):
+def test_a_reward_callable_that_raises_or_hangs_costs_samples_not_the_run(
+    random_tiny_model, tmp_path
+):
     """A closure that raises on some responses and hangs once (a marker file it captured
     says it hung already): each costs its sample, reward/failures counts them."""
     marker = tmp_path / "hung"
@@ -329,10 +393,13 @@ def test_a_reward_callable_that_raises_or_hangs_costs_samples_not_the_run(random
         warnings.simplefilter("always")
         start = time.monotonic()
         summary = dapo.train(
-            model=str(random_tiny_model), output_dir=str(tmp_path / "run"), train_dataset=rows("train", 16),
-            reward_funcs=flaky, callbacks=lambda step, m: recorded.append(m),
+            model=str(random_tiny_model),
+            output_dir=str(tmp_path / "run"),
+            train_dataset=rows("train", 16),
+            reward_funcs=flaky,
+            callbacks=lambda step, m: recorded.append(m),
             **{**SMALL, "reward.timeout_s": 1.0},
-        )  # fmt: skip
+        )
     assert time.monotonic() - start < 50  # the hung call was cut, not waited for
     assert summary["steps"] == 2 and marker.exists()
     failures = [m["reward/failures"] for m in recorded]  # a running count
@@ -342,7 +409,9 @@ def test_a_reward_callable_that_raises_or_hangs_costs_samples_not_the_run(random
     assert any("took longer than 1 s" in t for t in texts), texts
 
 
-def test_a_loaded_model_and_tokenizer_are_trained_in_place_as_a_loaded_path(random_tiny_model, tmp_path):
+def test_a_loaded_model_and_tokenizer_are_trained_in_place_as_a_loaded_path(
+    random_tiny_model, tmp_path
+):
     """A model given in bfloat16 is cast to the precision's float32 as a loaded path is, its
     layers checkpointed and given LoRA adapters; step by step with make_trainer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -351,9 +420,15 @@ def test_a_loaded_model_and_tokenizer_are_trained_in_place_as_a_loaded_path(rand
 
     model = AutoModelForCausalLM.from_pretrained(random_tiny_model, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(random_tiny_model)
-    kw = {**SMALL, "train.precision": "fp32", "model.gradient_checkpointing": True,
-          "output_dir": str(tmp_path / "run"), "train_dataset": rows("train", 16),
-          "eval_dataset": rows("test", 4), "reward_funcs": [parity]}  # fmt: skip
+    kw = {
+        **SMALL,
+        "train.precision": "fp32",
+        "model.gradient_checkpointing": True,
+        "output_dir": str(tmp_path / "run"),
+        "train_dataset": rows("train", 16),
+        "eval_dataset": rows("test", 4),
+        "reward_funcs": [parity],
+    }
     trainer = dapo.make_trainer(model=model, tokenizer=tokenizer, **{**kw, "model.lora.rank": 4})
     try:
         assert trainer.model is model and trainer.tokenizer is tokenizer
@@ -365,7 +440,11 @@ def test_a_loaded_model_and_tokenizer_are_trained_in_place_as_a_loaded_path(rand
         before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         metrics, groups = trainer.train_step()
         assert metrics["actor/updates"] >= 1 and len(groups) == 4
-        changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+        changed = [
+            n
+            for n, p in model.named_parameters()
+            if p.requires_grad and not torch.equal(p, before[n])
+        ]
         assert changed  # the object the caller holds was trained
         assert 0.0 <= trainer.evaluate()["acc"] <= 1.0
     finally:
@@ -383,10 +462,14 @@ def test_a_script_calling_dapo_train_runs_on_two_ranks(random_tiny_model, tmp_pa
     """torchrun starts the script on 2 ranks; a callback asks rank 1 alone to stop after
     step 2 and every rank stops there, with the same summary."""
     out = tmp_path / "run"
-    torchrun(str(HERE / "api_worker.py"), str(random_tiny_model), str(out), cwd=tmp_path, timeout=300)
+    torchrun(
+        str(HERE / "api_worker.py"), str(random_tiny_model), str(out), cwd=tmp_path, timeout=300
+    )
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["seen"] for r in ranks] == [[1, 2], [1, 2]]
-    assert ranks[0]["summary"] == ranks[1]["summary"] == json.loads((out / "summary.json").read_text())
+    assert (
+        ranks[0]["summary"] == ranks[1]["summary"] == json.loads((out / "summary.json").read_text())
+    )
     assert ranks[0]["summary"]["steps"] == 2
     assert (out / "checkpoints" / "step_000002").is_dir()
     assert [r["step"] for r in metric_rows(out)] == [1, 2]

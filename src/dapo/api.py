@@ -139,10 +139,17 @@ def train(
     """
     created = not D.current().enabled  # a process group this call makes under torchrun
     trainer = make_trainer(
-        config, train_dataset=train_dataset, eval_dataset=eval_dataset, reward_funcs=reward_funcs,
-        callbacks=callbacks, model=model, tokenizer=tokenizer, environment=environment,
-        tools=tools, **overrides,
-    )  # fmt: skip
+        config,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        reward_funcs=reward_funcs,
+        callbacks=callbacks,
+        model=model,
+        tokenizer=tokenizer,
+        environment=environment,
+        tools=tools,
+        **overrides,
+    )
     summary = trainer.run()
     if created:
         D.destroy()  # every rank gets here; a failed run raises on its own

@@ -108,8 +108,10 @@ class Callbacks:
             except Exception as exc:
                 if self.error is None:
                     self.error = exc
-                    self.error_text = (f"callback {_name(cb)!r} raised {type(exc).__name__}: {exc} "
-                                       f"in {hook} at rollout step {step}")  # fmt: skip
+                    self.error_text = (
+                        f"callback {_name(cb)!r} raised {type(exc).__name__}: {exc} "
+                        f"in {hook} at rollout step {step}"
+                    )
                 stop = True
         return stop
 
