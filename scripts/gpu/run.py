@@ -56,12 +56,14 @@ def version(name):
         return None
 cuda = torch.cuda.is_available()
 devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
+nccl = torch.cuda.nccl.version() if cuda else None
+nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
 print(json.dumps({
     "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
     "cuda_available": cuda, "devices": devices,
     "capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
     "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
-    "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+    "nccl": nccl,
     "packages": {n: version(n) for n in ("transformers", "datasets", "trl", "peft", "accelerate",
                                          "vllm", "math-verify", "pyarrow", "numpy")},
 }))
