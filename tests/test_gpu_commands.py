@@ -212,7 +212,9 @@ def test_make_test_gpu_on_a_cpu_skips_every_test_and_reports_why(tmp_path):
     assert report["counts"]["skipped"] == len(report["tests"]) >= 12
     assert report["counts"]["passed"] == report["counts"]["failed"] == 0
     assert all(t["message"].startswith("CUDA is not available") for t in report["tests"])
-    assert report["environment"]["cuda_available"] is False and report["setup"]["problems"] == []
+    assert report["environment"]["cuda_available"] is False
+    # Only a package this venv lacks (e.g. trl without the bench extra) could be a problem here.
+    assert all("neither installed nor in the wheelhouse" in p for p in report["setup"]["problems"])
     md = (out / "test-gpu.md").read_text()
     assert md.startswith(f"# make test-gpu: 0 passed, 0 failed, 0 errors, {len(report['tests'])} skipped")
     assert "| test_fsdp2_at_world_size_1_over_nccl_trains_checkpoints_and_resumes | skipped |" in md
