@@ -4,7 +4,7 @@ Each field is declared with :func:`~dapo.config.fields.opt`: its default, its he
 the knob does, its unit, and the paper that defines it) and its bounds (``ge=0, le=1``).
 Enumerated fields are typed with the ``Literal``s of :mod:`dapo.choices`, shared with the
 modules that implement them, so each list of names is written once. The ``algorithm``
-section is in :mod:`dapo.config.algorithm`; the rules between fields in
+and ``rollout`` sections are in :mod:`dapo.config.algorithm` and :mod:`dapo.config.rollout`; the rules between fields in
 :mod:`dapo.config.rules`. ``dapo train --help-config`` prints it all
 (:mod:`dapo.config.describe`).
 
@@ -23,14 +23,13 @@ import yaml
 from dapo.choices import (
     Curriculum,
     DataParallelMode,
-    Engine,
     LRSchedule,
     Precision,
-    VLLMQuantization,
 )
 from dapo.config.algorithm import AlgorithmConfig
 from dapo.config.fields import opt, without_secrets
 from dapo.config.presets import PRESETS
+from dapo.config.rollout import RolloutConfig
 
 
 @dataclass
@@ -171,174 +170,6 @@ class DataConfig:
         gt=0,
         le=1,
         hint="e.g. 0.2",
-    )
-
-
-@dataclass
-class RolloutConfig:
-    """Sampling of responses (names as in TRL where the meaning is the same)."""
-
-    engine: Engine = opt(
-        "hf",
-        "Generation backend: hf (dapo's sampling loop on the transformers policy itself), vllm "
-        "(the vllm extra: an engine in the training process, one per rank under torchrun, that "
-        "receives the policy's weights, see rollout.vllm_sync_every) or vllm-server (a `dapo "
-        "vllm-serve` process at rollout.server_url, on its own GPUs; weights pushed to it from "
-        "rank 0 over a process group).",
-    )
-    server_url: str | None = opt(
-        None,
-        "engine=vllm-server: the rollout server's address, http://HOST:PORT (what `dapo "
-        "vllm-serve` prints). Every rank sends its prompts there; the server must reach the "
-        "trainer's rank 0 back for the weight pushes.",
-    )
-    server_timeout_s: float = opt(
-        600.0,
-        "engine=vllm-server: seconds to wait for the server to come up, and for each of its "
-        "answers (a whole generation call), before stopping with an error that names it.",
-        gt=0,
-        hint="seconds",
-    )
-    server_api_key: str | None = opt(
-        None,
-        "engine=vllm-server: the API key the server was started with (`dapo vllm-serve "
-        "--api-key`), sent as `Authorization: Bearer KEY`; null: the DAPO_SERVER_API_KEY "
-        "environment variable, else none. Never written out: config.yaml, checkpoints and "
-        "logs hold null (give it again, or use the environment variable, when resuming).",
-        secret=True,
-    )
-    async_steps: int = opt(
-        0,
-        "1: one-step-asynchronous rollouts: the engine generates the next step's batch while "
-        "the trainer trains on this one (sampled by the policy one update older; "
-        "rollout/staleness). Needs engine=vllm or vllm-server. 0: generate, then train.",
-        ge=0,
-        le=1,
-        hint="use 0 to generate, then train, or 1 to generate the next batch while training",
-    )
-    num_generations: int = opt(
-        8,
-        "G, the responses sampled per prompt (the group whose rewards are normalised "
-        "together in GRPO and DAPO); at least 2. The DAPO paper uses 16.",
-        ge=2,
-        hint="group-relative advantages need at least 2 responses per prompt",
-    )
-    temperature: float = opt(
-        1.0,
-        "Sampling temperature of the training rollouts; the loss's log-probs use the same "
-        "temperature. The DAPO paper uses 1.0.",
-        gt=0,
-        hint="1.0 in the paper",
-    )
-    top_p: float = opt(
-        1.0,
-        "Nucleus sampling of the training rollouts, in (0, 1]; 1.0 disables it (the DAPO "
-        "paper's value).",
-        gt=0,
-        le=1,
-    )
-    top_k: int = opt(
-        0, "Sample only from the k most likely tokens; 0 disables it.", ge=0, hint="0: disabled"
-    )
-    max_completion_length: int = opt(
-        64,
-        "L_max, the cap on a response in tokens (TRL: max_completion_length); a response "
-        "without an end-of-sequence token by then is truncated. The DAPO paper uses 20480 "
-        "(16384 expected tokens + the 4096-token overlong buffer). A multi-turn episode's "
-        "budget: model and environment tokens after the prompt together.",
-        ge=1,
-    )
-    environment: str | None = opt(
-        None,
-        "Multi-turn episodes: an environment class as module:Class (or path/file.py:Class), "
-        "or a built-in one (calculator). One instance per episode, in a worker process: "
-        "reset(record) -> opening messages, step(assistant_text) -> (messages, reward | None, "
-        "done). null with rollout.tools: a tools-only environment. null and no tools: one "
-        "response per prompt.",
-    )
-    tools: list[str] = opt(
-        help="Tools the model may call, as module:function (schema from the signature and "
-        "docstring, passed to the chat template's tools=); a turn with a tool call gets the "
-        "tools' results as the environment's reply.",
-        factory=list,
-    )
-    tool_parser: str = opt(
-        "hermes",
-        "How tool calls are read from a model turn: hermes (<tool_call>{\"name\": ..., "
-        "\"arguments\": {...}}</tool_call>, the format of Qwen, Hermes and SmolLM2 templates) "
-        "or module:function returning the calls of a text.",
-        nonempty=True,
-    )
-    max_turns: int = opt(
-        1,
-        "Model turns per episode at most; an episode still running after them is truncated "
-        "(overlong filtering and the soft punishment apply to it). 1 with no environment: "
-        "one response per prompt.",
-        ge=1,
-    )
-    env_timeout_s: float = opt(
-        30.0,
-        "Seconds an environment's reset or step may take; past it the episode fails (counted "
-        "in env/failures) and its worker is replaced.",
-        gt=0,
-    )
-    env_workers: int = opt(
-        1,
-        "Worker processes hosting the environments (time-outs, crash isolation); 0 runs them "
-        "in the training process, without time-outs.",
-        ge=0,
-    )
-    generation_batch_size: int = opt(
-        256,
-        "Sequences (prompts x responses) generated together; bounds the generation memory, "
-        "not the training batch.",
-        ge=1,
-    )
-    eval_temperature: float = opt(
-        1.0,
-        "Sampling temperature of the held-out evaluation; 0 is greedy. The DAPO paper "
-        "evaluates at 1.0.",
-        ge=0,
-        hint="0: greedy",
-    )
-    eval_top_p: float = opt(
-        1.0,
-        "Nucleus sampling of the held-out evaluation, in (0, 1]. The DAPO paper evaluates "
-        "with 0.7 (the default of `dapo eval`).",
-        gt=0,
-        le=1,
-    )
-    eval_num_generations: int = opt(
-        1,
-        "Responses per held-out prompt; the reported accuracy is avg@k over them (the DAPO "
-        "paper reports avg@32 on AIME 2024).",
-        ge=1,
-    )
-    vllm_sync_every: int = opt(
-        1,
-        "engine=vllm: push the policy's weights to vLLM every k optimizer updates; 1 keeps "
-        "it current, a larger k samples from a slightly older policy.",
-        ge=1,
-        hint="1: every optimizer update",
-    )
-    vllm_gpu_memory_utilization: float = opt(
-        0.3,
-        "engine=vllm on a GPU: the share of the GPU's memory vLLM may take (weights and KV "
-        "cache), in (0, 1]; the trainer needs the rest.",
-        gt=0,
-        le=1,
-        hint="e.g. 0.3",
-    )
-    vllm_sleep: bool = opt(
-        True,
-        "engine=vllm on a GPU: release vLLM's memory while the trainer trains and take it "
-        "back to generate.",
-    )
-    vllm_quantization: VLLMQuantization = opt(
-        "none",
-        "engine=vllm on a GPU: fp8 makes vLLM sample with FP8 weights (its quantization=fp8, "
-        "at every push), a rounded policy: set algorithm.is_cap to correct it, watch "
-        "rollout/mismatch_kl. vllm-server: `dapo vllm-serve MODEL --quantization fp8`.",
     )
 
 

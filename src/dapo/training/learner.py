@@ -199,6 +199,9 @@ class Learner:
         # sharded; with LoRA the reference is the base model (the adapters disabled).
         ref_model = reference_copy(model) if cfg.algorithm.beta > 0 and peft is None else None
         ddp = wrap_data_parallel(model, dist, t.data_parallel, log)[1] if dist.enabled else None
+        if not dist.enabled and t.data_parallel == "fsdp":
+            log("train.data_parallel=fsdp: one process, nothing to shard; the model trains whole "
+                "(launch with torchrun --nproc_per_node N to shard it over N ranks)")  # fmt: skip
         ctx = context_length(model)
         need = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
         if ctx is not None and need > ctx:
