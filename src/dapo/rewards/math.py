@@ -15,11 +15,7 @@ import functools
 import logging
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
-
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
