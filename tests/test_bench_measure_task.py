@@ -73,3 +73,36 @@ def test_smoke_run_reports_consistent_figures(measure_task, random_tiny_model, t
     assert r["accuracy"] == pytest.approx(acc)
     assert 0 < r["entropy_mean"] <= math.log(len(measure_task.load_tokenizer(str(random_tiny_model))))
     assert "temperature 1.5" in capsys.readouterr().out
+
+
+def test_well_formed_means_an_answer_line_with_an_integer(measure_task):
+    assert measure_task.well_formed("51 + 29 = 80\nAnswer: 80")
+    assert measure_task.well_formed("Answer: $-7$.")  # normalised as the scorer does
+    assert not measure_task.well_formed("51 + 29 = 80")  # no Answer: line
+    assert not measure_task.well_formed("51 + 29 = 80\nAnswer: eighty")
+    assert not measure_task.well_formed("Answer: 10.5")
+
+
+def test_a_chat_variant_reports_format_and_mixed_groups_and_lists_mixed_problems(
+    measure_task, random_tiny_model, monkeypatch
+):
+    """--variant measures a chat_addition candidate (no column behaviour); the mixed share,
+    pass@G and well-formed figures agree with per-response outcomes counted here."""
+    real = measure_task.dapo_math_score
+    # The random model is never right: score by a rule that makes some groups mixed.
+    texts_seen: list[str] = []
+
+    def fake(text: str, truth: str) -> float:
+        texts_seen.append(text)
+        return 1.0 if len(texts_seen) % 3 == 0 else real(text, truth)
+
+    monkeypatch.setattr(measure_task, "dapo_math_score", fake)
+    r = measure_task.main([
+        "--model", str(random_tiny_model), "--variant", "add_2d_1d", "--split", "train",
+        "--problems", "4", "--generations", "3", "--max-length", "6", "--select-mixed", "2",
+    ])  # fmt: skip
+    assert r["behaviour"] is None and r["split"] == "train" and "add_2d_1d" in r["task"]
+    # Every group holds exactly one right response (every third call): all mixed.
+    assert r["mixed_groups"] == 1.0 and r["pass_at_g"] == 1.0 and r["accuracy"] == pytest.approx(1 / 3)
+    assert len(r["mixed_problems"]) == 2 and all(p["op"] == "+" for p in r["mixed_problems"])
+    assert r["well_formed_frac"] == sum(map(measure_task.well_formed, texts_seen)) / 12

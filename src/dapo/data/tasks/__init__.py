@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 from dapo.data.records import PromptRecord
-from dapo.data.tasks import addition, calculator, long_addition
+from dapo.data.tasks import addition, calculator, chat_addition, long_addition
 
 TASKS = {
     addition.NAME: addition.addition_records,
     long_addition.NAME: long_addition.long_addition_records,
     calculator.NAME: calculator.calculator_records,
+    chat_addition.NAME: chat_addition.chat_addition_records,
+    chat_addition.SANITY_NAME: chat_addition.sanity_records,
 }
 
 
