@@ -64,11 +64,15 @@ def test_prompts_render_as_a_chat_and_sampled_answers_get_the_dapo_math_reward(s
 
     want = (
         turn("system", "Answer with the equation, then a last line: Answer: <number>")
-        + turn("user", "What is 23 + 45?") + turn("assistant", "23 + 45 = 68\nAnswer: 68")
-        + turn("user", "What is 47 + 38?") + turn("assistant", "47 + 38 = 85\nAnswer: 85")
-        + turn("user", "What is 76 + 49?") + turn("assistant", "76 + 49 = 125\nAnswer: 125")
-        + turn("user", f"What is {a} + {b}?") + "<|im_start|>assistant\n"
-    )  # fmt: skip
+        + turn("user", "What is 23 + 45?")
+        + turn("assistant", "23 + 45 = 68\nAnswer: 68")
+        + turn("user", "What is 47 + 38?")
+        + turn("assistant", "47 + 38 = 85\nAnswer: 85")
+        + turn("user", "What is 76 + 49?")
+        + turn("assistant", "76 + 49 = 125\nAnswer: 125")
+        + turn("user", f"What is {a} + {b}?")
+        + "<|im_start|>assistant\n"
+    )
     assert render_prompt(records[0], tok) == want  # no "You are a helpful AI assistant" default
     kept, ids, dropped = encode_prompts(records, tok, C.SUGGESTED_MAX_PROMPT_LENGTH)
     assert dropped == 0 and ids[0] == tok(want, add_special_tokens=False)["input_ids"]
@@ -106,23 +110,38 @@ def test_a_short_run_trains_on_the_training_split_and_evaluates_on_the_held_out_
 
     out = tmp_path / "run"
     args = [
-        f"model.name_or_path={gguf_file()}", f"data.train={C.NAME}", f"data.eval={C.NAME}",
-        f"data.max_prompt_length={C.SUGGESTED_MAX_PROMPT_LENGTH}", "data.max_eval_prompts=8",
-        f"output_dir={out}", "train.steps=2", "train.prompts_per_step=2", "train.mini_batch_size=1",
-        "rollout.num_generations=4", f"rollout.max_completion_length={C.SUGGESTED_MAX_LENGTH}",
-        "algorithm.overlong_buffer=4", "train.lr=1e-5", "train.warmup_steps=0",
-        "logging.tensorboard=false", "logging.console=false", "reward.num_workers=1",
-    ]  # fmt: skip
+        f"model.name_or_path={gguf_file()}",
+        f"data.train={C.NAME}",
+        f"data.eval={C.NAME}",
+        f"data.max_prompt_length={C.SUGGESTED_MAX_PROMPT_LENGTH}",
+        "data.max_eval_prompts=8",
+        f"output_dir={out}",
+        "train.steps=2",
+        "train.prompts_per_step=2",
+        "train.mini_batch_size=1",
+        "rollout.num_generations=4",
+        f"rollout.max_completion_length={C.SUGGESTED_MAX_LENGTH}",
+        "algorithm.overlong_buffer=4",
+        "train.lr=1e-5",
+        "train.warmup_steps=0",
+        "logging.tensorboard=false",
+        "logging.console=false",
+        "reward.num_workers=1",
+    ]
     assert main(["train", *args]) == 0
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2]
-    assert all(0 <= r["reward/acc"] <= 1 and r["actor/updates"] >= 1 for r in rows)
+    train = [r for r in rows if "reward/acc" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(0 <= r["reward/acc"] <= 1 and r["actor/updates"] >= 1 for r in train)
+    # Held-out accuracy before and after, on 8 problems x 1 response: multiples of 1/8.
+    held = [(r["step"], r["val/acc"]) for r in rows if "val/acc" in r]
     summary = json.loads((out / "summary.json").read_text())
-    assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
+    assert held == [(0, summary["accuracy_before"]), (2, summary["accuracy_after"])]
+    assert all((8 * acc).is_integer() for _, acc in held)
 
-    # The run's prompt sets, as the trainer loads them: disjoint problems.
+    # The run's prompt sets, as the trainer loads them (load_prompt_set): disjoint problems.
     data = DataConfig(train=C.NAME, eval=C.NAME, max_eval_prompts=8)
-    train, held_out = load_prompt_set(data, "train"), load_prompt_set(data, "eval")
-    assert len(held_out) == 8 and all(C.CHOSEN.split_of(r.extra["a"], r.extra["b"]) == "test"
-                                      for r in held_out)  # fmt: skip
-    assert not {r.uid for r in train} & {r.uid for r in held_out}
+    train_set, held_out = load_prompt_set(data, "train"), load_prompt_set(data, "eval")
+    assert len(held_out) == 8
+    assert all(C.CHOSEN.split_of(r.extra["a"], r.extra["b"]) == "test" for r in held_out)
+    assert not {r.uid for r in train_set} & {r.uid for r in held_out}
