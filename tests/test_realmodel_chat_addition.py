@@ -5,7 +5,7 @@ render through SmolLM2's chat template as a conversation (our system message in 
 the model's default one, the worked examples as earlier turns), fit the suggested prompt
 limit, are scored by the default ``dapo_math`` reward, and a training run trains on the
 training split and evaluates on the held-out one. Not the gain: that is a benchmark's job
-(``docs/benchmarks.md``, section 13).
+(``docs/benchmarks.md``, section 14).
 """
 
 from __future__ import annotations

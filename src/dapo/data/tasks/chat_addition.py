@@ -21,19 +21,19 @@ and a response like ``51 + 29 = 80\\nAnswer: 80`` (about 18 tokens). Scored by t
 ``dapo_math`` scorer as real math data (the default reward: nothing to configure), so a
 response is *well-formed* when it has an ``Answer: <integer>`` line.
 
-Why this task (``docs/benchmarks.md``, section 13, has the measurements): asked for the
-number alone, or without examples, the model is almost never right (0-10%); writing the
-equation first, it is right about a quarter of the time at temperature 1.0 with ~94% of its
-answers well-formed, and most groups of 8 responses are mixed. The wrong answers are
-arithmetic slips (``84 + 10 = 194``, ``16 + 19 = 25``), not format, so what RL can raise is
-the accuracy among well-formed answers, and a skill, not memorised facts, carries over to
-the held-out problems.
+Why this task (``docs/benchmarks.md``, section 14, has the measurements): asked for the
+number alone the model is right 10% of the time, without examples never; writing the
+equation first, it is right 28% of the time at temperature 1.0 (62% of groups of 8 have a
+right answer) with 92% of its answers well-formed, and most groups of 8 are mixed. The
+wrong answers are arithmetic slips (``84 + 10 = 194``, ``16 + 19 = 25``), not format, so
+what RL can raise is the accuracy among well-formed answers, and a skill, not memorised
+facts, carries over to the held-out problems.
 
 Splits: the 8,100 problems ``a + b`` (10 <= a, b <= 99) are split by a hash of the
 problem, about 10% held out (``test``); the examples of the prompt are never held out.
 Each split is visited in a seeded random order, without repeats until it is exhausted.
-Prompts are about 155 tokens long with SmolLM2's template: set ``data.max_prompt_length``
-to 192 (the default 128 drops them all, with an error that says so).
+Prompts are 152 tokens long with SmolLM2's template (each digit is a token): set
+``data.max_prompt_length`` to 192 (the default 128 drops them all, with an error that says so).
 
 ``builtin:chat_addition-sanity`` is a fixed set of 32 training problems that
 SmolLM2-135M-Instruct partly solves (1 to 7 of 8 responses right at temperature 1.0), for
@@ -57,7 +57,7 @@ NAME = "builtin:chat_addition"
 SANITY_NAME = "builtin:chat_addition-sanity"
 DATA_SOURCE = "chat_addition"  # not mapped: scored by reward.default_scorer (dapo_math)
 SYSTEM = "Answer with the equation, then a last line: Answer: <number>"
-SUGGESTED_MAX_PROMPT_LENGTH = 192  # tokens, with SmolLM2's chat template (prompts: ~150-160)
+SUGGESTED_MAX_PROMPT_LENGTH = 192  # tokens, with SmolLM2's chat template (prompts: 152)
 SUGGESTED_MAX_LENGTH = 24  # response limit: a well-formed answer takes 15-20 tokens
 TEST_SHARE = 10  # 1 in TEST_SHARE problems is held out
 
@@ -122,7 +122,7 @@ VARIANTS: dict[str, Variant] = {
 
 # The sanity set: the first 32 training problems of CHOSEN (seed 1234 order) with 1 to 7 of
 # 8 responses right, sampled from SmolLM2-135M-Instruct (Q4_1 GGUF) at temperature 1.0
-# (75 of the first 128 were; docs/benchmarks.md, section 13):
+# (75 of the first 128 were; docs/benchmarks.md, section 14):
 #   python benchmarks/measure_task.py --model smollm2 --task builtin:chat_addition \
 #       --split train --problems 128 --select-mixed 32 --max-length 24 --seed 0
 SANITY_PROBLEMS: tuple[tuple[int, int], ...] = (
