@@ -160,12 +160,15 @@ def test_each_builtin_model_has_its_own_cache_and_unknown_ones_are_named(tmp_pat
     from dapo.models.loading import BUILTIN_MODELS, resolve_model_path
 
     monkeypatch.setenv("DAPO_CACHE", str(tmp_path))
-    assert set(tiny.RECIPES) == set(BUILTIN_MODELS) == {"builtin:tiny", "builtin:tiny-long"}
+    assert set(tiny.RECIPES) == set(BUILTIN_MODELS) == {
+        "builtin:tiny", "builtin:tiny-long", "builtin:tiny-tool"
+    }
     # The default model keeps the cache directory it always had.
     assert tiny.cache_dir("builtin:tiny") == tmp_path / "builtin-tiny-v3"
     assert tiny.cache_dir("builtin:tiny-long").name.startswith("builtin-tiny-long-v")
     assert tiny.RECIPES["builtin:tiny-long"].sft_example is L.sft_example
-    with pytest.raises(ModelError, match="builtin:tiny, builtin:tiny-long"):
+    assert tiny.cache_dir("builtin:tiny-tool").name.startswith("builtin-tiny-tool-v")
+    with pytest.raises(ModelError, match="builtin:tiny, builtin:tiny-long, builtin:tiny-tool"):
         resolve_model_path("builtin:tiny-lnog")
 
 

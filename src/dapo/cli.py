@@ -83,8 +83,8 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument(
         "--data",
         required=True,
-        help="evaluation set: .parquet / .jsonl / .json / dir, builtin:addition or "
-        "builtin:long_addition",
+        help="evaluation set: .parquet / .jsonl / .json / dir, or a built-in task "
+        "(builtin:addition, builtin:long_addition, builtin:calculator, builtin:chat_addition)",
     )
     parser.add_argument(
         "--k",

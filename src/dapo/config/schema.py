@@ -70,8 +70,9 @@ class ModelConfig:
         "builtin:tiny",
         "The policy: a local directory, a Hugging Face hub id, a .gguf file (dequantised to "
         "transformers format once, cached in the dapo cache), or a built-in ~1M-parameter "
-        "Llama that trains on a CPU: builtin:tiny (warmed up on builtin:addition) or "
-        "builtin:tiny-long (on builtin:long_addition). The DAPO paper trains Qwen2.5-32B base.",
+        "Llama that trains on a CPU: builtin:tiny (warmed up on builtin:addition), "
+        "builtin:tiny-long (on builtin:long_addition) or builtin:tiny-tool (on "
+        "builtin:calculator's tool episodes). The DAPO paper trains Qwen2.5-32B base.",
     )
     tokenizer: str | None = opt(
         None, "Tokenizer directory or hub id; null: the one of model.name_or_path."
@@ -101,8 +102,10 @@ class DataConfig:
         "Training prompts: a .parquet file in the DAPO-Math format (columns data_source, "
         "prompt, reward_model.ground_truth), a .jsonl/.json file, a directory of parquet "
         "files or from datasets' save_to_disk, a locally cached datasets name, or a built-in "
-        "task: builtin:addition (1-2 digit sums) or builtin:long_addition (1-4 digits, made for "
-        "the ablation ladder). Repeated prompts are dropped.",
+        "task: builtin:addition (1-2 digit sums), builtin:long_addition (1-4 digits, made for "
+        "the ablation ladder), builtin:calculator (multi-turn: long sums with a tool), "
+        "builtin:chat_addition (2-digit sums through a chat template, for a real model; "
+        "builtin:chat_addition-sanity: 32 of them). Repeated prompts are dropped.",
     )
     eval: str | None = opt(
         "builtin:addition",
