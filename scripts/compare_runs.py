@@ -35,9 +35,10 @@ def differences(a: list[dict], b: list[dict], skip: tuple[str, ...], tol: float)
         for k in sorted(keys_a & keys_b):
             va, vb = ra[k], rb[k]
             same = va == vb or (
-                isinstance(va, (int, float)) and isinstance(vb, (int, float))
+                isinstance(va, (int, float))
+                and isinstance(vb, (int, float))
                 and math.isclose(va, vb, rel_tol=tol, abs_tol=tol)
-            )  # fmt: skip
+            )
             if not same:
                 out.append(f"line {i + 1} (step {ra.get('step')}): {k}: {va} vs {vb}")
     return out
@@ -48,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_a", type=Path)
     ap.add_argument("run_b", type=Path)
     ap.add_argument("--skip", nargs="*", default=[], help="more metric-name prefixes to ignore")
-    ap.add_argument("--tol", type=float, default=0.0, help="absolute/relative tolerance (default exact)")
+    ap.add_argument(
+        "--tol", type=float, default=0.0, help="absolute/relative tolerance (default exact)"
+    )
     args = ap.parse_args(argv)
     a, b = load(args.run_a), load(args.run_b)
     diffs = differences(a, b, TIMING + tuple(args.skip), args.tol)

@@ -77,8 +77,9 @@ def _model_and_optimizer(data_parallel: str, lora_rank: int = 0):
         ddp = torch.nn.parallel.DistributedDataParallel(model)
     elif data_parallel == "fsdp":
         sharding.shard_model(model, D.current())
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3,
-                            weight_decay=0.1)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1
+    )
     return model, ddp, opt
 
 
@@ -98,13 +99,25 @@ def one_step(data_parallel: str, checkpoints: Path | None = None, lora_rank: int
 
     torch.set_num_threads(1)
     model, ddp, opt = _model_and_optimizer(data_parallel, lora_rank)
-    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
-    result = learner(model, LossSettings(loss_agg="token-mean"), token_budget=TOKEN_BUDGET[data_parallel],
-                     optimizer=opt, max_grad_norm=1.0, ddp=ddp).optimizer_step(fixed_batch())
+    local = sum(
+        p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()
+    )
+    result = learner(
+        model,
+        LossSettings(loss_agg="token-mean"),
+        token_budget=TOKEN_BUDGET[data_parallel],
+        optimizer=opt,
+        max_grad_norm=1.0,
+        ddp=ddp,
+    ).optimizer_step(fixed_batch())
     assert result.applied
     full = full_state(model, opt)
-    out = {"params": full.weights, "optimizer": full.optimizer, "local_numel": local,
-           "grad_norm": result.grad_norm}
+    out = {
+        "params": full.weights,
+        "optimizer": full.optimizer,
+        "local_numel": local,
+        "grad_norm": result.grad_norm,
+    }
     if checkpoints is not None:  # every rank saves (FSDP: its own shards)
         save_checkpoint(checkpoints, 1, model, opt, {"step": 1})
         D.barrier()
@@ -127,15 +140,34 @@ def variant_settings():
 
     return {
         "gspo+is-sequence-mask": LossSettings(
-            policy_loss="gspo", clip_low=0.05, clip_high=0.08, loss_agg="seq-mean-token-mean",
-            is_cap=1.5, is_level="sequence", is_mode="mask"),
-        "cispo+is-token-mask": LossSettings(policy_loss="cispo", clip_low=1.0, clip_high=0.3,
-                                            is_cap=1.3, is_level="token", is_mode="mask"),
-        "clip_cov": LossSettings(entropy_control="clip_cov", clip_low=1.0, clip_high=1.0,
-                                 clip_cov_ratio=0.1, clip_cov_low=0.05, clip_cov_high=5.0),
-        "kl_cov+entropy": LossSettings(entropy_control="kl_cov", kl_cov_ratio=0.1,
-                                       entropy_coef=0.05),
-    }  # fmt: skip
+            policy_loss="gspo",
+            clip_low=0.05,
+            clip_high=0.08,
+            loss_agg="seq-mean-token-mean",
+            is_cap=1.5,
+            is_level="sequence",
+            is_mode="mask",
+        ),
+        "cispo+is-token-mask": LossSettings(
+            policy_loss="cispo",
+            clip_low=1.0,
+            clip_high=0.3,
+            is_cap=1.3,
+            is_level="token",
+            is_mode="mask",
+        ),
+        "clip_cov": LossSettings(
+            entropy_control="clip_cov",
+            clip_low=1.0,
+            clip_high=1.0,
+            clip_cov_ratio=0.1,
+            clip_cov_low=0.05,
+            clip_cov_high=5.0,
+        ),
+        "kl_cov+entropy": LossSettings(
+            entropy_control="kl_cov", kl_cov_ratio=0.1, entropy_coef=0.05
+        ),
+    }
 
 
 def variant_step(data_parallel: str, name: str) -> dict:
@@ -151,14 +183,25 @@ def variant_step(data_parallel: str, name: str) -> dict:
     batch = fixed_batch()
     gen = torch.Generator().manual_seed(2)
     for s in batch:
-        s.sampling_logprobs = s.old_logprobs + 0.2 * torch.randn(len(s.response_ids), generator=gen,
-                                                                  dtype=torch.float64)
+        s.sampling_logprobs = s.old_logprobs + 0.2 * torch.randn(
+            len(s.response_ids), generator=gen, dtype=torch.float64
+        )
     attach_is_weights(batch, settings)
-    result = learner(model, settings, token_budget=TOKEN_BUDGET[data_parallel], optimizer=opt,
-                     max_grad_norm=1.0, ddp=ddp).optimizer_step(batch, seed=17)
+    result = learner(
+        model,
+        settings,
+        token_budget=TOKEN_BUDGET[data_parallel],
+        optimizer=opt,
+        max_grad_norm=1.0,
+        ddp=ddp,
+    ).optimizer_step(batch, seed=17)
     assert result.applied
-    return {"params": full_state(model, opt).weights, "selection": result.selection,
-            "grad_norm": result.grad_norm, "loss": result.stats.parts["loss"]}
+    return {
+        "params": full_state(model, opt).weights,
+        "selection": result.selection,
+        "grad_norm": result.grad_norm,
+        "loss": result.stats.parts["loss"],
+    }
 
 
 def mixed_precision_grads(data_parallel: str) -> dict:
@@ -195,8 +238,9 @@ def mixed_precision_grads(data_parallel: str) -> dict:
     batch = fixed_batch()
     for s in batch:
         s.old_logprobs = s.old_logprobs.float()
-    learner(model, LossSettings(), token_budget=TOKEN_BUDGET["fsdp"],
-            optimizer=Capture()).optimizer_step(batch)
+    learner(
+        model, LossSettings(), token_budget=TOKEN_BUDGET["fsdp"], optimizer=Capture()
+    ).optimizer_step(batch)
     handle.remove()
     stored = {p.dtype for p in model.parameters()}
     return {"grads": captured, "stored": stored, "computed": computed}
@@ -217,11 +261,12 @@ def no_grad_passes_match(data_parallel: str) -> bool:
     params = SamplingParams(n=2, max_tokens=4 + 9 * rank, seed=rank)
     prompts = [[5, 6, 7], [8, 9]][: 2 - rank]
     groups = [HFEngine(m, 1, 0).generate(prompts, params) for m in (model, plain)]
-    same = all(a.response_ids == b.response_ids and a.logprobs == b.logprobs
-               for a, b in zip(*groups, strict=True))
+    same = all(
+        a.response_ids == b.response_ids and a.logprobs == b.logprobs
+        for a, b in zip(*groups, strict=True)
+    )
     samples = fixed_batch()[: 3 * (1 - rank)]
-    logps = [compute_logprobs(m, samples, ForwardOptions(0, 1.0, 40))
-             for m in (model, plain)]
+    logps = [compute_logprobs(m, samples, ForwardOptions(0, 1.0, 40)) for m in (model, plain)]
     return same and all(torch.equal(a, b) for a, b in zip(*logps, strict=True))
 
 
@@ -238,21 +283,35 @@ def vllm_colocated(data_parallel: str, model_path: str, out: Path, lora: bool = 
     from dapo.training.trainer import Trainer
 
     torch.set_num_threads(1)
-    cfg = load_config(overrides=[
-        f"model.name_or_path={model_path}", f"output_dir={out}", "rollout.engine=vllm",
-        f"train.data_parallel={data_parallel}", "train.steps=2", "train.prompts_per_step=4",
-        "train.mini_batch_size=2", "rollout.num_generations=4", "rollout.max_completion_length=12",
-        "algorithm.overlong_buffer=4", "algorithm.dynamic_sampling=false", "evaluate=false",
-        "logging.tensorboard=false", "logging.console=false", "checkpoint.save_every=0",
-        *(["model.lora.rank=4", "train.lr=3e-2"] if lora else ["train.lr=3e-3"]),
-    ])
+    cfg = load_config(
+        overrides=[
+            f"model.name_or_path={model_path}",
+            f"output_dir={out}",
+            "rollout.engine=vllm",
+            f"train.data_parallel={data_parallel}",
+            "train.steps=2",
+            "train.prompts_per_step=4",
+            "train.mini_batch_size=2",
+            "rollout.num_generations=4",
+            "rollout.max_completion_length=12",
+            "algorithm.overlong_buffer=4",
+            "algorithm.dynamic_sampling=false",
+            "evaluate=false",
+            "logging.tensorboard=false",
+            "logging.console=false",
+            "checkpoint.save_every=0",
+            *(["model.lora.rank=4", "train.lr=3e-2"] if lora else ["train.lr=3e-3"]),
+        ]
+    )
     trainer = Trainer(cfg, log=lambda _: None)
     try:
         steps = [trainer.train_step()[0] for _ in range(2)]
         rank = trainer.dist.rank
         # this rank's own prompts
         groups = trainer.rollouts.generate(list(range(rank, 8, 2)), step=99, round_no=0)
-        samples = [Sample(g.prompt_ids, r, 0.0, [1.0] * len(r)) for g in groups for r in g.response_ids]
+        samples = [
+            Sample(g.prompt_ids, r, 0.0, [1.0] * len(r)) for g in groups for r in g.response_ids
+        ]
         forward = ForwardOptions(trainer.tokenizer.pad_token_id, 1.0, 4096)
         trained = compute_logprobs(trainer.model, samples, forward)
         initial = AutoModelForCausalLM.from_pretrained(model_path).float()
@@ -260,8 +319,12 @@ def vllm_colocated(data_parallel: str, model_path: str, out: Path, lora: bool = 
         engine = [torch.tensor(lp) for g in groups for lp in g.logprobs]
         return {
             "rank": rank,
-            "engine_vs_trainer": max(float((e - t).abs().max()) for e, t in zip(engine, trained, strict=True)),
-            "engine_vs_initial": max(float((e - b).abs().max()) for e, b in zip(engine, before, strict=True)),
+            "engine_vs_trainer": max(
+                float((e - t).abs().max()) for e, t in zip(engine, trained, strict=True)
+            ),
+            "engine_vs_initial": max(
+                float((e - b).abs().max()) for e, b in zip(engine, before, strict=True)
+            ),
             "responses": [g.response_ids for g in groups],
             "mismatch": [m.get("rollout/logprob_mismatch") for m in steps],
             "synced": ["perf/weight_sync_s" in m for m in steps],
@@ -275,15 +338,27 @@ def skip_run(model: str, out: str, rewards: str, data: str, rank: int) -> None:
     from dapo.config import load_config
     from dapo.training.trainer import Trainer
 
-    cfg = load_config(overrides=[
-        f"model.name_or_path={model}", f"output_dir={out}", f"data.train={data}",
-        "data.answer_key=answer", "train.steps=6", "train.prompts_per_step=4",
-        "train.mini_batch_size=2", "rollout.num_generations=4", "rollout.max_completion_length=8",
-        "algorithm.overlong_buffer=2", "evaluate=false", "logging.tensorboard=false",
-        "logging.console=false", "checkpoint.save_every=0", "checkpoint.save_final_model=false",
-        f"reward.functions=[{{name: '{rewards}:by_answer_class'}}]",
-        "algorithm.skip_uniform_prompts=true",
-    ])
+    cfg = load_config(
+        overrides=[
+            f"model.name_or_path={model}",
+            f"output_dir={out}",
+            f"data.train={data}",
+            "data.answer_key=answer",
+            "train.steps=6",
+            "train.prompts_per_step=4",
+            "train.mini_batch_size=2",
+            "rollout.num_generations=4",
+            "rollout.max_completion_length=8",
+            "algorithm.overlong_buffer=2",
+            "evaluate=false",
+            "logging.tensorboard=false",
+            "logging.console=false",
+            "checkpoint.save_every=0",
+            "checkpoint.save_final_model=false",
+            f"reward.functions=[{{name: '{rewards}:by_answer_class'}}]",
+            "algorithm.skip_uniform_prompts=true",
+        ]
+    )
     trainer = Trainer(cfg, log=lambda _: None)
     seen: dict = {"taken": [], "skipped": [], "generated": []}
     next_prompts, generate = trainer.rollouts.prompts.next, trainer.rollouts.engine.generate
@@ -299,7 +374,10 @@ def skip_run(model: str, out: str, rewards: str, data: str, rank: int) -> None:
         seen["generated"] += [list(p) for p in prompt_ids]
         return generate(prompt_ids, params)
 
-    trainer.rollouts.prompts.next, trainer.rollouts.engine.generate = record_prompts, record_generate
+    trainer.rollouts.prompts.next, trainer.rollouts.engine.generate = (
+        record_prompts,
+        record_generate,
+    )
     trainer.run()
     seen["taken_ids"] = [trainer.rollouts.train_ids[i] for i in seen["taken"]]
     seen["history"] = trainer.rollouts.prompts.history.state_dict()
@@ -340,25 +418,38 @@ def main() -> None:
         from dapo.training.trainer import Trainer
 
         model, out, rewards = sys.argv[2], Path(sys.argv[3]), sys.argv[4]
-        cfg = load_config(overrides=[
-            f"model.name_or_path={model}", f"output_dir={out}", "train.steps=3",
-            "train.prompts_per_step=4", "train.mini_batch_size=2", "rollout.num_generations=4",
-            "rollout.max_completion_length=12", "algorithm.overlong_buffer=4", "evaluate=false",
-            "logging.tensorboard=false", "logging.console=false", "checkpoint.save_every=0",
-            f"reward.functions=[{{name: '{rewards}'}}]", *sys.argv[5:],
-        ])
+        cfg = load_config(
+            overrides=[
+                f"model.name_or_path={model}",
+                f"output_dir={out}",
+                "train.steps=3",
+                "train.prompts_per_step=4",
+                "train.mini_batch_size=2",
+                "rollout.num_generations=4",
+                "rollout.max_completion_length=12",
+                "algorithm.overlong_buffer=4",
+                "evaluate=false",
+                "logging.tensorboard=false",
+                "logging.console=false",
+                "checkpoint.save_every=0",
+                f"reward.functions=[{{name: '{rewards}'}}]",
+                *sys.argv[5:],
+            ]
+        )
         trainer = Trainer(cfg, log=lambda _: None)
         seen: list[dict] = []
         original_build, original_step = trainer.build_samples, trainer.learner.optimizer_step
         rows: dict[int, int] = {}  # id of a sample of this step -> its row
 
         def record(groups):
-            seen.append({
-                "step": trainer.step,
-                "groups": [list(map(bool, x.correct)) for x in groups],
-                "trained_rows": [],
-                "uids": [x.record.uid for x in groups],
-            })
+            seen.append(
+                {
+                    "step": trainer.step,
+                    "groups": [list(map(bool, x.correct)) for x in groups],
+                    "trained_rows": [],
+                    "uids": [x.record.uid for x in groups],
+                }
+            )
             samples = original_build(groups)
             rows.clear()
             rows.update({id(s): i for i, s in enumerate(samples)})

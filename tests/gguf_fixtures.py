@@ -35,11 +35,19 @@ def byte_level_vocab() -> list[str]:
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf permutation of q/k rows (transformers undoes it)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def write_tiny_gguf(path: Path, *, seed: int = 0, architecture: str = "llama") -> torch.nn.Module:
@@ -50,11 +58,20 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, architecture: str = "llama") -
     vocab = byte_level_vocab()
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=HIDDEN, intermediate_size=FFN,
-        num_hidden_layers=N_LAYER, num_attention_heads=N_HEAD, num_key_value_heads=N_KV_HEAD,
-        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=EOS_ID,
-    )  # fmt: skip
+        vocab_size=len(vocab),
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=N_LAYER,
+        num_attention_heads=N_HEAD,
+        num_key_value_heads=N_KV_HEAD,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+    )
     model = LlamaForCausalLM(config).float().eval()
     q4 = gguf.GGMLQuantizationType.Q4_1
 
@@ -81,12 +98,22 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, architecture: str = "llama") -
     w.add_pad_token_id(EOS_ID)
     w.add_chat_template(CHAT_TEMPLATE)
 
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     state = model.state_dict()
-    tensors = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    tensors = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+    }
     for i in range(N_LAYER):
         for hf, gg in names.items():
             tensors[f"blk.{i}.{gg}.weight"] = f"model.layers.{i}.{hf}.weight"

@@ -94,13 +94,15 @@ def main(out: Path) -> None:
     # 2. Two optimizer steps (fused AdamW over DTensors).
     opt = make_optimizer(model, train)
     result["fused"] = all(group["fused"] for group in opt.param_groups)
-    trainer = learner(model, settings, token_budget=400, shared_prompt=False, optimizer=opt,
-                      max_grad_norm=1.0)  # fmt: skip
+    trainer = learner(
+        model, settings, token_budget=400, shared_prompt=False, optimizer=opt, max_grad_norm=1.0
+    )
     result["steps"] = []
     for step in range(2):
         r = trainer.optimizer_step(samples(seed=10 + step))
-        result["steps"].append({"applied": r.applied, "grad_norm": r.grad_norm,
-                                "loss": r.stats.parts["loss"]})  # fmt: skip
+        result["steps"].append(
+            {"applied": r.applied, "grad_norm": r.grad_norm, "loss": r.stats.parts["loss"]}
+        )
     old = compute_logprobs(model, samples(seed=20), trainer.forward)
     result["logprobs_finite"] = all(bool(torch.isfinite(x).all()) for x in old)
 
@@ -121,12 +123,15 @@ def main(out: Path) -> None:
     moments = 0.0
     for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
         for key in ("exp_avg", "exp_avg_sq"):
-            moments = max(moments, float((full(opt.state[p][key]) - full(opt2.state[q][key])).abs().max()))
+            moments = max(
+                moments, float((full(opt.state[p][key]) - full(opt2.state[q][key])).abs().max())
+            )
     result["moments_max_diff"] = moments
     # The next step from either: the same weights.
     batch = samples(seed=30)
-    trainer2 = learner(resumed, settings, token_budget=400, shared_prompt=False, optimizer=opt2,
-                       max_grad_norm=1.0)  # fmt: skip
+    trainer2 = learner(
+        resumed, settings, token_budget=400, shared_prompt=False, optimizer=opt2, max_grad_norm=1.0
+    )
     for t in (trainer, trainer2):
         assert t.optimizer_step(batch).applied
     params = dict(model.named_parameters())

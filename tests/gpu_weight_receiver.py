@@ -2,7 +2,7 @@
 
 A real :class:`~dapo.rollout.server.RolloutServer` (HTTP, request checks, the engine
 thread) on 127.0.0.1:PORT whose engine has no vLLM: its "worker" is the real
-:class:`~dapo.rollout.server.WeightReceiver` mixed into a class that keeps what arrives on
+:class:`~dapo.rollout.weight_channel.WeightReceiver` mixed into a class that keeps what arrives on
 ``--device`` instead of loading it into vLLM. Every weight-channel event (join, load,
 leave) is appended, in order, to ``--record`` (JSON, rewritten after each event); a load
 lists each tensor as it arrived: name, dtype, shape, device and its float64 sum.
@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from dapo.rollout.fingerprint import of_model_dir
-from dapo.rollout.server import RolloutServer, WeightReceiver
+from dapo.rollout.server import RolloutServer
+from dapo.rollout.weight_channel import WeightReceiver
 
 
 class Record:
@@ -55,8 +56,9 @@ class StandInWorker(WeightReceiver):
         self.device = torch.device(device)
         self.record = record
 
-    def dapo_join_weights(self, host: str, port: int, world_size: int, backend: str,
-                          timeout_s: float) -> None:  # fmt: skip
+    def dapo_join_weights(
+        self, host: str, port: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
         super().dapo_join_weights(host, port, world_size, backend, timeout_s)
         self.record.add("join", backend=backend, world_size=world_size)
 
@@ -64,9 +66,15 @@ class StandInWorker(WeightReceiver):
         tensors = []
         for name, tensor in weights_iterator:  # as they arrive, one broadcast each
             kept = tensor.to(self.device)
-            tensors.append({"name": name, "dtype": str(kept.dtype).removeprefix("torch."),
-                            "shape": list(kept.shape), "device": str(kept.device),
-                            "sum": float(kept.double().sum())})  # fmt: skip
+            tensors.append(
+                {
+                    "name": name,
+                    "dtype": str(kept.dtype).removeprefix("torch."),
+                    "shape": list(kept.shape),
+                    "device": str(kept.device),
+                    "sum": float(kept.double().sum()),
+                }
+            )
         self.record.add("load", tensors=tensors)
 
     def dapo_leave_weights(self) -> None:
@@ -107,7 +115,9 @@ def main() -> None:
     args = ap.parse_args()
     worker = StandInWorker(args.device, Record(Path(args.record)))
     engine = StandInEngine(worker, args.served_device, args.max_model_len)
-    server = RolloutServer(engine, model=args.model_dir, fingerprint=of_model_dir(args.model_dir, 1))
+    server = RolloutServer(
+        engine, model=args.model_dir, fingerprint=of_model_dir(args.model_dir, 1)
+    )
     server.start("127.0.0.1", args.port)
     signal.signal(signal.SIGTERM, lambda *_: server.stop("SIGTERM"))
     status, message = server.wait()

@@ -27,21 +27,42 @@ class KeepGradients:
 
 
 def learner(
-    model: torch.nn.Module, settings: LossSettings, *, token_budget: int, pad_id: int = 0,
-    shared_prompt: bool = True, optimizer: object = None, max_grad_norm: float = 0.0,
+    model: torch.nn.Module,
+    settings: LossSettings,
+    *,
+    token_budget: int,
+    pad_id: int = 0,
+    shared_prompt: bool = True,
+    optimizer: object = None,
+    max_grad_norm: float = 0.0,
     ddp: torch.nn.Module | None = None,
-) -> Learner:  # fmt: skip
+) -> Learner:
     """A learner of ``model`` with ``settings`` (no gradient clipping unless asked)."""
-    forward = ForwardOptions(pad_id, settings.temperature, token_budget, shared_prompt=shared_prompt)
-    return Learner(model, optimizer or KeepGradients(), settings, forward, ddp=ddp,
-                   train=TrainConfig(max_grad_norm=max_grad_norm))  # fmt: skip
+    forward = ForwardOptions(
+        pad_id, settings.temperature, token_budget, shared_prompt=shared_prompt
+    )
+    return Learner(
+        model,
+        optimizer or KeepGradients(),
+        settings,
+        forward,
+        ddp=ddp,
+        train=TrainConfig(max_grad_norm=max_grad_norm),
+    )
 
 
 def backward(
-    model: torch.nn.Module, samples: Sequence[Sample], settings: LossSettings, *,
-    token_budget: int, pad_id: int = 0, shared_prompt: bool = True, seed: int = 0,
-) -> StepResult:  # fmt: skip
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    settings: LossSettings,
+    *,
+    token_budget: int,
+    pad_id: int = 0,
+    shared_prompt: bool = True,
+    seed: int = 0,
+) -> StepResult:
     """One optimizer step's gradient on ``samples`` (one mini-batch), left in the parameters'
     ``.grad`` unclipped; its statistics."""
-    return learner(model, settings, token_budget=token_budget, pad_id=pad_id,
-                   shared_prompt=shared_prompt).optimizer_step(samples, seed=seed)  # fmt: skip
+    return learner(
+        model, settings, token_budget=token_budget, pad_id=pad_id, shared_prompt=shared_prompt
+    ).optimizer_step(samples, seed=seed)

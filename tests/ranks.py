@@ -35,8 +35,9 @@ def _report(proc: subprocess.CompletedProcess, cwd: Path) -> str:
     return f"stages {stages(cwd)}\n{head}{proc.stdout[-3000:]}{err[-3000:]}"
 
 
-def torchrun(*args: str, cwd: Path, timeout: int = 600, retry_abort: bool | None = None
-             ) -> subprocess.CompletedProcess:
+def torchrun(
+    *args: str, cwd: Path, timeout: int = 600, retry_abort: bool | None = None
+) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --standalone --nproc_per_node 2 ARGS`` in ``cwd``.
 
     ``retry_abort`` (default: when the script is the worker, whose runs are idempotent):
@@ -45,17 +46,28 @@ def torchrun(*args: str, cwd: Path, timeout: int = 600, retry_abort: bool | None
     if retry_abort is None:
         retry_abort = any(a.endswith("dist_worker.py") for a in args)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        *args,
+    ]
     for attempt in (1, 2):
         for marker in cwd.glob(".rank*.stage"):
             marker.unlink()
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)  # fmt: skip
+        proc = subprocess.run(
+            cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
         if proc.returncode == 0 or not retry_abort or GLOO_ABORT not in proc.stderr:
             break
         if attempt == 1:
-            warnings.warn(f"a gloo rank aborted ({GLOO_ABORT!r}) at stages {stages(cwd)}; "
-                          "running the worker once more", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"a gloo rank aborted ({GLOO_ABORT!r}) at stages {stages(cwd)}; "
+                "running the worker once more",
+                stacklevel=2,
+            )
     assert proc.returncode == 0, _report(proc, cwd)
     return proc

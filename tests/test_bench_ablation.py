@@ -35,13 +35,42 @@ def test_ladder_runs_both_comparisons_and_reports_what_its_runs_measured(
 ):
     out, prefix, runs = tmp_path / "ablation.json", tmp_path / "plots" / "abl", tmp_path / "runs"
     args = [
-        "--presets", "grpo,dapo", "--seeds", "0,1", "--steps", "3", "--prompts", "2",
-        "--generations", "4", "--updates-per-step", "2", "--eval-every", "2", "--eval-prompts", "6",
-        "--eval-k", "2", "--model", str(random_tiny_model), "--runs-dir", str(runs),
-        "--output", str(out), "--plot", str(prefix),
-        "--max-length", "10", "--overlong-buffer", "4", "--lr", "1e-4", "--temperature", "1.25",
+        "--presets",
+        "grpo,dapo",
+        "--seeds",
+        "0,1",
+        "--steps",
+        "3",
+        "--prompts",
+        "2",
+        "--generations",
+        "4",
+        "--updates-per-step",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-prompts",
+        "6",
+        "--eval-k",
+        "2",
+        "--model",
+        str(random_tiny_model),
+        "--runs-dir",
+        str(runs),
+        "--output",
+        str(out),
+        "--plot",
+        str(prefix),
+        "--max-length",
+        "10",
+        "--overlong-buffer",
+        "4",
+        "--lr",
+        "1e-4",
+        "--temperature",
+        "1.25",
         f"reward.functions=[{{name: '{REWARDS}:by_answer_class'}}]",
-    ]  # fmt: skip
+    ]
     result = bench.main(args)
     printed = capsys.readouterr().out
     assert json.loads(out.read_text())["modes"]["steps"]["rows"] == result["modes"]["steps"]["rows"]
@@ -54,8 +83,11 @@ def test_ladder_runs_both_comparisons_and_reports_what_its_runs_measured(
     # Naive GRPO trains once per seed for both comparisons; DAPO twice.
     assert sorted(p.name for p in (runs / "grpo").iterdir() if p.is_dir()) == ["seed0", "seed1"]
     assert sorted(p.name for p in (runs / "dapo").iterdir() if p.is_dir()) == [
-        "seed0-budget", "seed0-steps", "seed1-budget", "seed1-steps",
-    ]  # fmt: skip
+        "seed0-budget",
+        "seed0-steps",
+        "seed1-budget",
+        "seed1-steps",
+    ]
     assert result["runs"] == 6
     budget = 3 * 2 * 4
     for seed in (0, 1):
@@ -66,13 +98,18 @@ def test_ladder_runs_both_comparisons_and_reports_what_its_runs_measured(
         spent = json.loads((runs / "dapo" / f"seed{seed}-budget" / "summary.json").read_text())
         # The budget, not the step count, ended the run: at the first step that reached it
         # (a step may generate several rounds, up to algorithm.max_gen_rounds).
-        totals = [m["sampling/generated_samples_total"] for m in metrics(runs / "dapo" / f"seed{seed}-budget")
-                  if "sampling/generated_samples_total" in m]  # fmt: skip
+        totals = [
+            m["sampling/generated_samples_total"]
+            for m in metrics(runs / "dapo" / f"seed{seed}-budget")
+            if "sampling/generated_samples_total" in m
+        ]
         assert spent["steps"] <= 3 and spent["samples_generated"] == totals[-1] >= budget
         assert all(t < budget for t in totals[:-1])
     steps_rows, budget_rows = (result["modes"][m]["rows"] for m in ("steps", "budget"))
     assert steps_rows["grpo"] == budget_rows["grpo"]
-    assert steps_rows["grpo"]["gradient_steps_mean"] == steps_rows["dapo"]["gradient_steps_mean"] == 6
+    assert (
+        steps_rows["grpo"]["gradient_steps_mean"] == steps_rows["dapo"]["gradient_steps_mean"] == 6
+    )
     assert budget_rows["dapo"]["gradient_steps_mean"] <= 6
 
     # The settings reach every run; held-out accuracy is avg@k over k samples per problem.
@@ -81,14 +118,18 @@ def test_ladder_runs_both_comparisons_and_reports_what_its_runs_measured(
     assert cfg["rollout"]["eval_num_generations"] == 2 and cfg["train"]["lr"] == 1e-4
     assert cfg["rollout"]["temperature"] == 1.25 and cfg["rollout"]["eval_temperature"] == 1.0
     assert cfg["data"]["train"] == cfg["data"]["eval"] == "builtin:long_addition"
-    assert cfg["rollout"]["max_completion_length"] == 10 and cfg["algorithm"]["overlong_buffer"] == 4
+    assert (
+        cfg["rollout"]["max_completion_length"] == 10 and cfg["algorithm"]["overlong_buffer"] == 4
+    )
     cfg = yaml.safe_load((runs / "grpo" / "seed0" / "config.yaml").read_text())
     assert cfg["train"]["sample_budget"] == 0
 
     # Final accuracy: the runs' own summaries, averaged over seeds.
     for mode, found in result["modes"].items():
         finals = [
-            json.loads((runs / "dapo" / f"seed{s}-{mode}" / "summary.json").read_text())["accuracy_after"]
+            json.loads((runs / "dapo" / f"seed{s}-{mode}" / "summary.json").read_text())[
+                "accuracy_after"
+            ]
             for s in (0, 1)
         ]
         row = found["rows"]["dapo"]

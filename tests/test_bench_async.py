@@ -21,11 +21,21 @@ def test_bench_async_times_each_mode(tmp_path, capsys):
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     out = tmp_path / "async.json"
-    report = bench_async.main([
-        "--steps", "4", "--modes", "sync,server-async", "--output", str(out),
-        "train.prompts_per_step=2", "train.mini_batch_size=2", "rollout.num_generations=2",
-        "rollout.max_completion_length=8", "algorithm.overlong_buffer=2",
-    ])
+    report = bench_async.main(
+        [
+            "--steps",
+            "4",
+            "--modes",
+            "sync,server-async",
+            "--output",
+            str(out),
+            "train.prompts_per_step=2",
+            "train.mini_batch_size=2",
+            "rollout.num_generations=2",
+            "rollout.max_completion_length=8",
+            "algorithm.overlong_buffer=2",
+        ]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     sync, ahead = report["results"]["sync"], report["results"]["server-async"]
     assert len(sync["steps_s"]) == len(ahead["steps_s"]) == 2  # steps 3 and 4

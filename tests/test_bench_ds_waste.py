@@ -22,14 +22,27 @@ def test_waste_of_a_dapo_run(random_tiny_model, tmp_path, monkeypatch, capsys):
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     out, png = tmp_path / "waste.json", tmp_path / "waste.png"
-    result = bench_ds_waste.main([
-        "--steps", "4", "--model", str(random_tiny_model), "--runs-dir", str(tmp_path / "runs"),
-        "--output", str(out), "--plot", str(png),
-        "train.prompts_per_step=4", "train.mini_batch_size=4", "rollout.num_generations=4",
-        "rollout.max_completion_length=10", "algorithm.overlong_buffer=4",
-        # A third of the answers are always right, a third always wrong: uniform groups.
-        f"reward.functions=[{{name: '{REWARDS}:by_answer_class'}}]",
-    ])
+    result = bench_ds_waste.main(
+        [
+            "--steps",
+            "4",
+            "--model",
+            str(random_tiny_model),
+            "--runs-dir",
+            str(tmp_path / "runs"),
+            "--output",
+            str(out),
+            "--plot",
+            str(png),
+            "train.prompts_per_step=4",
+            "train.mini_batch_size=4",
+            "rollout.num_generations=4",
+            "rollout.max_completion_length=10",
+            "algorithm.overlong_buffer=4",
+            # A third of the answers are always right, a third always wrong: uniform groups.
+            f"reward.functions=[{{name: '{REWARDS}:by_answer_class'}}]",
+        ]
+    )
     assert "| runs/dapo |" in capsys.readouterr().out
     assert json.loads(out.read_text())["runs"].keys() == result["runs"].keys()
     assert png.stat().st_size > 0
@@ -46,7 +59,8 @@ def test_waste_of_a_dapo_run(random_tiny_model, tmp_path, monkeypatch, capsys):
     trained = 4 * 4 * 4
     assert total["generated"] == trained + total["uniform"] + total["final_surplus"]
     assert total["wasted_share"] == pytest.approx(
-        (total["uniform"] + total["final_surplus"]) / total["generated"])
+        (total["uniform"] + total["final_surplus"]) / total["generated"]
+    )
     assert total["discard_surplus_share"] >= total["uniform_share"]
 
 
@@ -84,8 +98,11 @@ def _bench():
 
 
 SMALL = [
-    "train.prompts_per_step=4", "train.mini_batch_size=4", "rollout.num_generations=4",
-    "rollout.max_completion_length=10", "algorithm.overlong_buffer=4",
+    "train.prompts_per_step=4",
+    "train.mini_batch_size=4",
+    "rollout.num_generations=4",
+    "rollout.max_completion_length=10",
+    "algorithm.overlong_buffer=4",
     f"reward.functions=[{{name: '{REWARDS}:by_answer_class'}}]",
 ]
 
@@ -94,8 +111,20 @@ def test_outcomes_of_a_run(random_tiny_model, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     bench, _ = _bench()
     out = tmp_path / "outcomes.json"
-    result = bench.main(["--outcomes", "--steps", "3", "--model", str(random_tiny_model),
-                         "--runs-dir", str(tmp_path / "runs"), "--output", str(out), *SMALL])
+    result = bench.main(
+        [
+            "--outcomes",
+            "--steps",
+            "3",
+            "--model",
+            str(random_tiny_model),
+            "--runs-dir",
+            str(tmp_path / "runs"),
+            "--output",
+            str(out),
+            *SMALL,
+        ]
+    )
     rows, a = result["rows"], result["outcomes"]
     assert "oracle: uniform share" in capsys.readouterr().out
     assert json.loads(out.read_text())["outcomes"]["groups"] == len(rows) == a["groups"]
@@ -144,13 +173,30 @@ def test_simulated_skipping_spends_less_and_still_explores():
     assert 0.0 < on["persistent_generated_share_late"] < 0.5  # skipped mostly, still visited
 
 
-def test_compare_skip_against_plain_dynamic_sampling(random_tiny_model, tmp_path, monkeypatch, capsys):
+def test_compare_skip_against_plain_dynamic_sampling(
+    random_tiny_model, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     bench, _ = _bench()
     out = tmp_path / "compare.json"
-    result = bench.main(["--compare", "off,skip", "--seeds", "0", "--steps", "3",
-                         "--model", str(random_tiny_model), "--runs-dir", str(tmp_path / "runs"),
-                         "--output", str(out), *SMALL, "data.max_eval_prompts=4"])
+    result = bench.main(
+        [
+            "--compare",
+            "off,skip",
+            "--seeds",
+            "0",
+            "--steps",
+            "3",
+            "--model",
+            str(random_tiny_model),
+            "--runs-dir",
+            str(tmp_path / "runs"),
+            "--output",
+            str(out),
+            *SMALL,
+            "data.max_eval_prompts=4",
+        ]
+    )
     table = capsys.readouterr().out
     assert "| off | 1 |" in table and "| skip | 1 |" in table
     for variant in ("off", "skip"):
@@ -162,4 +208,6 @@ def test_compare_skip_against_plain_dynamic_sampling(random_tiny_model, tmp_path
         assert figures["generated_per_trained"] == pytest.approx(generated / (3 * 4 * 4))
         assert 0.0 <= figures["accuracy_after"] <= 1.0 and figures["process_seconds"] > 0
     assert result["variants"]["off"]["seed0"]["skip_rate_late"] == 0.0
-    assert json.loads(out.read_text())["overrides"]["skip"] == ["algorithm.skip_uniform_prompts=true"]
+    assert json.loads(out.read_text())["overrides"]["skip"] == [
+        "algorithm.skip_uniform_prompts=true"
+    ]

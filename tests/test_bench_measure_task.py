@@ -57,11 +57,24 @@ def test_entropy_is_measured_at_the_sampling_temperature(measure_task, random_ti
 
 def test_smoke_run_reports_consistent_figures(measure_task, random_tiny_model, tmp_path, capsys):
     out = tmp_path / "task.json"
-    r = measure_task.main([
-        "--model", str(random_tiny_model), "--problems", "6", "--generations", "2",
-        "--max-length", "12", "--limits", "4,8", "--temperature", "1.5",
-        "--output", str(out),
-    ])  # fmt: skip
+    r = measure_task.main(
+        [
+            "--model",
+            str(random_tiny_model),
+            "--problems",
+            "6",
+            "--generations",
+            "2",
+            "--max-length",
+            "12",
+            "--limits",
+            "4,8",
+            "--temperature",
+            "1.5",
+            "--output",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["entropy_mean"] == pytest.approx(r["entropy_mean"])
     n = r["problems"] * r["generations"]
     assert r["problems"] == 6 and sum(lv["n"] for lv in r["levels"].values()) == n
@@ -71,7 +84,9 @@ def test_smoke_run_reports_consistent_figures(measure_task, random_tiny_model, t
     assert r["truncated_frac"] <= r["longer_than"]["8"] <= r["longer_than"]["4"] <= 1
     acc = sum(lv["acc"] * lv["n"] for lv in r["levels"].values()) / n
     assert r["accuracy"] == pytest.approx(acc)
-    assert 0 < r["entropy_mean"] <= math.log(len(measure_task.load_tokenizer(str(random_tiny_model))))
+    assert (
+        0 < r["entropy_mean"] <= math.log(len(measure_task.load_tokenizer(str(random_tiny_model))))
+    )
     assert "temperature 1.5" in capsys.readouterr().out
 
 
@@ -97,12 +112,28 @@ def test_a_chat_variant_reports_format_and_mixed_groups_and_lists_mixed_problems
         return 1.0 if len(texts_seen) % 3 == 0 else real(text, truth)
 
     monkeypatch.setattr(measure_task, "dapo_math_score", fake)
-    r = measure_task.main([
-        "--model", str(random_tiny_model), "--variant", "add_2d_1d", "--split", "train",
-        "--problems", "4", "--generations", "3", "--max-length", "6", "--select-mixed", "2",
-    ])  # fmt: skip
+    r = measure_task.main(
+        [
+            "--model",
+            str(random_tiny_model),
+            "--variant",
+            "add_2d_1d",
+            "--split",
+            "train",
+            "--problems",
+            "4",
+            "--generations",
+            "3",
+            "--max-length",
+            "6",
+            "--select-mixed",
+            "2",
+        ]
+    )
     assert r["behaviour"] is None and r["split"] == "train" and "add_2d_1d" in r["task"]
     # Every group holds exactly one right response (every third call): all mixed.
-    assert r["mixed_groups"] == 1.0 and r["pass_at_g"] == 1.0 and r["accuracy"] == pytest.approx(1 / 3)
+    assert (
+        r["mixed_groups"] == 1.0 and r["pass_at_g"] == 1.0 and r["accuracy"] == pytest.approx(1 / 3)
+    )
     assert len(r["mixed_problems"]) == 2 and all(p["op"] == "+" for p in r["mixed_problems"])
     assert r["well_formed_frac"] == sum(map(measure_task.well_formed, texts_seen)) / 12

@@ -18,14 +18,37 @@ def test_bench_memory_smoke(tmp_path: Path) -> None:
         sides.append("trl")
     out = tmp_path / "memory.json"
     cmd = [
-        sys.executable, str(SCRIPT), "--threads", "1", "--prompts", "2", "--generations", "2",
-        "--max-completion-length", "6", "--hidden", "32", "--layers", "2", "--heads", "2",
-        "--kv-heads", "1", "--mlp", "64", "--vocab", "4000", "--sides", ",".join(sides),
-        "--output", str(out),
-    ]  # fmt: skip
+        sys.executable,
+        str(SCRIPT),
+        "--threads",
+        "1",
+        "--prompts",
+        "2",
+        "--generations",
+        "2",
+        "--max-completion-length",
+        "6",
+        "--hidden",
+        "32",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--mlp",
+        "64",
+        "--vocab",
+        "4000",
+        "--sides",
+        ",".join(sides),
+        "--output",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, check=False)
+    proc = subprocess.run(
+        cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert list(report["results"]) == sides
@@ -34,6 +57,8 @@ def test_bench_memory_smoke(tmp_path: Path) -> None:
         assert r["step_s"] > 0 and len(r["lengths"]) == 4, side
     assert report["settings"]["model"]["hidden"] == 32
     if "trl" in sides:
-        ratio = report["results"]["bf16-mixed+ckpt"]["peak_mb"] / report["results"]["trl"]["peak_mb"]
+        ratio = (
+            report["results"]["bf16-mixed+ckpt"]["peak_mb"] / report["results"]["trl"]["peak_mb"]
+        )
         assert report["ckpt_over_trl"] == ratio
         assert "bf16-mixed+ckpt peak / TRL peak" in proc.stdout

@@ -23,11 +23,20 @@ def _import(name: str):
 
 def test_bench_ddp_reports_both_runs(random_tiny_model, tmp_path, capsys):
     out = tmp_path / "ddp.json"
-    report = _import("bench_ddp").main([
-        "--steps", "3", "--output", str(out), f"model.name_or_path={random_tiny_model}",
-        "train.prompts_per_step=2", "train.mini_batch_size=2", "rollout.num_generations=2",
-        "rollout.max_completion_length=6", "algorithm.overlong_buffer=2",
-    ])
+    report = _import("bench_ddp").main(
+        [
+            "--steps",
+            "3",
+            "--output",
+            str(out),
+            f"model.name_or_path={random_tiny_model}",
+            "train.prompts_per_step=2",
+            "train.mini_batch_size=2",
+            "rollout.num_generations=2",
+            "rollout.max_completion_length=6",
+            "algorithm.overlong_buffer=2",
+        ]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     one, two = report["results"][1], report["results"][2]
     assert len(one["steps_s"]) == len(two["steps_s"]) == 2  # 3 steps, the first dropped
@@ -39,10 +48,24 @@ def test_bench_ddp_reports_both_runs(random_tiny_model, tmp_path, capsys):
 def test_bench_engines_counts_generated_tokens(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     out = tmp_path / "engines.json"
-    report = _import("bench_engines").main([
-        "--models", "tiny", "--prompts", "2", "--n", "2", "--max-tokens", "8",
-        "--repeats", "1", "--threads", "1", "--json", str(out),
-    ])
+    report = _import("bench_engines").main(
+        [
+            "--models",
+            "tiny",
+            "--prompts",
+            "2",
+            "--n",
+            "2",
+            "--max-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["results"] == report["results"]
     assert {r["engine"] for r in report["results"]} >= {"hf", "generate"}
     for row in report["results"]:
@@ -66,10 +89,26 @@ def test_bench_engines_on_the_real_model_renders_chat_prompts(tmp_path):
     text = tok.decode(model.prompts[0])
     assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
     assert model.eos == model.pad == 2
-    report = bench.main([
-        "--models", "smollm2", "--engines", "hf,generate", "--prompts", "2", "--n", "2",
-        "--max-tokens", "4", "--repeats", "1", "--threads", "1", "--json", str(tmp_path / "e.json"),
-    ])  # fmt: skip
+    report = bench.main(
+        [
+            "--models",
+            "smollm2",
+            "--engines",
+            "hf,generate",
+            "--prompts",
+            "2",
+            "--n",
+            "2",
+            "--max-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--json",
+            str(tmp_path / "e.json"),
+        ]
+    )
     assert [r["engine"] for r in report["results"]] == ["hf", "generate"]
     for row in report["results"]:
         assert row["params_m"] == 134.5

@@ -19,9 +19,22 @@ def test_bench_trl_smoke(tmp_path: Path) -> None:
     )
     out = tmp_path / "trl.json"
     cmd = [
-        sys.executable, str(SCRIPT), "--steps", "2", "--rounds", "1", "--threads", "1",
-        "--prompts", "4", "--generations", "4", "--max-completion-length", "16",
-        "--output", str(out),
+        sys.executable,
+        str(SCRIPT),
+        "--steps",
+        "2",
+        "--rounds",
+        "1",
+        "--threads",
+        "1",
+        "--prompts",
+        "4",
+        "--generations",
+        "4",
+        "--max-completion-length",
+        "16",
+        "--output",
+        str(out),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(

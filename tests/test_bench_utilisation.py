@@ -41,7 +41,9 @@ def hand_count(prompt_lens: list[int], response_lens: list[list[int]]) -> tuple[
     return gen, train
 
 
-def hand_count_training(prompt_lens: list[int], response_lens: list[list[int]], shared: bool) -> int:
+def hand_count_training(
+    prompt_lens: list[int], response_lens: list[list[int]], shared: bool
+) -> int:
     """Training FLOPs (forward + backward = 3 forwards), token by token."""
     train = 0
     for p, group in zip(prompt_lens, response_lens, strict=True):
@@ -60,12 +62,34 @@ def hand_count_training(prompt_lens: list[int], response_lens: list[list[int]], 
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench_util") / "utilisation.json"
     cmd = [
-        sys.executable, str(SCRIPT), "--json", str(out), "--threads", "1",
-        "--hidden", str(HIDDEN), "--layers", str(LAYERS), "--heads", str(HEADS),
-        "--intermediate", str(INTERMEDIATE), "--vocab", str(VOCAB),
-        "--prompts", str(PROMPTS), "--generations", str(GENERATIONS),
-        "--max-tokens", str(MAX_TOKENS), "--steps", str(STEPS),
-        "--peak-size", "256", "--peak-repeats", "3",
+        sys.executable,
+        str(SCRIPT),
+        "--json",
+        str(out),
+        "--threads",
+        "1",
+        "--hidden",
+        str(HIDDEN),
+        "--layers",
+        str(LAYERS),
+        "--heads",
+        str(HEADS),
+        "--intermediate",
+        str(INTERMEDIATE),
+        "--vocab",
+        str(VOCAB),
+        "--prompts",
+        str(PROMPTS),
+        "--generations",
+        str(GENERATIONS),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--steps",
+        str(STEPS),
+        "--peak-size",
+        "256",
+        "--peak-repeats",
+        "3",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -125,11 +149,20 @@ def test_training_flops_without_the_shared_prompt() -> None:
         import bench_utilisation as bench
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    shape = bench.Shape(hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=HEADS,
-                        head_dim=HIDDEN // HEADS, intermediate=INTERMEDIATE, vocab=VOCAB)
+    shape = bench.Shape(
+        hidden=HIDDEN,
+        layers=LAYERS,
+        heads=HEADS,
+        kv_heads=HEADS,
+        head_dim=HIDDEN // HEADS,
+        intermediate=INTERMEDIATE,
+        vocab=VOCAB,
+    )
     prompts, responses = [5, 3], [[1, 4, 6], [2, 2, 5]]
     for shared in (False, True):
         assert bench.training_flops(shape, prompts, responses, False, shared) == (
-            hand_count_training(prompts, responses, shared))
+            hand_count_training(prompts, responses, shared)
+        )
     assert bench.training_flops(shape, prompts, responses, False, True) < (
-        bench.training_flops(shape, prompts, responses, False, False))
+        bench.training_flops(shape, prompts, responses, False, False)
+    )

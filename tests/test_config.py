@@ -448,14 +448,24 @@ def test_loss_agg_accepts_exactly_the_algorithm_modes():
 def test_variant_presets_set_the_papers_values_on_top_of_dapo():
     dapo = flat(load_config().to_dict())
     expected = {
-        "gspo": {"algorithm.policy_loss": "gspo", "algorithm.clip_low": 3e-4,
-                 "algorithm.clip_high": 4e-4, "algorithm.loss_agg": "seq-mean-token-mean"},
-        "cispo": {"algorithm.policy_loss": "cispo", "algorithm.clip_low": 1.0,
-                  "algorithm.clip_high": 4.0},
-        "clip_cov": {"algorithm.entropy_control": "clip_cov", "algorithm.clip_low": 1.0,
-                     "algorithm.clip_high": 1.0},  # ratio 2e-4 and window (1, 5) are the defaults
+        "gspo": {
+            "algorithm.policy_loss": "gspo",
+            "algorithm.clip_low": 3e-4,
+            "algorithm.clip_high": 4e-4,
+            "algorithm.loss_agg": "seq-mean-token-mean",
+        },
+        "cispo": {
+            "algorithm.policy_loss": "cispo",
+            "algorithm.clip_low": 1.0,
+            "algorithm.clip_high": 4.0,
+        },
+        "clip_cov": {
+            "algorithm.entropy_control": "clip_cov",
+            "algorithm.clip_low": 1.0,
+            "algorithm.clip_high": 1.0,
+        },  # ratio 2e-4 and window (1, 5) are the defaults
         "kl_cov": {"algorithm.entropy_control": "kl_cov"},  # k 2e-3, beta 1: the defaults
-    }  # fmt: skip
+    }
     for name, changes in expected.items():
         cfg = flat(load_config(overrides=[f"preset={name}"]).to_dict())
         differing = {k: cfg[k] for k in cfg if k != "preset" and cfg[k] != dapo[k]}
@@ -501,10 +511,14 @@ def test_impossible_loss_combinations_are_refused(overrides, key, fragment):
 
 @pytest.mark.parametrize(
     ("name", "suggested"),
-    [("algorithm.tis_cap", "algorithm.is_cap"), ("loss_mode", "algorithm.policy_loss"),
-     ("vllm_importance_sampling_mode", "algorithm.is_mode"),
-     ("entropy_coeff", "algorithm.entropy_coef"), ("clip_cov_lb", "algorithm.clip_cov_low")],
-)  # fmt: skip
+    [
+        ("algorithm.tis_cap", "algorithm.is_cap"),
+        ("loss_mode", "algorithm.policy_loss"),
+        ("vllm_importance_sampling_mode", "algorithm.is_mode"),
+        ("entropy_coeff", "algorithm.entropy_coef"),
+        ("clip_cov_lb", "algorithm.clip_cov_low"),
+    ],
+)
 def test_old_and_peer_names_of_the_loss_keys_are_suggested(name, suggested):
     msg = raises_config_error([f"{name}=1"])
     assert f"did you mean `{suggested}`?" in msg
@@ -568,33 +582,64 @@ BOUNDED = [(p, c, f) for p, c, f in _leaves() if "bounds" in f.metadata]
 
 # Each bound of a5216fc's validate() (its ~60 `_check` calls), written out from it.
 OLD_BOUNDS = {
-    "algorithm.clip_low": "in [0, 1]", "algorithm.clip_high": ">= 0", "algorithm.beta": ">= 0",
-    "algorithm.max_gen_rounds": ">= 1", "algorithm.max_empty_steps": ">= 1",
-    "algorithm.skip_max_prob": "in [0, 1)", "algorithm.skip_key": "non-empty",
-    "algorithm.overlong_buffer": ">= 0", "algorithm.clip_c": "> 1", "algorithm.is_cap": ">= 1",
-    "algorithm.entropy_coef": ">= 0", "algorithm.clip_cov_ratio": "in (0, 1]",
-    "algorithm.kl_cov_ratio": "in (0, 1]", "algorithm.kl_cov_coef": ">= 0",
-    "data.difficulty_key": "non-empty", "data.curriculum_start": "in (0, 1]",
-    "data.curriculum_steps": ">= 0", "data.max_prompt_length": ">= 1",
-    "rollout.server_timeout_s": "> 0", "rollout.async_steps": "in [0, 1]",
-    "rollout.num_generations": ">= 2", "rollout.temperature": "> 0", "rollout.top_p": "in (0, 1]",
-    "rollout.top_k": ">= 0", "rollout.eval_top_p": "in (0, 1]", "rollout.eval_temperature": ">= 0",
-    "rollout.eval_num_generations": ">= 1", "rollout.vllm_sync_every": ">= 1",
-    "rollout.vllm_gpu_memory_utilization": "in (0, 1]", "rollout.max_completion_length": ">= 1",
+    "algorithm.clip_low": "in [0, 1]",
+    "algorithm.clip_high": ">= 0",
+    "algorithm.beta": ">= 0",
+    "algorithm.max_gen_rounds": ">= 1",
+    "algorithm.max_empty_steps": ">= 1",
+    "algorithm.skip_max_prob": "in [0, 1)",
+    "algorithm.skip_key": "non-empty",
+    "algorithm.overlong_buffer": ">= 0",
+    "algorithm.clip_c": "> 1",
+    "algorithm.is_cap": ">= 1",
+    "algorithm.entropy_coef": ">= 0",
+    "algorithm.clip_cov_ratio": "in (0, 1]",
+    "algorithm.kl_cov_ratio": "in (0, 1]",
+    "algorithm.kl_cov_coef": ">= 0",
+    "data.difficulty_key": "non-empty",
+    "data.curriculum_start": "in (0, 1]",
+    "data.curriculum_steps": ">= 0",
+    "data.max_prompt_length": ">= 1",
+    "rollout.server_timeout_s": "> 0",
+    "rollout.async_steps": "in [0, 1]",
+    "rollout.num_generations": ">= 2",
+    "rollout.temperature": "> 0",
+    "rollout.top_p": "in (0, 1]",
+    "rollout.top_k": ">= 0",
+    "rollout.eval_top_p": "in (0, 1]",
+    "rollout.eval_temperature": ">= 0",
+    "rollout.eval_num_generations": ">= 1",
+    "rollout.vllm_sync_every": ">= 1",
+    "rollout.vllm_gpu_memory_utilization": "in (0, 1]",
+    "rollout.max_completion_length": ">= 1",
     "rollout.generation_batch_size": ">= 1",
-    "model.lora.rank": ">= 0", "model.lora.alpha": "> 0", "model.lora.dropout": "in [0, 1)",
+    "model.lora.rank": ">= 0",
+    "model.lora.alpha": "> 0",
+    "model.lora.dropout": "in [0, 1)",
     "model.lora.target_modules": "non-empty",
-    "train.steps": ">= 0", "train.prompts_per_step": ">= 1", "train.mini_batch_size": ">= 1",
-    "train.epochs": ">= 1", "train.micro_batch_tokens": ">= 1", "train.lr": "> 0",
-    "train.warmup_steps": ">= 0", "train.min_lr_ratio": "in [0, 1]", "train.weight_decay": ">= 0",
-    "train.max_grad_norm": ">= 0", "train.adam_beta1": "in [0, 1)",
-    "train.adam_beta2": "in [0, 1)", "train.sample_budget": ">= 0",
-    "train.max_nonfinite_updates": ">= 1", "train.logits_chunk_size": ">= 1",
-    "reward.timeout_s": "> 0", "reward.num_workers": ">= 0",
+    "train.steps": ">= 0",
+    "train.prompts_per_step": ">= 1",
+    "train.mini_batch_size": ">= 1",
+    "train.epochs": ">= 1",
+    "train.micro_batch_tokens": ">= 1",
+    "train.lr": "> 0",
+    "train.warmup_steps": ">= 0",
+    "train.min_lr_ratio": "in [0, 1]",
+    "train.weight_decay": ">= 0",
+    "train.max_grad_norm": ">= 0",
+    "train.adam_beta1": "in [0, 1)",
+    "train.adam_beta2": "in [0, 1)",
+    "train.sample_budget": ">= 0",
+    "train.max_nonfinite_updates": ">= 1",
+    "train.logits_chunk_size": ">= 1",
+    "reward.timeout_s": "> 0",
+    "reward.num_workers": ">= 0",
     "reward.functions[0].name": "non-empty",
-    "checkpoint.save_every": ">= 0", "checkpoint.keep_last": ">= 1", "logging.eval_every": ">= 0",
+    "checkpoint.save_every": ">= 0",
+    "checkpoint.keep_last": ">= 1",
+    "logging.eval_every": ">= 0",
     "output_dir": "non-empty",
-}  # fmt: skip
+}
 
 
 def test_bounded_fields_are_the_ones_validate_checked_before():

@@ -86,12 +86,21 @@ def test_pool_draws_are_a_pure_function_of_seed_and_position():
 
 
 def _records(values: list) -> list[PromptRecord]:
-    return [PromptRecord(f"p{i}", "1", uid=f"u{i}", extra={"meta": {"level": v}}) for i, v in enumerate(values)]
+    return [
+        PromptRecord(f"p{i}", "1", uid=f"u{i}", extra={"meta": {"level": v}})
+        for i, v in enumerate(values)
+    ]
 
 
 def test_difficulty_field_values_must_be_numbers():
     assert field_difficulties(_records([3, 1.5, "2"]), "meta.level") == [3.0, 1.5, 2.0]
-    with pytest.raises(DataError, match=r"uid=u1: data.difficulty_key='meta.level' holds 'hard', not a finite number"):
+    with pytest.raises(
+        DataError,
+        match=r"uid=u1: data.difficulty_key='meta.level' holds 'hard', not a finite number",
+    ):
         field_difficulties(_records([1, "hard"]), "meta.level")
-    with pytest.raises(DataError, match=r"uid=u0: data.difficulty_key='meta.levle', but the row has no such field \(did you mean 'meta.level'\?\)"):
+    with pytest.raises(
+        DataError,
+        match=r"uid=u0: data.difficulty_key='meta.levle', but the row has no such field \(did you mean 'meta.level'\?\)",
+    ):
         field_difficulties(_records([1]), "meta.levle")

@@ -496,7 +496,9 @@ def qa_row(problem: str, answer: Any, source: str = "gsm8k") -> dict:
 
 def qa_data(**more: Any) -> DataConfig:
     """The data settings that read :func:`qa_row` rows."""
-    return DataConfig(prompt_key="question", answer_key="label.value", data_source_key="src", **more)
+    return DataConfig(
+        prompt_key="question", answer_key="label.value", data_source_key="src", **more
+    )
 
 
 QA_DATA = qa_data()

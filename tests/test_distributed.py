@@ -44,12 +44,21 @@ def test_balance_by_tokens_spreads_the_load() -> None:
 def _small_run(model: Path, out: Path) -> list[str]:
     """``-m dapo train`` arguments of a 4-prompt run with a checkpoint every step."""
     return [
-        "-m", "dapo", "train", f"model.name_or_path={model}", f"output_dir={out}",
-        "train.prompts_per_step=4", "train.mini_batch_size=2", "rollout.num_generations=4",
-        "rollout.max_completion_length=12", "algorithm.overlong_buffer=4",
-        "algorithm.dynamic_sampling=false", "logging.tensorboard=false",
-        "checkpoint.save_every=1", "train.micro_batch_tokens=60",
-    ]  # fmt: skip
+        "-m",
+        "dapo",
+        "train",
+        f"model.name_or_path={model}",
+        f"output_dir={out}",
+        "train.prompts_per_step=4",
+        "train.mini_batch_size=2",
+        "rollout.num_generations=4",
+        "rollout.max_completion_length=12",
+        "algorithm.overlong_buffer=4",
+        "algorithm.dynamic_sampling=false",
+        "logging.tensorboard=false",
+        "checkpoint.save_every=1",
+        "train.micro_batch_tokens=60",
+    ]
 
 
 def _dist_worker():
@@ -157,8 +166,10 @@ def test_lora_step_on_two_ranks_equals_one_process(mode: str, tmp_path: Path) ->
     single = dist_worker.one_step("single", lora_rank=4)
     assert set(single["params"]) == set(two_ranks["params"])
     assert single["params"] and all(".lora_" in n for n in single["params"])
-    initial = {n: p.detach() for n, p in
-               dist_worker._model_and_optimizer("single", lora_rank=4)[0].named_parameters()}
+    initial = {
+        n: p.detach()
+        for n, p in dist_worker._model_and_optimizer("single", lora_rank=4)[0].named_parameters()
+    }
     for name, value in single["params"].items():
         torch.testing.assert_close(two_ranks["params"][name], value, atol=1e-6, rtol=0)
     assert max(float((v - initial[n]).abs().max()) for n, v in single["params"].items()) > 1e-4
@@ -166,7 +177,9 @@ def test_lora_step_on_two_ranks_equals_one_process(mode: str, tmp_path: Path) ->
     assert len(single["optimizer"]["state"]) == len(single["params"])
     for i, state in single["optimizer"]["state"].items():
         for key, value in state.items():
-            torch.testing.assert_close(two_ranks["optimizer"]["state"][i][key], value, atol=1e-6, rtol=0)
+            torch.testing.assert_close(
+                two_ranks["optimizer"]["state"][i][key], value, atol=1e-6, rtol=0
+            )
     assert two_ranks["reload_error"] == 0.0
     # The checkpoint holds the adapters (and their AdamW state) only, in either format.
     ckpt = tmp_path / f"checkpoints-lora-{mode}" / "step_000001"
@@ -189,8 +202,11 @@ def test_two_rank_lora_run_resumes_and_exports_merged(
 ) -> None:
     out = tmp_path / "run"
     common = [
-        *_small_run(random_tiny_model, out), "evaluate=false", f"train.data_parallel={mode}",
-        "model.lora.rank=4", "train.lr=1e-2",
+        *_small_run(random_tiny_model, out),
+        "evaluate=false",
+        f"train.data_parallel={mode}",
+        "model.lora.rank=4",
+        "train.lr=1e-2",
         "algorithm.beta=0.01",  # the reference: the base, adapters disabled (FSDP gathers it)
     ]
     torchrun(*common, "train.steps=2", cwd=tmp_path)
@@ -216,13 +232,17 @@ def test_two_rank_lora_run_resumes_and_exports_merged(
     assert any(not torch.equal(final[n], base[n]) for n in base)
 
 
-def test_fsdp_checkpoint_is_written_in_shards_and_loads_into_one_process(two_rank_steps: dict) -> None:
+def test_fsdp_checkpoint_is_written_in_shards_and_loads_into_one_process(
+    two_rank_steps: dict,
+) -> None:
     """Each FSDP rank wrote its own shards (torch.distributed.checkpoint, nothing gathered);
     a single process without a process group loads them into a plain model and optimizer
     (another world size): exactly the state the two ranks held."""
     ckpt = two_rank_steps["fsdp"]["checkpoint"]
     assert sorted(p.name for p in ckpt.iterdir()) == ["model_optim", "trainer_state.pt"]
-    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= {p.name for p in (ckpt / "model_optim").iterdir()}
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= {
+        p.name for p in (ckpt / "model_optim").iterdir()
+    }
     assert (ckpt.parent.parent / "checkpoints-ddp" / "step_000001" / "model.safetensors").is_file()
     from dapo.models.tiny import build_model, build_tokenizer
     from dapo.parallel.sharding import full_optimizer_state
@@ -309,8 +329,15 @@ def test_dynamic_sampling_is_global_across_ranks(
 ) -> None:
     out = tmp_path / "run"
     rewards = f"{HERE / 'trainer_rewards.py'}:{reward}"
-    torchrun(str(HERE / "dist_worker.py"), "dynamic", str(random_tiny_model), str(out), rewards,
-             *extra, cwd=tmp_path)  # fmt: skip
+    torchrun(
+        str(HERE / "dist_worker.py"),
+        "dynamic",
+        str(random_tiny_model),
+        str(out),
+        rewards,
+        *extra,
+        cwd=tmp_path,
+    )
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     trained = [int(m.get("sampling/trained_groups", 4)) for m in metrics]
@@ -331,10 +358,19 @@ def test_two_ranks_train_multi_turn_episodes_alike(tool_model: Path, tmp_path: P
     sees the same batch, and the ranks together train every episode once."""
     out = tmp_path / "run"
     envs = HERE / "sample_environments.py"
-    torchrun(str(HERE / "dist_worker.py"), "dynamic", str(tool_model), str(out),
-             f"{envs}:half_right", "data.train=builtin:calculator", f"rollout.environment={envs}:TwoTurns",
-             "rollout.max_turns=2", "rollout.max_completion_length=80", "algorithm.overlong_buffer=8",
-             cwd=tmp_path)  # fmt: skip
+    torchrun(
+        str(HERE / "dist_worker.py"),
+        "dynamic",
+        str(tool_model),
+        str(out),
+        f"{envs}:half_right",
+        "data.train=builtin:calculator",
+        f"rollout.environment={envs}:TwoTurns",
+        "rollout.max_turns=2",
+        "rollout.max_completion_length=80",
+        "algorithm.overlong_buffer=8",
+        cwd=tmp_path,
+    )
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(ranks[0]) == len(ranks[1]) == 3
@@ -344,16 +380,28 @@ def test_two_ranks_train_multi_turn_episodes_alike(tool_model: Path, tmp_path: P
         assert sorted(a["trained_rows"] + b["trained_rows"]) == list(range(16))
 
 
-def test_prompt_skipping_decides_the_same_on_every_rank(random_tiny_model: Path, tmp_path: Path) -> None:
+def test_prompt_skipping_decides_the_same_on_every_rank(
+    random_tiny_model: Path, tmp_path: Path
+) -> None:
     """algorithm.skip_uniform_prompts under 2 ranks: both hold the same history and skip
     the same draws; together they generate exactly the prompts not skipped."""
     data = tmp_path / "train.jsonl"  # answers 3..14: a third always right, a third always wrong
-    data.write_text("".join(json.dumps({"prompt": f"Add {i}+3.\n", "answer": str(i + 3)}) + "\n"
-                            for i in range(12)))  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"Add {i}+3.\n", "answer": str(i + 3)}) + "\n" for i in range(12)
+        )
+    )
     out = tmp_path / "run"
     rewards = HERE / "trainer_rewards.py"
-    torchrun(str(HERE / "dist_worker.py"), "skip", str(random_tiny_model), str(out), str(rewards),
-             str(data), cwd=tmp_path)  # fmt: skip
+    torchrun(
+        str(HERE / "dist_worker.py"),
+        "skip",
+        str(random_tiny_model),
+        str(out),
+        str(rewards),
+        str(data),
+        cwd=tmp_path,
+    )
     a, b = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     assert a["skipped"] and a["skipped"] == b["skipped"]
     assert a["taken"] == b["taken"] and a["history"] == b["history"]
@@ -377,7 +425,9 @@ def test_two_rank_run_resumes_from_its_checkpoint(
     common = [
         *_small_run(random_tiny_model, out),
         # A reference model (kept whole under FSDP) and one eval prompt: rank 1 has none.
-        "algorithm.beta=0.01", "evaluate=true", "data.max_eval_prompts=1",
+        "algorithm.beta=0.01",
+        "evaluate=true",
+        "data.max_eval_prompts=1",
     ]
     # auto picks ddp on CPU (fsdp on GPUs); fsdp must be asked for here.
     first_mode = "fsdp" if mode == "fsdp" else "auto"
@@ -388,9 +438,14 @@ def test_two_rank_run_resumes_from_its_checkpoint(
         one = tmp_path / "one"
         shutil.copytree(out, one)
         args = [a.replace(str(out), str(one)) for a in common]
-        proc = subprocess.run([sys.executable, *args, "train.steps=3", "resume=true"], cwd=tmp_path,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                              text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, *args, "train.steps=3", "resume=true"],
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "resumed from" in proc.stdout and "data parallel" not in proc.stdout
         summary = json.loads((one / "summary.json").read_text())
@@ -427,8 +482,12 @@ def test_two_rank_run_resumes_from_its_checkpoint(
     assert any(not torch.equal(start[n], v) for n, v in plain.state_dict().items())
     if mode == "fsdp":  # resuming loses nothing: the same state as an uninterrupted run
         whole = tmp_path / "whole"
-        torchrun(*[a.replace(str(out), str(whole)) for a in common], "train.steps=3",
-                 "train.data_parallel=fsdp", cwd=tmp_path)
+        torchrun(
+            *[a.replace(str(out), str(whole)) for a in common],
+            "train.steps=3",
+            "train.data_parallel=fsdp",
+            cwd=tmp_path,
+        )
         states = []
         for run in (out, whole):
             model = AutoModelForCausalLM.from_pretrained(random_tiny_model)

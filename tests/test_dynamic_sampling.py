@@ -321,7 +321,9 @@ def test_wasted_frac_counts_only_dropped_groups():
     _, on = sampler.fill(producer)
     dropped = sum(len(set(g.correct)) == 1 for g in producer.produced)
     assert on.carried_out == len(producer.produced) - dropped - 2 > 0
-    assert on.as_metrics()["sampling/wasted_frac"] == pytest.approx(dropped / len(producer.produced))
+    assert on.as_metrics()["sampling/wasted_frac"] == pytest.approx(
+        dropped / len(producer.produced)
+    )
 
 
 def test_reward_metric_keeps_groups_with_equal_accuracy_but_different_rewards():
@@ -408,9 +410,15 @@ def test_older_groups_take_their_ratio_against_the_policy_that_sampled_them() ->
     from dapo.training.batch import build_samples
 
     def group(step: int, lps: list[list[float]]) -> ScoredGroup:
-        return ScoredGroup(prompt_ids=[5, 6], response_ids=[[1, 2], [3]], sample_logprobs=lps,
-                           truncated=[False, False], rewards=[1.0, -1.0], correct=[True, False],
-                           step=step)  # fmt: skip
+        return ScoredGroup(
+            prompt_ids=[5, 6],
+            response_ids=[[1, 2], [3]],
+            sample_logprobs=lps,
+            truncated=[False, False],
+            rewards=[1.0, -1.0],
+            correct=[True, False],
+            step=step,
+        )
 
     old, fresh = group(2, [[-0.5, -1.5], [-2.0]]), group(3, [[-0.1, -0.2], [-0.3]])
     samples = build_samples([old, fresh], step=3)

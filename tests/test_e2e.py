@@ -45,11 +45,24 @@ def test_short_default_run_writes_everything_and_learns(short_run: Path) -> None
     rows = [r for r in read_metrics(short_run) if "reward/acc" in r]
     assert [r["step"] for r in rows] == list(range(1, 17))
     for key in (
-        "reward/mean", "reward/acc", "response_length/mean", "response_length/max",
-        "response_length/clip_ratio", "actor/entropy", "actor/gen_prob", "actor/clip_frac_low",
-        "actor/clip_frac_high", "actor/ppo_kl", "actor/grad_norm", "actor/lr",
-        "sampling/all_correct_frac", "sampling/all_wrong_frac", "sampling/gen_rounds",
-        "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "perf/step_s",
+        "reward/mean",
+        "reward/acc",
+        "response_length/mean",
+        "response_length/max",
+        "response_length/clip_ratio",
+        "actor/entropy",
+        "actor/gen_prob",
+        "actor/clip_frac_low",
+        "actor/clip_frac_high",
+        "actor/ppo_kl",
+        "actor/grad_norm",
+        "actor/lr",
+        "sampling/all_correct_frac",
+        "sampling/all_wrong_frac",
+        "sampling/gen_rounds",
+        "perf/rollout_tokens_per_s",
+        "perf/train_tokens_per_s",
+        "perf/step_s",
     ):
         assert key in rows[0], key
     # Dynamic sampling is on in the dapo preset: nothing uniform trains.
@@ -75,7 +88,19 @@ def test_resume_continues_from_the_checkpoint(short_run: Path, tmp_path: Path) -
     """Stop after 8 steps, resume to 16: same metrics as the uninterrupted run."""
     out = tmp_path / "resumed"
     assert main(["train", f"output_dir={out}", "train.steps=8", "evaluate=false", *COMMON]) == 0
-    assert main(["train", f"output_dir={out}", "train.steps=16", "resume=true", "evaluate=false", *COMMON]) == 0
+    assert (
+        main(
+            [
+                "train",
+                f"output_dir={out}",
+                "train.steps=16",
+                "resume=true",
+                "evaluate=false",
+                *COMMON,
+            ]
+        )
+        == 0
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from_step"] == 8 and summary["steps"] == 16
     resumed = [r for r in read_metrics(out) if "reward/acc" in r]
@@ -83,4 +108,7 @@ def test_resume_continues_from_the_checkpoint(short_run: Path, tmp_path: Path) -
     full = {r["step"]: r for r in read_metrics(short_run) if "reward/acc" in r}
     for r in resumed[8:]:
         for key in ("reward/acc", "reward/mean", "response_length/mean", "actor/entropy"):
-            assert r[key] == pytest.approx(full[r["step"]][key], rel=1e-4, abs=1e-6), (r["step"], key)
+            assert r[key] == pytest.approx(full[r["step"]][key], rel=1e-4, abs=1e-6), (
+                r["step"],
+                key,
+            )

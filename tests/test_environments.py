@@ -249,9 +249,7 @@ def _check_appending_equals_a_full_render(tok, tools=None):
     shown = messages
     if renderer.tools_prompt is not None:
         shown = [{"role": "system", "content": renderer.tools_prompt}, *messages]
-    full = tok.apply_chat_template(
-        shown, tools=tools, add_generation_prompt=True, tokenize=False
-    )
+    full = tok.apply_chat_template(shown, tools=tools, add_generation_prompt=True, tokenize=False)
     assert ids == tok(full, add_special_tokens=False)["input_ids"]
     for shorter, longer in zip(prefixes, prefixes[1:], strict=False):
         assert longer[: len(shorter)] == shorter  # earlier ids never change

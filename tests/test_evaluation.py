@@ -330,13 +330,17 @@ def test_run_evaluation_closes_its_engine(
     real = eval_run._make_engine
     for fail in (False, True):
         monkeypatch.setattr(
-            eval_run, "_make_engine",
+            eval_run,
+            "_make_engine",
             lambda *a, fail=fail: made.append(Recording(real(*a), fail)) or made[-1],
-        )  # fmt: skip
+        )
         run = lambda: eval_run.run_evaluation(  # noqa: E731
-            str(random_model), str(eval_parquet), max_tokens=4,
-            output=tmp_path / "r.json", log=lambda _: None,
-        )  # fmt: skip
+            str(random_model),
+            str(eval_parquet),
+            max_tokens=4,
+            output=tmp_path / "r.json",
+            log=lambda _: None,
+        )
         if fail:
             with pytest.raises(RuntimeError, match="engine died"):
                 run()

@@ -64,7 +64,9 @@ def test_a_gguf_file_is_dequantised_exactly_once_and_cached(tiny_gguf, cache, mo
     assert tok.decode(tok(text).input_ids) == text
     assert tok("<|im_end|>", add_special_tokens=False).input_ids == [EOS_ID]
     assert tok.chat_template == CHAT_TEMPLATE
-    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
     # Later loads use the cache: nothing is converted again.
@@ -90,16 +92,30 @@ def test_a_changed_file_gets_a_new_conversion(tmp_path, cache):
     assert Path(resolve_model_path(str(other), log=lambda _: None)).is_dir()
 
 
-def test_dapo_train_and_eval_take_a_gguf_file_and_save_transformers_format(tiny_gguf, cache, tmp_path, capsys):
+def test_dapo_train_and_eval_take_a_gguf_file_and_save_transformers_format(
+    tiny_gguf, cache, tmp_path, capsys
+):
     path, reference = tiny_gguf
     out = tmp_path / "run"
-    rc = main([
-        "train", f"model.name_or_path={path}", f"output_dir={out}", "train.steps=1",
-        "train.prompts_per_step=2", "train.mini_batch_size=2", "rollout.num_generations=2",
-        "rollout.max_completion_length=8", "algorithm.overlong_buffer=4",
-        "algorithm.dynamic_sampling=false", "evaluate=false", "logging.tensorboard=false",
-        "logging.console=false", "train.lr=1e-2", "reward.num_workers=0",
-    ])  # fmt: skip
+    rc = main(
+        [
+            "train",
+            f"model.name_or_path={path}",
+            f"output_dir={out}",
+            "train.steps=1",
+            "train.prompts_per_step=2",
+            "train.mini_batch_size=2",
+            "rollout.num_generations=2",
+            "rollout.max_completion_length=8",
+            "algorithm.overlong_buffer=4",
+            "algorithm.dynamic_sampling=false",
+            "evaluate=false",
+            "logging.tensorboard=false",
+            "logging.console=false",
+            "train.lr=1e-2",
+            "reward.num_workers=0",
+        ]
+    )
     assert rc == 0
     assert "GGUF (llama, Q4_1) dequantised to float32" in capsys.readouterr().out
     final = out / "final_model"
@@ -108,13 +124,29 @@ def test_dapo_train_and_eval_take_a_gguf_file_and_save_transformers_format(tiny_
     from transformers import AutoModelForCausalLM
 
     trained = AutoModelForCausalLM.from_pretrained(final)
-    moved = [k for k, v in reference.state_dict().items() if not torch.equal(trained.state_dict()[k], v)]
+    moved = [
+        k for k, v in reference.state_dict().items() if not torch.equal(trained.state_dict()[k], v)
+    ]
     assert moved  # the policy trained: the saved weights are the trained ones
     assert load_tokenizer(str(final)).chat_template == CHAT_TEMPLATE
 
     report = tmp_path / "eval.json"
-    rc = main(["eval", str(path), "--data", "builtin:addition", "--max-problems", "3", "--k", "2",
-               "--max-tokens", "4", "--output", str(report)])  # fmt: skip
+    rc = main(
+        [
+            "eval",
+            str(path),
+            "--data",
+            "builtin:addition",
+            "--max-problems",
+            "3",
+            "--k",
+            "2",
+            "--max-tokens",
+            "4",
+            "--output",
+            str(report),
+        ]
+    )
     assert rc == 0
     result = json.loads(report.read_text())
     assert result["problems"] == 3 and result["k"] == 2
@@ -137,10 +169,14 @@ def test_gguf_errors_name_the_problem_and_the_fix(tmp_path, cache, monkeypatch):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelError, match=r"the GGUF architecture 'rwkv6' cannot be read by transformers .* llama"):
+    with pytest.raises(
+        ModelError, match=r"the GGUF architecture 'rwkv6' cannot be read by transformers .* llama"
+    ):
         resolve_model_path(str(odd))
 
     monkeypatch.setattr(dapo_gguf, "gguf_available", lambda: False)
     with pytest.raises(ModelError, match=r"needs the `gguf` package.*pip install 'dapo\[gguf\]'"):
         resolve_model_path(str(odd))
-    assert not (cache / "gguf").exists() or not any((cache / "gguf").iterdir())  # nothing half-written
+    assert not (cache / "gguf").exists() or not any(
+        (cache / "gguf").iterdir()
+    )  # nothing half-written

@@ -61,13 +61,18 @@ def addition_prompts(n: int) -> list[list[int]]:
     from dapo.data.tasks.addition import addition_records
 
     tok = build_tokenizer()
-    return [tok(r.prompt, add_special_tokens=False)["input_ids"] for r in addition_records("test", n=n)]
+    return [
+        tok(r.prompt, add_special_tokens=False)["input_ids"] for r in addition_records("test", n=n)
+    ]
 
 
 def engine_samples(groups) -> list[Sample]:
     """One sample per response, with the engine's sampling log-probs."""
-    return [Sample(g.prompt_ids, r, 0.0, [1.0] * len(r), sampling_logprobs=torch.tensor(lp))
-            for g in groups for r, lp in zip(g.response_ids, g.logprobs, strict=True)]  # fmt: skip
+    return [
+        Sample(g.prompt_ids, r, 0.0, [1.0] * len(r), sampling_logprobs=torch.tensor(lp))
+        for g in groups
+        for r, lp in zip(g.response_ids, g.logprobs, strict=True)
+    ]
 
 
 def gradients(model: torch.nn.Module, batch: list[Sample], **kw) -> dict[str, torch.Tensor]:
@@ -130,12 +135,25 @@ def test_the_hf_engine_keeps_transformers_attention_on_cuda(monkeypatch):
 
 def run_fsdp_worker(out: Path, device: str) -> dict:
     """``tests/gpu_fsdp_worker.py`` in a process of its own (a group of one rank)."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}  # fmt: skip
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
+    }
     if device == "cpu":
         env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, str(TESTS / "gpu_fsdp_worker.py"), str(out), device],
-                          cwd=TESTS, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "gpu_fsdp_worker.py"), str(out), device],
+        cwd=TESTS,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "result.json").read_text())
 
@@ -158,8 +176,13 @@ def test_the_fsdp_script_on_gloo_trains_checkpoints_and_resumes(tmp_path):
     check_fsdp_result(run_fsdp_worker(tmp_path, "cpu"))
 
 
-def push_to_stand_in(tmp_path: Path, model_dir: Path, policy_device: torch.device,
-                     receiver_device: str, served_device: str = "cpu") -> None:  # fmt: skip
+def push_to_stand_in(
+    tmp_path: Path,
+    model_dir: Path,
+    policy_device: torch.device,
+    receiver_device: str,
+    served_device: str = "cpu",
+) -> None:
     """Two weight pushes and a close from a :class:`ServerEngine` over ``policy_device``'s
     policy to ``tests/gpu_weight_receiver.py`` in another process; checks what arrived, in
     which order, where."""
@@ -169,15 +192,31 @@ def push_to_stand_in(tmp_path: Path, model_dir: Path, policy_device: torch.devic
     from dapo.rollout.server_client import ServerEngine
 
     port, record, log = free_port(), tmp_path / "record.json", tmp_path / "receiver.log"
-    cmd = [sys.executable, str(TESTS / "gpu_weight_receiver.py"), str(model_dir), "--port", str(port),
-           "--device", receiver_device, "--served-device", served_device, "--record", str(record)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(TESTS / "gpu_weight_receiver.py"),
+        str(model_dir),
+        "--port",
+        str(port),
+        "--device",
+        receiver_device,
+        "--served-device",
+        served_device,
+        "--record",
+        str(record),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=TESTS, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         wait_for_health(f"http://127.0.0.1:{port}", proc, log)
         model = load_policy(str(model_dir)).to(policy_device)
-        eng = ServerEngine(f"http://127.0.0.1:{port}", max_model_len=64, eos_token_id=EOS,
-                           policy=of_module(model, EOS), timeout_s=120)  # fmt: skip
+        eng = ServerEngine(
+            f"http://127.0.0.1:{port}",
+            max_model_len=64,
+            eos_token_id=EOS,
+            policy=of_module(model, EOS),
+            timeout_s=120,
+        )
         sent = []
         gen = torch.Generator(device=policy_device).manual_seed(0)
         for _ in range(2):
@@ -234,7 +273,8 @@ def test_bf16_mixed_update_on_cuda_agrees_with_fp32():
     mixed = set_precision(copy.deepcopy(fp32), "bf16-mixed")
     seen: set[tuple[str, torch.dtype]] = set()
     mixed.model.layers[0].mlp.down_proj.register_forward_hook(
-        lambda m, i, o: seen.add((o.device.type, o.dtype)))
+        lambda m, i, o: seen.add((o.device.type, o.dtype))
+    )
     g32, g16 = gradients(fp32, batch), gradients(mixed, batch)
     assert seen == {(CUDA.type, torch.bfloat16)}
     assert all(g.dtype == torch.float32 and g.device == CUDA for g in g16.values())
@@ -242,7 +282,9 @@ def test_bf16_mixed_update_on_cuda_agrees_with_fp32():
     record("bf16-mixed vs fp32 gradient, relative L2 error (CUDA)", round(error, 5))
     assert 0 < error < 2e-2
     for n in g32:
-        assert torch.nn.functional.cosine_similarity(g16[n].flatten(), g32[n].flatten(), dim=0) > 0.99, n
+        assert (
+            torch.nn.functional.cosine_similarity(g16[n].flatten(), g32[n].flatten(), dim=0) > 0.99
+        ), n
     moves = {}
     for name, start in (("fp32", fp32), ("mixed", mixed)):
         model = copy.deepcopy(start)
@@ -256,9 +298,13 @@ def test_bf16_mixed_update_on_cuda_agrees_with_fp32():
         moves[name] = {n: p.detach() - before[n] for n, p in model.named_parameters()}
     agree = sum(int(((moves["mixed"][n] > 0) == (moves["fp32"][n] > 0)).sum()) for n in g32)
     share = agree / sum(g32[n].numel() for n in g32)
-    update_error = relative_error({n: moves["mixed"][n] for n in g32}, {n: moves["fp32"][n] for n in g32})
-    record("bf16-mixed vs fp32 AdamW step: sign agreement, relative difference (CUDA)",
-           [round(share, 4), round(update_error, 4)])  # fmt: skip
+    update_error = relative_error(
+        {n: moves["mixed"][n] for n in g32}, {n: moves["fp32"][n] for n in g32}
+    )
+    record(
+        "bf16-mixed vs fp32 AdamW step: sign agreement, relative difference (CUDA)",
+        [round(share, 4), round(update_error, 4)],
+    )
     assert share > 0.98 and update_error < 0.3
 
 
@@ -277,8 +323,13 @@ def test_chunked_logprobs_and_entropy_on_cuda_equal_the_whole_logits(dtype):
     hidden = torch.randn(n, h, device=CUDA, generator=gen, requires_grad=True)
     weight = (torch.randn(v, h, device=CUDA, generator=gen) / 4).requires_grad_(True)
     targets = torch.randint(0, v, (n,), device=CUDA, generator=gen)
-    g_lp, g_ent = torch.randn(n, device=CUDA, generator=gen), torch.randn(n, device=CUDA, generator=gen)
-    logp, ent = chunked_logprobs(hidden, weight, targets, temperature=t, chunk_size=37, compute_dtype=dtype)
+    g_lp, g_ent = (
+        torch.randn(n, device=CUDA, generator=gen),
+        torch.randn(n, device=CUDA, generator=gen),
+    )
+    logp, ent = chunked_logprobs(
+        hidden, weight, targets, temperature=t, chunk_size=37, compute_dtype=dtype
+    )
     assert logp.dtype == ent.dtype == torch.float32 and logp.device == CUDA
     gh, gw = torch.autograd.grad((logp * g_lp + ent * g_ent).sum(), (hidden, weight))
     h64 = hidden.detach().to(dtype).double().requires_grad_(True)
@@ -286,15 +337,19 @@ def test_chunked_logprobs_and_entropy_on_cuda_equal_the_whole_logits(dtype):
     z = (h64 @ w64.T) / t
     ref_lp = torch.log_softmax(z, -1).gather(-1, targets[:, None])[:, 0]
     ref_ent = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
-    rh, rw = torch.autograd.grad((ref_lp * g_lp.double() + ref_ent * g_ent.double()).sum(), (h64, w64))
-    err = max(float((logp.double() - ref_lp).abs().max()), float((ent.double() - ref_ent).abs().max()))
+    rh, rw = torch.autograd.grad(
+        (ref_lp * g_lp.double() + ref_ent * g_ent.double()).sum(), (h64, w64)
+    )
+    err = max(
+        float((logp.double() - ref_lp).abs().max()), float((ent.double() - ref_ent).abs().max())
+    )
     record(f"chunked log-probs/entropy vs float64, max error ({dtype}, CUDA)", f"{err:.2e}")
     assert err < 1e-4
     bound = 1e-4 if dtype == torch.float32 else 1e-2
     for got, want in ((gh, rh), (gw, rw)):
         assert relative_error({"g": got}, {"g": want}) < bound
     if dtype == torch.bfloat16:  # what summing in float32 saves: logits rounded to bf16
-        rounded = (z.float().to(torch.bfloat16).double())
+        rounded = z.float().to(torch.bfloat16).double()
         naive = torch.log_softmax(rounded, -1).gather(-1, targets[:, None])[:, 0]
         assert float((naive - ref_lp).abs().max()) > 10 * err
 
@@ -327,12 +382,16 @@ def test_the_training_forward_on_cuda_equals_whole_logits_and_shared_prompt_with
     calls = {"plain": 0, "checkpointed": 0}
     for key, m in (("plain", plain), ("checkpointed", checkpointed)):
         m.model.layers[0].self_attn.register_forward_pre_hook(
-            lambda *_, k=key: calls.__setitem__(k, calls[k] + 1))
+            lambda *_, k=key: calls.__setitem__(k, calls[k] + 1)
+        )
     want = gradients(plain, batch, shared_prompt=False)
     got = gradients(checkpointed, batch, shared_prompt=True)
     assert calls["checkpointed"] > calls["plain"]  # prompt passes, and every pass again in backward
     error = relative_error(got, want)
-    record("checkpointing + shared prompt vs plain gradient, relative error (CUDA, fp32)", f"{error:.1e}")
+    record(
+        "checkpointing + shared prompt vs plain gradient, relative error (CUDA, fp32)",
+        f"{error:.1e}",
+    )
     assert error < 1e-4
 
 
@@ -342,7 +401,10 @@ def test_fsdp2_at_world_size_1_over_nccl_trains_checkpoints_and_resumes(tmp_path
     gradient within 2e-2 of float32's, two fused-AdamW steps, a DCP checkpoint, and a resume
     that holds the same weights and moments and takes the same next step."""
     result = run_fsdp_worker(tmp_path, "cuda")
-    record("FSDP2 (world 1, NCCL) bf16 vs fp32 gradient, relative error", round(result["grad_rel_error"], 5))
+    record(
+        "FSDP2 (world 1, NCCL) bf16 vs fp32 gradient, relative error",
+        round(result["grad_rel_error"], 5),
+    )
     check_fsdp_result(result)
     assert "nccl" in result["log"][0]
 
@@ -353,8 +415,9 @@ def test_fsdp2_at_world_size_1_over_nccl_trains_checkpoints_and_resumes(tmp_path
 
 
 @gpu_test()
-@pytest.mark.parametrize(("precision", "bound"), [("fp32", 1e-3), ("bf16-mixed", 2e-2)],
-                         ids=["fp32", "bf16-mixed"])
+@pytest.mark.parametrize(
+    ("precision", "bound"), [("fp32", 1e-3), ("bf16-mixed", 2e-2)], ids=["fp32", "bf16-mixed"]
+)
 def test_the_hf_engine_on_cuda_samples_with_the_trainers_logprobs(precision, bound, tiny_path):
     """The ``hf`` engine decodes token by token on CUDA; the trainer forwards whole responses.
     The mean |difference| of their log-probs over 64 responses of the warmed-up model:
@@ -364,11 +427,17 @@ def test_the_hf_engine_on_cuda_samples_with_the_trainers_logprobs(precision, bou
     from dapo.rollout import HFEngine, SamplingParams
 
     model = set_precision(load_policy(str(tiny_path)), precision).to(CUDA)
-    groups = HFEngine(model, EOS, PAD).generate(addition_prompts(16), SamplingParams(n=4, max_tokens=64, seed=0))
+    groups = HFEngine(model, EOS, PAD).generate(
+        addition_prompts(16), SamplingParams(n=4, max_tokens=64, seed=0)
+    )
     batch = engine_samples(groups)
-    metrics = logprob_mismatch(batch, compute_logprobs(model, batch, ForwardOptions(PAD, 1.0, 8192)))
-    record(f"hf engine vs trainer log-probs on CUDA ({precision}): mean |diff|, k3 KL",
-           [f"{metrics['rollout/logprob_mismatch']:.2e}", f"{metrics['rollout/mismatch_kl']:.2e}"])  # fmt: skip
+    metrics = logprob_mismatch(
+        batch, compute_logprobs(model, batch, ForwardOptions(PAD, 1.0, 8192))
+    )
+    record(
+        f"hf engine vs trainer log-probs on CUDA ({precision}): mean |diff|, k3 KL",
+        [f"{metrics['rollout/logprob_mismatch']:.2e}", f"{metrics['rollout/mismatch_kl']:.2e}"],
+    )
     assert metrics["rollout/logprob_mismatch"] < bound
     assert 0 <= metrics["rollout/mismatch_kl"] < bound
 
@@ -381,9 +450,13 @@ def test_the_default_run_on_cuda_gains_as_usual(tmp_path, tiny_path):
     out = tmp_path / "run"
     env = {**os.environ, "DAPO_CACHE": str(tiny_path.parent)}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "dapo", "train", f"output_dir={out}",
-                           "logging.tensorboard=false"], env=env, capture_output=True, text=True,
-                          timeout=480)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "dapo", "train", f"output_dir={out}", "logging.tensorboard=false"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
     seconds = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "precision: bf16-mixed (auto: CUDA)" in proc.stdout + proc.stderr
@@ -392,8 +465,10 @@ def test_the_default_run_on_cuda_gains_as_usual(tmp_path, tiny_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     mismatch = [r["rollout/logprob_mismatch"] for r in rows if "rollout/logprob_mismatch" in r]
     steps = sorted(r["perf/step_s"] for r in rows if "perf/step_s" in r)
-    record("default run on CUDA: held-out accuracy before, after; seconds; median step s",
-           [round(before, 3), round(after, 3), round(seconds), round(steps[len(steps) // 2], 3)])  # fmt: skip
+    record(
+        "default run on CUDA: held-out accuracy before, after; seconds; median step s",
+        [round(before, 3), round(after, 3), round(seconds), round(steps[len(steps) // 2], 3)],
+    )
     assert after - before >= 0.25, (before, after)
     assert mismatch and max(mismatch) < 0.05
 
@@ -404,7 +479,9 @@ def test_the_default_run_on_cuda_gains_as_usual(tmp_path, tiny_path):
 
 
 @gpu_test()
-def test_weights_from_a_cuda_policy_reach_a_stand_in_server_on_the_same_gpu(tmp_path, random_tiny_model):
+def test_weights_from_a_cuda_policy_reach_a_stand_in_server_on_the_same_gpu(
+    tmp_path, random_tiny_model
+):
     """The trainer's side with the policy on the GPU (gathered, copied to the host and sent
     over gloo: the stand-in reports a CPU engine) and a receiver process that keeps the
     tensors on the same GPU. NCCL itself needs a second GPU (next test)."""
@@ -449,9 +526,13 @@ def test_vllm_colocated_engine_sleeps_wakes_and_loads_weights(tiny_path):
         model.load_state_dict(build_model(99, seed=7).state_dict())  # other weights: a random model
         eng.load_weights(model.named_parameters())
         batch = engine_samples(eng.generate(prompts, SamplingParams(n=4, max_tokens=48, seed=1)))
-        metrics = logprob_mismatch(batch, compute_logprobs(model, batch, ForwardOptions(PAD, 1.0, 8192)))
-        record("vLLM (bf16) vs trainer (bf16-mixed) after load_weights: mean |diff|",
-               f"{metrics['rollout/logprob_mismatch']:.2e}")  # fmt: skip
+        metrics = logprob_mismatch(
+            batch, compute_logprobs(model, batch, ForwardOptions(PAD, 1.0, 8192))
+        )
+        record(
+            "vLLM (bf16) vs trainer (bf16-mixed) after load_weights: mean |diff|",
+            f"{metrics['rollout/logprob_mismatch']:.2e}",
+        )
         assert metrics["rollout/logprob_mismatch"] < 2e-2
     finally:
         eng.close()
@@ -470,8 +551,15 @@ def test_vllm_fp8_rollouts_load_the_trainers_weights(tiny_path):
     model = set_precision(load_policy(str(tiny_path)), "bf16-mixed").to(CUDA)
     old = copy.deepcopy(model)
     prompts, opts = addition_prompts(16), ForwardOptions(PAD, 1.0, 8192)
-    eng = VLLMEngine(model, EOS, PAD, max_model_len=256, gpu_memory_utilization=0.3,
-                     enable_sleep_mode=False, quantization="fp8")  # fmt: skip
+    eng = VLLMEngine(
+        model,
+        EOS,
+        PAD,
+        max_model_len=256,
+        gpu_memory_utilization=0.3,
+        enable_sleep_mode=False,
+        quantization="fp8",
+    )
     try:
         batch = engine_samples(eng.generate(prompts, SamplingParams(n=4, max_tokens=48, seed=0)))
         first = logprob_mismatch(batch, compute_logprobs(model, batch, opts))
@@ -482,8 +570,10 @@ def test_vllm_fp8_rollouts_load_the_trainers_weights(tiny_path):
         stale = logprob_mismatch(batch, compute_logprobs(old, batch, opts))
     finally:
         eng.close()
-    record("vLLM fp8 vs trainer bf16: mismatch_kl (warmed-up, random after load)",
-           [f"{first['rollout/mismatch_kl']:.2e}", f"{new['rollout/mismatch_kl']:.2e}"])  # fmt: skip
+    record(
+        "vLLM fp8 vs trainer bf16: mismatch_kl (warmed-up, random after load)",
+        [f"{first['rollout/mismatch_kl']:.2e}", f"{new['rollout/mismatch_kl']:.2e}"],
+    )
     assert 0 < first["rollout/mismatch_kl"] < float("inf")
     assert new["rollout/logprob_mismatch"] < 0.5 * stale["rollout/logprob_mismatch"]
 
@@ -504,16 +594,38 @@ def test_vllm_server_two_steps_on_the_gpu(async_steps, tmp_path, tiny_path):
     url = f"http://127.0.0.1:{port}"
     server_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1" if two else "0"}
     trainer_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0" if two else ""}
-    server = launch(str(tiny_path), port, log=tmp_path / "server.log", max_model_len=256,
-                    env=server_env, timeout_s=300, args=["--gpu-memory-utilization", "0.3"])  # fmt: skip
+    server = launch(
+        str(tiny_path),
+        port,
+        log=tmp_path / "server.log",
+        max_model_len=256,
+        env=server_env,
+        timeout_s=300,
+        args=["--gpu-memory-utilization", "0.3"],
+    )
     try:
         out = tmp_path / "run"
-        cmd = [sys.executable, "-m", "dapo", "train", f"model.name_or_path={tiny_path}",
-               f"output_dir={out}", "evaluate=false", "logging.tensorboard=false", "train.steps=2",
-               "rollout.engine=vllm-server", f"rollout.server_url={url}", "rollout.server_timeout_s=120",
-               f"rollout.async_steps={async_steps}", "train.prompts_per_step=4", "train.mini_batch_size=2",
-               "rollout.num_generations=4", "rollout.max_completion_length=32",
-               "algorithm.overlong_buffer=8", "algorithm.dynamic_sampling=false"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "dapo",
+            "train",
+            f"model.name_or_path={tiny_path}",
+            f"output_dir={out}",
+            "evaluate=false",
+            "logging.tensorboard=false",
+            "train.steps=2",
+            "rollout.engine=vllm-server",
+            f"rollout.server_url={url}",
+            "rollout.server_timeout_s=120",
+            f"rollout.async_steps={async_steps}",
+            "train.prompts_per_step=4",
+            "train.mini_batch_size=2",
+            "rollout.num_generations=4",
+            "rollout.max_completion_length=32",
+            "algorithm.overlong_buffer=8",
+            "algorithm.dynamic_sampling=false",
+        ]
         proc = subprocess.run(cmd, env=trainer_env, capture_output=True, text=True, timeout=420)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         health = wait_for_health(url, server, tmp_path / "server.log")

@@ -52,8 +52,15 @@ def test_the_requirements_pin_what_the_gpu_image_lacks():
     required = wheelhouse.read_requirements()
     # The image (KINDS.md) has torch, transformers, peft, accelerate, pyarrow, safetensors,
     # tensorboard, pytest, hypothesis...; dapo's data, math scorer and the TRL benchmark need these.
-    assert {"datasets", "math-verify", "latex2sympy2-extended", "antlr4-python3-runtime",
-            "dill", "multiprocess", "trl"} <= set(required)  # fmt: skip
+    assert {
+        "datasets",
+        "math-verify",
+        "latex2sympy2-extended",
+        "antlr4-python3-runtime",
+        "dill",
+        "multiprocess",
+        "trl",
+    } <= set(required)
     assert not {"torch", "transformers", "pyarrow", "numpy"} & set(required)
     assert all(re.fullmatch(r"[0-9][0-9A-Za-z.]*", v) for v in required.values())
 
@@ -61,13 +68,21 @@ def test_the_requirements_pin_what_the_gpu_image_lacks():
 def test_a_requirement_without_a_pin_is_refused_with_its_line(tmp_path):
     path = tmp_path / "requirements.txt"
     path.write_text("# comment\ndatasets==5.2.0\ntrl>=1.0\n")
-    with pytest.raises(ValueError, match=r"requirements.txt:3: 'trl>=1.0' is not of the form name==version"):
+    with pytest.raises(
+        ValueError, match=r"requirements.txt:3: 'trl>=1.0' is not of the form name==version"
+    ):
         wheelhouse.read_requirements(path)
 
 
 def test_the_plan_installs_only_what_the_machine_lacks_and_checks_their_needs(tmp_path):
-    fake_wheel(tmp_path, "datasets", "5.2.0", "pyarrow>=24.0.0", "dill<0.4.2,>=0.3.0",
-               "typing; python_version < '3.5'")  # fmt: skip
+    fake_wheel(
+        tmp_path,
+        "datasets",
+        "5.2.0",
+        "pyarrow>=24.0.0",
+        "dill<0.4.2,>=0.3.0",
+        "typing; python_version < '3.5'",
+    )
     fake_wheel(tmp_path, "dill", "0.4.1")
     fake_wheel(tmp_path, "trl", "1.16.0", "transformers>=4.56.2")
     required = {"datasets": "5.2.0", "dill": "0.4.1", "trl": "1.16.0", "math-verify": "0.9.0"}
@@ -87,7 +102,10 @@ def test_two_versions_of_one_package_are_named(tmp_path):
     p = wheelhouse.plan(tmp_path, {"dill": "0.4.1"}, {})
     assert p.duplicates == ["dill"] and not p.ok
     assert "dill is in the wheelhouse more than once: keep one version" in p.problems()
-    assert wheelhouse.wheel_name(Path("Math_Verify-0.9.0-py3-none-any.whl")) == ("math-verify", "0.9.0")
+    assert wheelhouse.wheel_name(Path("Math_Verify-0.9.0-py3-none-any.whl")) == (
+        "math-verify",
+        "0.9.0",
+    )
 
 
 def test_fill_keeps_the_pinned_wheels_and_refuses_a_folder_over_the_limit(tmp_path, monkeypatch):
@@ -108,7 +126,10 @@ def test_fill_keeps_the_pinned_wheels_and_refuses_a_folder_over_the_limit(tmp_pa
     monkeypatch.setattr(wheelhouse, "copy_model", copy_model)
     monkeypatch.setattr(wheelhouse, "tree_bytes", lambda root=None: 4000)
     manifest = wheelhouse.fill(gpu, {"dill": "0.4.1", "trl": "1.16.0"})
-    assert sorted(manifest["wheels"]) == ["dill-0.4.1-py3-none-any.whl", "trl-1.16.0-py3-none-any.whl"]
+    assert sorted(manifest["wheels"]) == [
+        "dill-0.4.1-py3-none-any.whl",
+        "trl-1.16.0-py3-none-any.whl",
+    ]
     assert json.loads((gpu / "manifest.json").read_text()) == manifest
     assert manifest["gpu_dir_bytes"] > 1000 and manifest["tree_bytes"] == 4000
     monkeypatch.setattr(wheelhouse, "LIMIT_BYTES", 5000)
@@ -133,10 +154,12 @@ def test_arguments_of_the_two_commands(capsys):
     args = run.parse_args(["test", "--", "-k", "fsdp", "-x"])
     assert args.pytest_args == ["-k", "fsdp", "-x"] and args.budget_s == 540
     assert run.parse_args(["bench", "--quick", "--budget-s", "300"]).quick
-    for argv, message in ((["bench", "--", "-k", "x"], "bench takes no pytest arguments"),
-                          (["test", "--budget-s", "30"], "--budget-s must be at least 60"),
-                          (["test", "--quick"], "--quick is for bench"),
-                          (["train"], "invalid choice: 'train'")):  # fmt: skip
+    for argv, message in (
+        (["bench", "--", "-k", "x"], "bench takes no pytest arguments"),
+        (["test", "--budget-s", "30"], "--budget-s must be at least 60"),
+        (["test", "--quick"], "--quick is for bench"),
+        (["train"], "invalid choice: 'train'"),
+    ):
         with pytest.raises(SystemExit) as info:
             run.parse_args(argv)
         assert info.value.code == 2 and message in capsys.readouterr().err
@@ -162,32 +185,78 @@ def test_a_command_past_its_budget_is_stopped_with_its_children(tmp_path):
 def test_test_phases_become_one_row_per_test():
     lines = [
         {"test": "t::a", "when": "call", "outcome": "passed", "seconds": 1.0, "message": ""},
-        {"test": "t::b", "when": "setup", "outcome": "skipped", "seconds": 0.0, "message": "CUDA is not available"},
-        {"test": "t::c", "when": "call", "outcome": "failed", "seconds": 2.0, "message": "assert 1 < 0"},
+        {
+            "test": "t::b",
+            "when": "setup",
+            "outcome": "skipped",
+            "seconds": 0.0,
+            "message": "CUDA is not available",
+        },
+        {
+            "test": "t::c",
+            "when": "call",
+            "outcome": "failed",
+            "seconds": 2.0,
+            "message": "assert 1 < 0",
+        },
         {"test": "t::d", "when": "call", "outcome": "passed", "seconds": 3.0, "message": ""},
-        {"test": "t::d", "when": "teardown", "outcome": "failed", "seconds": 0.5, "message": "boom"},
-    ]  # fmt: skip
+        {
+            "test": "t::d",
+            "when": "teardown",
+            "outcome": "failed",
+            "seconds": 0.5,
+            "message": "boom",
+        },
+    ]
     rows = {r["test"]: r for r in run.collect_tests(lines)}
-    assert [rows[t]["outcome"] for t in ("t::a", "t::b", "t::c", "t::d")] == ["passed", "skipped", "failed", "error"]
+    assert [rows[t]["outcome"] for t in ("t::a", "t::b", "t::c", "t::d")] == [
+        "passed",
+        "skipped",
+        "failed",
+        "error",
+    ]
     assert rows["t::b"]["message"] == "CUDA is not available" and rows["t::d"]["seconds"] == 3.5
 
 
 def test_the_report_plugin_writes_each_test_as_it_ends(tmp_path):
-    (tmp_path / "test_x.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_x.py").write_text(
+        textwrap.dedent("""
         import pytest
         def test_pass(): pass
         def test_fail(): assert 1 + 1 == 3, "arithmetic"
         @pytest.mark.skip(reason="no GPU here")
         def test_skip(): pass
-    """))
+    """)
+    )
     report = tmp_path / "report.jsonl"
     env = {**os.environ, "PYTHONPATH": str(GPU), run.REPORT_ENV: str(report)}
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "report_plugin", "-p", "no:cacheprovider",
-                    str(tmp_path / "test_x.py")], cwd=tmp_path, env=env, capture_output=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "report_plugin",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "test_x.py"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
     rows = {r["test"].split("::")[-1]: r for r in run.collect_tests(run.read_jsonl(report))}
-    assert {k: r["outcome"] for k, r in rows.items()} == {"test_pass": "passed", "test_fail": "failed",
-                                                          "test_skip": "skipped"}  # fmt: skip
-    assert "arithmetic" in rows["test_fail"]["message"] and rows["test_skip"]["message"] == "no GPU here"
+    assert {k: r["outcome"] for k, r in rows.items()} == {
+        "test_pass": "passed",
+        "test_fail": "failed",
+        "test_skip": "skipped",
+    }
+    assert (
+        "arithmetic" in rows["test_fail"]["message"]
+        and rows["test_skip"]["message"] == "no GPU here"
+    )
 
 
 # --- what comes back: the results folder -----------------------------------------------------
@@ -204,8 +273,14 @@ def test_make_test_gpu_on_a_cpu_skips_every_test_and_reports_why(tmp_path):
     collected and every test skipped with its reason, the three files written."""
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OUT": str(out)}
-    proc = subprocess.run([sys.executable, str(GPU / "run.py"), "test", "--gpu-dir", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(GPU / "run.py"), "test", "--gpu-dir", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert returned(out) == ["test-gpu.json", "test-gpu.log", "test-gpu.md"]
     report = json.loads((out / "test-gpu.json").read_text())
@@ -216,29 +291,64 @@ def test_make_test_gpu_on_a_cpu_skips_every_test_and_reports_why(tmp_path):
     # Only a package this venv lacks (e.g. trl without the bench extra) could be a problem here.
     assert all("neither installed nor in the wheelhouse" in p for p in report["setup"]["problems"])
     md = (out / "test-gpu.md").read_text()
-    assert md.startswith(f"# make test-gpu: 0 passed, 0 failed, 0 errors, {len(report['tests'])} skipped")
+    assert md.startswith(
+        f"# make test-gpu: 0 passed, 0 failed, 0 errors, {len(report['tests'])} skipped"
+    )
     assert "| test_fsdp2_at_world_size_1_over_nccl_trains_checkpoints_and_resumes | skipped |" in md
 
 
-MEMORY = {"settings": {"model": {"hidden": 896, "layers": 24, "vocab": 151936, "parameters": 494032768},
-                       "prompts": 32, "generations": 8, "max_completion_length": 256,
-                       "memory": "torch.cuda.max_memory_allocated"},
-          "results": {"fp32": {"before_mb": 7600.0, "peak_mb": 30000.0, "step_s": 20.0},
-                      "trl": {"before_mb": 7900.0, "peak_mb": 17500.0, "step_s": 30.0}},
-          "ckpt_over_trl": None}  # fmt: skip
-ENGINES = {"settings": {"prompts": 16, "n": 8, "max_tokens": 64, "temperature": 1.0, "repeats": 3,
-                        "device": "cuda"},
-           "results": [{"model": "tiny", "params_m": 0.8, "engine": "hf", "tokens_per_s": 9000.0,
-                        "tokens_per_s_best": 9500.0, "startup_s": 0.0}]}  # fmt: skip
+MEMORY = {
+    "settings": {
+        "model": {"hidden": 896, "layers": 24, "vocab": 151936, "parameters": 494032768},
+        "prompts": 32,
+        "generations": 8,
+        "max_completion_length": 256,
+        "memory": "torch.cuda.max_memory_allocated",
+    },
+    "results": {
+        "fp32": {"before_mb": 7600.0, "peak_mb": 30000.0, "step_s": 20.0},
+        "trl": {"before_mb": 7900.0, "peak_mb": 17500.0, "step_s": 30.0},
+    },
+    "ckpt_over_trl": None,
+}
+ENGINES = {
+    "settings": {
+        "prompts": 16,
+        "n": 8,
+        "max_tokens": 64,
+        "temperature": 1.0,
+        "repeats": 3,
+        "device": "cuda",
+    },
+    "results": [
+        {
+            "model": "tiny",
+            "params_m": 0.8,
+            "engine": "hf",
+            "tokens_per_s": 9000.0,
+            "tokens_per_s_best": 9500.0,
+            "startup_s": 0.0,
+        }
+    ],
+}
 
 
-def test_make_bench_gpu_writes_both_tables_and_says_which_benchmark_gave_nothing(tmp_path, monkeypatch):
+def test_make_bench_gpu_writes_both_tables_and_says_which_benchmark_gave_nothing(
+    tmp_path, monkeypatch
+):
     """The benchmarks replaced by stand-ins that write the real reports' fields (one of
     them fails): JSON, Markdown and log in the results folder."""
+
     def steps(python: str, work: Path, quick: bool) -> list:
         script = "import json, sys; open(sys.argv[1], 'w').write(sys.argv[2]); print('ran')"
-        return [("bench_memory", [python, "-c", script, str(work / "m.json"), json.dumps(MEMORY)], work / "m.json"),
-                ("bench_engines", [python, "-c", "import sys; sys.exit(3)"], work / "e.json")]  # fmt: skip
+        return [
+            (
+                "bench_memory",
+                [python, "-c", script, str(work / "m.json"), json.dumps(MEMORY)],
+                work / "m.json",
+            ),
+            ("bench_engines", [python, "-c", "import sys; sys.exit(3)"], work / "e.json"),
+        ]
 
     monkeypatch.setattr(run, "bench_steps", steps)
     out = tmp_path / "out"
@@ -257,7 +367,14 @@ def test_make_bench_gpu_writes_both_tables_and_says_which_benchmark_gave_nothing
 def test_the_benchmarks_are_the_issues_settings():
     (memory, cmd_m, _), (engines, cmd_e, _) = run.bench_steps("python3", Path("/w"), quick=False)
     assert (memory, engines) == ("bench_memory", "bench_engines")
-    assert cmd_m[1:8] == ["benchmarks/bench_memory.py", "--prompts", "32", "--generations", "8",
-                          "--max-completion-length", "256"]  # fmt: skip
+    assert cmd_m[1:8] == [
+        "benchmarks/bench_memory.py",
+        "--prompts",
+        "32",
+        "--generations",
+        "8",
+        "--max-completion-length",
+        "256",
+    ]
     assert "--sides" not in cmd_m  # all of them: fp32, bf16-mixed, bf16-mixed+ckpt and TRL
     assert cmd_e[1:4] == ["benchmarks/bench_engines.py", "--models", "tiny,100m"]

@@ -40,8 +40,9 @@ def make_learner(settings: LossSettings, **train: object) -> Learner:
     model = build_model(len(build_tokenizer()), seed=3)
     model.train()
     t = TrainConfig(**{"prompts_per_step": 4, "mini_batch_size": 4, "lr": 1e-2, **train})
-    return Learner(model, make_optimizer(model, t), settings, ForwardOptions(0, token_budget=60),
-                   train=t)  # fmt: skip
+    return Learner(
+        model, make_optimizer(model, t), settings, ForwardOptions(0, token_budget=60), train=t
+    )
 
 
 def test_entropy_is_the_mean_over_the_tokens_that_measured_it_whatever_the_epochs() -> None:
@@ -129,8 +130,17 @@ def test_resuming_with_another_model_is_refused_in_one_line(random_tiny_model, t
 def test_resuming_with_changed_keys_lists_them(random_tiny_model, tmp_path) -> None:
     out = tmp_path / "run"
     Trainer(small_config(random_tiny_model, out, "train.steps=1"), log=lambda _: None).run()
-    resumed = Trainer(small_config(random_tiny_model, out, "train.steps=2", "resume=true",
-                                   "train.prompts_per_step=2", "preset=grpo"), log=lambda _: None)  # fmt: skip
+    resumed = Trainer(
+        small_config(
+            random_tiny_model,
+            out,
+            "train.steps=2",
+            "resume=true",
+            "train.prompts_per_step=2",
+            "preset=grpo",
+        ),
+        log=lambda _: None,
+    )
     with pytest.warns(UserWarning) as caught:
         summary = resumed.run()
     text = " ".join(str(w.message) for w in caught)
@@ -144,9 +154,17 @@ def test_a_checkpoint_of_release_a5216fc_resumes_with_its_carry_over(tmp_path) -
     """tests/fixtures/trainer_state_a5216fc.pt is the trainer state a5216fc wrote at step 2 of
     this very config (its carry-over pickled as ScoredGroup objects). Put in place of the
     current release's, the run resumes with those 2 groups and trains them first."""
-    args = ["seed=2", "train.prompts_per_step=4", "train.mini_batch_size=4",
-            "rollout.num_generations=4", "evaluate=false", "checkpoint.save_every=1",
-            "logging.tensorboard=false", "logging.console=false", f"output_dir={tmp_path}"]  # fmt: skip
+    args = [
+        "seed=2",
+        "train.prompts_per_step=4",
+        "train.mini_batch_size=4",
+        "rollout.num_generations=4",
+        "evaluate=false",
+        "checkpoint.save_every=1",
+        "logging.tensorboard=false",
+        "logging.console=false",
+        f"output_dir={tmp_path}",
+    ]
     from dapo.config import load_config
 
     Trainer(load_config(overrides=[*args, "train.steps=2"]), log=lambda _: None).run()
@@ -154,7 +172,9 @@ def test_a_checkpoint_of_release_a5216fc_resumes_with_its_carry_over(tmp_path) -
     (ckpt / "trainer_state.pt").write_bytes((FIXTURES / "trainer_state_a5216fc.pt").read_bytes())
     legacy = torch.load(FIXTURES / "trainer_state_a5216fc.pt", weights_only=False)
     carried = [(g.prompt_ids, g.response_ids) for g in legacy["sampler"]["carry"]]
-    trainer = Trainer(load_config(overrides=[*args, "train.steps=3", "resume=true"]), log=lambda _: None)
+    trainer = Trainer(
+        load_config(overrides=[*args, "train.steps=3", "resume=true"]), log=lambda _: None
+    )
     trained = []
     build = trainer.build_samples
     trainer.build_samples = lambda groups: trained.append(groups) or build(groups)

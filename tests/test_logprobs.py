@@ -54,7 +54,9 @@ def test_chunked_equals_unchunked_values_and_gradients(chunk: int, bias: bool) -
     assert got[0].dtype == got[1].dtype == torch.float32
     torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(got[1], alg.entropy_from_logits(F.linear(h, w, b) / t), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        got[1], alg.entropy_from_logits(F.linear(h, w, b) / t), atol=1e-6, rtol=1e-6
+    )
     for a, r in zip(got[2], ref[2], strict=True):
         # A gradient entry sums N terms: both orders of summation are within float32 rounding
         # of the largest entry.
@@ -67,8 +69,9 @@ def test_log_prob_only_loss_and_frozen_weights() -> None:
     """The entropy's gradient only when the loss uses it; no gradient for a frozen weight."""
     h, w, b, y, cl, ce = inputs()
     ref = values_and_grads(lambda: reference(h, w, b, y, 1.0), h, w, b, cl, ce, use_entropy=False)
-    got = values_and_grads(lambda: chunked_logprobs(h, w, y, bias=b, chunk_size=8), h, w, b, cl, ce,
-                           use_entropy=False)
+    got = values_and_grads(
+        lambda: chunked_logprobs(h, w, y, bias=b, chunk_size=8), h, w, b, cl, ce, use_entropy=False
+    )
     for a, r in zip(got[2], ref[2], strict=True):
         torch.testing.assert_close(a, r, atol=1e-6 * float(r.abs().max()), rtol=1e-6)
     w.requires_grad_(False)
@@ -87,10 +90,16 @@ def test_bf16_products_float32_results() -> None:
     ref = values_and_grads(lambda: reference(h, w, b, y, 1.0), h, w, b, cl, ce)
     got = values_and_grads(
         lambda: chunked_logprobs(h, w, y, bias=b, chunk_size=8, compute_dtype=torch.bfloat16),
-        h, w, b, cl, ce,
-    )  # fmt: skip
+        h,
+        w,
+        b,
+        cl,
+        ce,
+    )
     assert got[0].dtype == torch.float32 and got[2][1].dtype == torch.float32
-    rounded = reference(h.detach().bfloat16().float(), w.detach().bfloat16().float(), b.detach(), y, 1.0)
+    rounded = reference(
+        h.detach().bfloat16().float(), w.detach().bfloat16().float(), b.detach(), y, 1.0
+    )
     torch.testing.assert_close(got[0], rounded[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got[1], rounded[1], atol=1e-6, rtol=1e-6)
     bf16_logits = F.linear(h.detach().bfloat16(), w.detach().bfloat16()).float() + b.detach()
@@ -161,7 +170,9 @@ def _whole_logits(model, batch, temperature, shared):
     from dapo.training.forward import response_logits
     from dapo.training.microbatch import collate
 
-    logits = response_logits(model, collate(batch, 0), temperature=temperature, shared_prompt=shared)
+    logits = response_logits(
+        model, collate(batch, 0), temperature=temperature, shared_prompt=shared
+    )
     log_p = torch.log_softmax(logits, -1)
     ids = collate(batch, 0).response_ids
     return alg.token_logprobs(logits, ids), -(log_p.exp() * log_p).sum(-1)
@@ -188,10 +199,20 @@ def test_model_logprobs_equal_the_whole_logits_path(shared: bool) -> None:
         model.zero_grad(set_to_none=True)
         logp, ent = fn()
         ((logp * cl * mask).sum() + (ent * ce * mask).sum()).backward()
-        return logp.detach() * mask, ent.detach() * mask, [p.grad.clone() for p in model.parameters()]
+        return (
+            logp.detach() * mask,
+            ent.detach() * mask,
+            [p.grad.clone() for p in model.parameters()],
+        )
 
     ref = run(lambda: _whole_logits(model, batch, 0.7, shared))
-    got = run(lambda: response_logprobs(model, collate(batch, 0), ForwardOptions(0, 0.7, logits_chunk_size=7, shared_prompt=shared)))
+    got = run(
+        lambda: response_logprobs(
+            model,
+            collate(batch, 0),
+            ForwardOptions(0, 0.7, logits_chunk_size=7, shared_prompt=shared),
+        )
+    )
     torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got[1], ref[1], atol=1e-6, rtol=1e-6)
     for a, r in zip(got[2], ref[2], strict=True):
@@ -208,11 +229,19 @@ def test_heads_that_transform_the_logits_take_the_whole_logits_path() -> None:
     from dapo.training.microbatch import collate
 
     torch.manual_seed(0)
-    gemma = Gemma2ForCausalLM(Gemma2Config(
-        vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=16,
-        num_attention_heads=2, num_key_value_heads=1, final_logit_softcapping=0.5,
-        sliding_window=64,
-    ))  # fmt: skip
+    gemma = Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=99,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            head_dim=16,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            final_logit_softcapping=0.5,
+            sliding_window=64,
+        )
+    )
     assert output_head(gemma) is None
     batch = _model_samples()
     logp, ent = response_logprobs(gemma, collate(batch, 0), ForwardOptions(0, 1.0))

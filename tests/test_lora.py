@@ -42,8 +42,15 @@ def test_only_the_adapters_train_and_start_as_the_base_model() -> None:
     # all-linear: every linear layer but the output layer, 7 per decoder layer.
     layers = {n.split(".lora_")[0] for n in trainable}
     assert not any("lm_head" in n for n in layers)
-    assert {n.rsplit(".", 1)[-1] for n in layers} == {"q_proj", "k_proj", "v_proj", "o_proj",
-                                                       "gate_proj", "up_proj", "down_proj"}
+    assert {n.rsplit(".", 1)[-1] for n in layers} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     n_trainable, n_total = lora.parameter_counts(model)
     assert n_trainable == sum(model.get_parameter(n).numel() for n in trainable)
     assert n_total - n_trainable == sum(p.numel() for p in base.parameters())  # tied: once
@@ -91,25 +98,46 @@ def test_target_modules_that_do_not_exist_name_the_linear_layers() -> None:
 
 
 def _config(model: Path, out: Path, *extra: str):
-    return load_config(overrides=[
-        f"model.name_or_path={model}", f"output_dir={out}", "train.prompts_per_step=4",
-        "train.mini_batch_size=2", "rollout.num_generations=4", "rollout.max_completion_length=12",
-        "algorithm.overlong_buffer=4", "algorithm.dynamic_sampling=false", "evaluate=false",
-        "logging.tensorboard=false", "logging.console=false", "checkpoint.save_every=1",
-        "reward.num_workers=1", "model.lora.rank=4", "model.lora.alpha=8", "train.lr=5e-3",
-        *extra,
-    ])  # fmt: skip
+    return load_config(
+        overrides=[
+            f"model.name_or_path={model}",
+            f"output_dir={out}",
+            "train.prompts_per_step=4",
+            "train.mini_batch_size=2",
+            "rollout.num_generations=4",
+            "rollout.max_completion_length=12",
+            "algorithm.overlong_buffer=4",
+            "algorithm.dynamic_sampling=false",
+            "evaluate=false",
+            "logging.tensorboard=false",
+            "logging.console=false",
+            "checkpoint.save_every=1",
+            "reward.num_workers=1",
+            "model.lora.rank=4",
+            "model.lora.alpha=8",
+            "train.lr=5e-3",
+            *extra,
+        ]
+    )
 
 
-def test_checkpoints_hold_the_adapters_resume_exactly_and_export_merged(random_tiny_model, tmp_path):
+def test_checkpoints_hold_the_adapters_resume_exactly_and_export_merged(
+    random_tiny_model, tmp_path
+):
     from transformers import AutoModelForCausalLM
 
-    whole = Trainer(_config(random_tiny_model, tmp_path / "whole", "train.steps=3"), log=lambda _: None)
+    whole = Trainer(
+        _config(random_tiny_model, tmp_path / "whole", "train.steps=3"), log=lambda _: None
+    )
     summary = whole.run()
-    first = Trainer(_config(random_tiny_model, tmp_path / "run", "train.steps=2"), log=lambda _: None)
+    first = Trainer(
+        _config(random_tiny_model, tmp_path / "run", "train.steps=2"), log=lambda _: None
+    )
     first.run()
-    resumed = Trainer(_config(random_tiny_model, tmp_path / "run", "train.steps=3", "resume=true"),
-                      log=lambda _: None)  # fmt: skip
+    resumed = Trainer(
+        _config(random_tiny_model, tmp_path / "run", "train.steps=3", "resume=true"),
+        log=lambda _: None,
+    )
     resumed.run()
     ckpt = tmp_path / "run" / "checkpoints" / "step_000003"
     adapters = load_file(ckpt / "model.safetensors")
@@ -119,8 +147,9 @@ def test_checkpoints_hold_the_adapters_resume_exactly_and_export_merged(random_t
     assert len(optimizer["state"]) == len(trained)  # AdamW moments of the adapters only
     # Resuming loses nothing: the same adapters and optimizer state as the 3-step run.
     for name in ("model.safetensors", "optimizer.pt"):
-        assert (ckpt / name).read_bytes() == (tmp_path / "whole" / "checkpoints" / "step_000003"
-                                             / name).read_bytes(), name  # fmt: skip
+        assert (ckpt / name).read_bytes() == (
+            tmp_path / "whole" / "checkpoints" / "step_000003" / name
+        ).read_bytes(), name
     assert any(v.abs().max() > 0 for k, v in adapters.items() if "lora_B" in k)  # it trained
     assert summary["trainable_parameters"] == sum(v.numel() for v in adapters.values())
     assert summary["trainable_parameters"] < summary["parameters"] / 5
@@ -130,17 +159,30 @@ def test_checkpoints_hold_the_adapters_resume_exactly_and_export_merged(random_t
     assert set(final.state_dict()) == plain_names
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
-        torch.testing.assert_close(final(input_ids=ids).logits, resumed.model(input_ids=ids).logits,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            final(input_ids=ids).logits, resumed.model(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+        )
     # A checkpoint of a full fine-tuning run does not load into a LoRA run (and says why).
     full = tmp_path / "full"
-    Trainer(load_config(overrides=[f"model.name_or_path={random_tiny_model}", f"output_dir={full}",
-                                   "train.steps=1", "evaluate=false", "logging.tensorboard=false",
-                                   "logging.console=false", "checkpoint.save_final_model=false",
-                                   "algorithm.dynamic_sampling=false", "train.prompts_per_step=2",
-                                   "train.mini_batch_size=2", "rollout.max_completion_length=12",
-                                   "algorithm.overlong_buffer=4"]),
-            log=lambda _: None).run()  # fmt: skip
+    Trainer(
+        load_config(
+            overrides=[
+                f"model.name_or_path={random_tiny_model}",
+                f"output_dir={full}",
+                "train.steps=1",
+                "evaluate=false",
+                "logging.tensorboard=false",
+                "logging.console=false",
+                "checkpoint.save_final_model=false",
+                "algorithm.dynamic_sampling=false",
+                "train.prompts_per_step=2",
+                "train.mini_batch_size=2",
+                "rollout.max_completion_length=12",
+                "algorithm.overlong_buffer=4",
+            ]
+        ),
+        log=lambda _: None,
+    ).run()
     from dapo.training.checkpoint import CheckpointError, load_checkpoint
 
     with pytest.raises(CheckpointError, match="model.lora setting"):
@@ -152,11 +194,30 @@ def test_final_model_loads_in_dapo_eval(random_tiny_model, tmp_path, capsys):
 
     Trainer(_config(random_tiny_model, tmp_path / "run", "train.steps=1"), log=lambda _: None).run()
     data = tmp_path / "eval.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "reward_model": {"ground_truth":
-                                        str(2 * i)}}) + "\n" for i in range(3)))  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"{i}+{i}=", "reward_model": {"ground_truth": str(2 * i)}}) + "\n"
+            for i in range(3)
+        )
+    )
     report = tmp_path / "report.json"
-    assert main(["eval", str(tmp_path / "run" / "final_model"), "--data", str(data), "--k", "1",
-                 "--max-tokens", "8", "--output", str(report)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(tmp_path / "run" / "final_model"),
+                "--data",
+                str(data),
+                "--k",
+                "1",
+                "--max-tokens",
+                "8",
+                "--output",
+                str(report),
+            ]
+        )
+        == 0
+    )
     assert json.loads(report.read_text())
 
 
@@ -166,8 +227,9 @@ def test_reference_policy_is_the_base_model_with_adapters_disabled(random_tiny_m
     from dapo.training.batch import Sample
     from dapo.training.forward import ForwardOptions, compute_logprobs
 
-    trainer = Trainer(_config(random_tiny_model, tmp_path / "run", "algorithm.beta=0.01"),
-                      log=lambda _: None)  # fmt: skip
+    trainer = Trainer(
+        _config(random_tiny_model, tmp_path / "run", "algorithm.beta=0.01"), log=lambda _: None
+    )
     assert trainer.learner.ref_model is None  # no copy of the policy
     perturb_adapters(trainer.model)
     samples = [Sample([5, 6, 7], [8, 9, 10, 11], 1.0, [1.0] * 4) for _ in range(2)]
@@ -198,9 +260,11 @@ def test_training_log_probs_of_a_lora_model_equal_the_whole_logits_path(targets)
     perturb_adapters(model)
     model.train()
     assert (output_head(model) is model.lm_head) == (targets == ("all-linear",))
-    batch = [Sample([5, 6, 7], [8, 9, 10, 11], 1.0, [1.0] * 4),
-             Sample([5, 6, 7], [12, 13], -1.0, [1.0] * 2),
-             Sample([14, 15], [16, 17, 18], 0.5, [1.0] * 3)]  # fmt: skip
+    batch = [
+        Sample([5, 6, 7], [8, 9, 10, 11], 1.0, [1.0] * 4),
+        Sample([5, 6, 7], [12, 13], -1.0, [1.0] * 2),
+        Sample([14, 15], [16, 17, 18], 0.5, [1.0] * 3),
+    ]
     mask = collate(batch, 0).loss_mask.double()
     gen = torch.Generator().manual_seed(1)
     cl = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
@@ -219,7 +283,11 @@ def test_training_log_probs_of_a_lora_model_equal_the_whole_logits_path(targets)
         return alg.token_logprobs(logits, ids), alg.token_entropy(logits)
 
     ref = run(whole)
-    got = run(lambda: response_logprobs(model, collate(batch, 0), ForwardOptions(0, 0.7, logits_chunk_size=5)))
+    got = run(
+        lambda: response_logprobs(
+            model, collate(batch, 0), ForwardOptions(0, 0.7, logits_chunk_size=5)
+        )
+    )
     torch.testing.assert_close(got[0], ref[0].to(got[0].dtype), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1], ref[1].to(got[1].dtype), atol=1e-5, rtol=1e-5)
     for name, g in ref[2].items():
@@ -236,8 +304,10 @@ def test_lora_with_gradient_checkpointing_gives_the_same_adapter_gradients() -> 
     from dapo.training.forward import ForwardOptions, response_logprobs
     from dapo.training.microbatch import collate
 
-    batch = [Sample([5, 6, 7], [8, 9, 10, 11], 1.0, [1.0] * 4),
-             Sample([5, 6, 7], [12, 13], -1.0, [1.0] * 2)]  # fmt: skip
+    batch = [
+        Sample([5, 6, 7], [8, 9, 10, 11], 1.0, [1.0] * 4),
+        Sample([5, 6, 7], [12, 13], -1.0, [1.0] * 2),
+    ]
     grads = []
     for checkpointed in (False, True):
         model, _ = lora_model()

@@ -90,15 +90,17 @@ def test_gspo_by_hand() -> None:
     adv = torch.tensor([1.0, -2.0], dtype=F64)
 
     def fn(x):
-        loss, _ = alg.policy_loss(x, old, adv, mask, kind="gspo", clip_low=0.2, clip_high=0.2,
-                                  agg="seq-mean-token-mean")
+        loss, _ = alg.policy_loss(
+            x, old, adv, mask, kind="gspo", clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean"
+        )
         return loss
 
     loss, grad = _grad(fn, lp)
     _close(loss, 0.3)
     _close(grad, [[0.0, 0.0], [1.8 / 2, 0.0]])
-    _, stats = alg.policy_loss(lp, old, adv, mask, kind="gspo", clip_low=0.2, clip_high=0.2,
-                               agg="seq-mean-token-mean")
+    _, stats = alg.policy_loss(
+        lp, old, adv, mask, kind="gspo", clip_low=0.2, clip_high=0.2, agg="seq-mean-token-mean"
+    )
     # 2 of the 3 loss tokens belong to the clipped response (upper bound, A > 0).
     _close(stats["clip_frac_high"], 2 / 3)
     _close(stats["clip_frac_low"], 0.0)
@@ -112,8 +114,16 @@ def test_gspo_matches_the_paper_formula_and_its_gradient(seed, eps) -> None:
     ref_loss, ref_grad = _ref_gspo(lp, old, adv, mask, *eps)
 
     def fn(x):
-        return alg.policy_loss(x, old, adv, mask, kind="gspo", clip_low=eps[0],
-                               clip_high=eps[1], agg="seq-mean-token-mean")[0]
+        return alg.policy_loss(
+            x,
+            old,
+            adv,
+            mask,
+            kind="gspo",
+            clip_low=eps[0],
+            clip_high=eps[1],
+            agg="seq-mean-token-mean",
+        )[0]
 
     loss, grad = _grad(fn, lp)
     _close(loss, ref_loss)
@@ -125,8 +135,9 @@ def test_gspo_gradcheck() -> None:
     objective (the two forms are equal), so finite differences agree with autograd."""
     lp, old, adv, mask = _batch(11, B=3, T=4, spread=0.1)
     assert torch.autograd.gradcheck(
-        lambda x: alg.policy_loss(x, old, adv, mask, kind="gspo", clip_low=0.05, clip_high=0.08,
-                                  agg="seq-mean-token-mean")[0],
+        lambda x: alg.policy_loss(
+            x, old, adv, mask, kind="gspo", clip_low=0.05, clip_high=0.08, agg="seq-mean-token-mean"
+        )[0],
         (lp.clone().requires_grad_(True),),
     )
 
@@ -171,12 +182,15 @@ def test_cispo_by_hand() -> None:
     old = torch.log(torch.tensor([[0.5 / 1.5]], dtype=F64))
     mask = torch.ones(1, 1, dtype=F64)
     adv = torch.tensor([2.0], dtype=F64)
-    loss, grad = _grad(lambda x: alg.policy_loss(x, old, adv, mask, kind="cispo", clip_low=1.0,
-                                                 clip_high=0.2)[0], lp)
+    loss, grad = _grad(
+        lambda x: alg.policy_loss(x, old, adv, mask, kind="cispo", clip_low=1.0, clip_high=0.2)[0],
+        lp,
+    )
     _close(loss, 1.6635532333438687)
     _close(grad, [[-2.4]])
-    ppo_loss, ppo_grad = _grad(lambda x: alg.policy_loss(x, old, adv, mask, clip_low=0.2,
-                                                         clip_high=0.2)[0], lp)
+    ppo_loss, ppo_grad = _grad(
+        lambda x: alg.policy_loss(x, old, adv, mask, clip_low=0.2, clip_high=0.2)[0], lp
+    )
     _close(ppo_grad, [[0.0]])  # the contrast: PPO's clip drops this token's gradient
 
 
@@ -185,8 +199,12 @@ def test_cispo_by_hand() -> None:
 def test_cispo_matches_the_paper_formula_and_its_gradient(seed, eps) -> None:
     lp, old, adv, mask = _batch(seed, spread=0.5)
     ref_loss, ref_grad = _ref_cispo(lp, old, adv, mask, *eps)
-    loss, grad = _grad(lambda x: alg.policy_loss(x, old, adv, mask, kind="cispo",
-                                                 clip_low=eps[0], clip_high=eps[1])[0], lp)
+    loss, grad = _grad(
+        lambda x: alg.policy_loss(
+            x, old, adv, mask, kind="cispo", clip_low=eps[0], clip_high=eps[1]
+        )[0],
+        lp,
+    )
     _close(loss, ref_loss)
     _close(grad, ref_grad)
 
@@ -197,8 +215,9 @@ def test_cispo_clip_fractions_count_truncated_weights_whatever_the_advantage_sig
     lp = old + torch.log(ratios)
     mask = torch.ones(1, 4, dtype=F64)
     for a in (1.0, -1.0):
-        _, stats = alg.policy_loss(lp, old, torch.tensor([a], dtype=F64), mask, kind="cispo",
-                                   clip_low=0.2, clip_high=0.28)
+        _, stats = alg.policy_loss(
+            lp, old, torch.tensor([a], dtype=F64), mask, kind="cispo", clip_low=0.2, clip_high=0.28
+        )
         _close(stats["clip_frac_low"], 0.25)  # 0.5 < 0.8
         _close(stats["clip_frac_high"], 0.25)  # 1.6 > 1.28
 
@@ -250,8 +269,12 @@ def test_is_weights_by_hand() -> None:
     samp = torch.log(torch.tensor([[0.2, 0.5]], dtype=F64))
     old = torch.log(torch.tensor([[0.5, 0.8]], dtype=F64))
     mask = torch.ones(1, 2, dtype=F64)
-    cases = {("token", "truncate"): ([2.0, 1.6], [1, 1]), ("token", "mask"): ([0.0, 1.6], [0, 1]),
-             ("sequence", "truncate"): ([2.0, 2.0], [1, 1]), ("sequence", "mask"): ([0.0, 0.0], [0, 0])}
+    cases = {
+        ("token", "truncate"): ([2.0, 1.6], [1, 1]),
+        ("token", "mask"): ([0.0, 1.6], [0, 1]),
+        ("sequence", "truncate"): ([2.0, 2.0], [1, 1]),
+        ("sequence", "mask"): ([0.0, 0.0], [0, 0]),
+    }
     for (level, mode), (w, keep) in cases.items():
         got_w, got_keep, over = alg.is_weights(old, samp, mask, cap=2.0, level=level, mode=mode)
         _close(got_w, [w])
@@ -281,8 +304,10 @@ def test_token_entropy_values_and_gradcheck() -> None:
     uniform = torch.zeros(1, 4, dtype=F64)
     _close(alg.token_entropy(uniform), [math.log(4)])
     # p = (0.5, 0.25, 0.25): H = 0.5 ln 2 + 2 * 0.25 ln 4 = 1.5 ln 2.
-    _close(alg.token_entropy(torch.log(torch.tensor([[0.5, 0.25, 0.25]], dtype=F64))),
-           [1.5 * math.log(2)])
+    _close(
+        alg.token_entropy(torch.log(torch.tensor([[0.5, 0.25, 0.25]], dtype=F64))),
+        [1.5 * math.log(2)],
+    )
     logits = torch.randn(2, 3, 5, dtype=F64, generator=torch.Generator().manual_seed(0))
     _close(alg.token_entropy(logits), alg.entropy_from_logits(logits))
     assert torch.autograd.gradcheck(alg.token_entropy, (logits.requires_grad_(True),))
@@ -373,8 +398,9 @@ def test_clip_cov_draw_is_uniform_among_candidates() -> None:
     counts = torch.zeros(8)
     g = torch.Generator().manual_seed(0)
     for _ in range(3000):
-        keys = alg.clip_cov_keys(keys_cov, mask, torch.rand(1, 8, generator=g, dtype=F64),
-                                 low=1.0, high=5.0)
+        keys = alg.clip_cov_keys(
+            keys_cov, mask, torch.rand(1, 8, generator=g, dtype=F64), low=1.0, high=5.0
+        )
         counts += alg.top_k_mask(keys, 2)[0].float()
     assert counts[3] == 0 and counts[7] == 0  # outside the window (0.5 <= 1, 9 >= 5)
     share = counts[[0, 1, 2, 4, 5, 6]] / 3000
@@ -388,18 +414,28 @@ def test_clip_cov_loss_drops_exactly_the_selected_tokens() -> None:
     selected = torch.zeros_like(mask, dtype=torch.bool)
     selected[0, 0] = selected[2, 0] = True
     settings = LossSettings(entropy_control="clip_cov", clip_low=1.0, clip_high=1.0)
-    loss, grad = _grad(lambda x: compute_loss(x, old, adv, mask, settings, selected=selected)[0], lp)
+    loss, grad = _grad(
+        lambda x: compute_loss(x, old, adv, mask, settings, selected=selected)[0], lp
+    )
     keep = mask * (~selected).to(F64)
     ref_loss, ref_grad = _grad(
-        lambda x: alg.aggregate_loss(alg.ppo_token_loss(x, old, adv[:, None], mask, clip_low=1.0,
-                                                        clip_high=1.0)[0] * keep, mask), lp)
+        lambda x: alg.aggregate_loss(
+            alg.ppo_token_loss(x, old, adv[:, None], mask, clip_low=1.0, clip_high=1.0)[0] * keep,
+            mask,
+        ),
+        lp,
+    )
     _close(loss, ref_loss)
     _close(grad, ref_grad)
     assert grad[0, 0] == 0 and grad[2, 0] == 0 and grad[1, 0] != 0
     # The paper's formula: with a clip range of 1 and ratios near 1 the term is -r A.
     n = float(mask.sum())
-    by_hand = sum(-math.exp(float(lp[i, t] - old[i, t])) * float(adv[i]) / n
-                  for i in range(lp.shape[0]) for t in range(lp.shape[1]) if keep[i, t])
+    by_hand = sum(
+        -math.exp(float(lp[i, t] - old[i, t])) * float(adv[i]) / n
+        for i in range(lp.shape[0])
+        for t in range(lp.shape[1])
+        if keep[i, t]
+    )
     _close(loss, by_hand)
 
 
@@ -428,7 +464,9 @@ def test_kl_cov_loss_and_gradient() -> None:
     assert selected.sum() >= 2
     beta = 0.7
     settings = LossSettings(entropy_control="kl_cov", kl_cov_coef=beta)
-    loss, grad = _grad(lambda x: compute_loss(x, old, adv, mask, settings, selected=selected)[0], lp)
+    loss, grad = _grad(
+        lambda x: compute_loss(x, old, adv, mask, settings, selected=selected)[0], lp
+    )
     L, m, o, s = _rows(lp), _rows(mask), _rows(old), _rows(selected.to(F64))
     n = sum(sum(row) for row in m)
     ref_loss, ref_grad = 0.0, [[0.0] * len(L[0]) for _ in L]
@@ -453,8 +491,9 @@ def test_compute_loss_weights_the_policy_term_by_is_weights() -> None:
     for kind in alg.POLICY_LOSSES:
         settings = LossSettings(policy_loss=kind, loss_agg="seq-mean-token-mean")
         loss, _ = compute_loss(lp, old, adv, mask, settings, is_weights=w)
-        per_token, _ = alg.REGISTRY[kind](lp, old, adv[:, None], mask, clip_low=0.2,
-                                          clip_high=0.28, clip_c=None)
+        per_token, _ = alg.REGISTRY[kind](
+            lp, old, adv[:, None], mask, clip_low=0.2, clip_high=0.28, clip_c=None
+        )
         _close(loss, alg.aggregate_loss(per_token * w, mask, "seq-mean-token-mean"))
 
 

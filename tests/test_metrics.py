@@ -236,8 +236,9 @@ def test_resume_without_existing_file(tmp_path: Path) -> None:
 
 def test_disabled_logger_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "rank1"
-    with MetricsLogger(out, total_steps=5, console=True, tensorboard=True, wandb=True,
-                       enabled=False) as lg:  # fmt: skip
+    with MetricsLogger(
+        out, total_steps=5, console=True, tensorboard=True, wandb=True, enabled=False
+    ) as lg:
         lg.log(1, {"reward/mean": 1.0, "actor/pg_loss": 0.0})
         lg.message("hello")
     assert not out.exists()
@@ -274,8 +275,11 @@ def test_tensorboard_resume_purges_orphaned_steps(tmp_path: Path) -> None:
     with _logger(tmp_path, tensorboard=True, resume_step=3) as lg:
         lg.log(4, {"reward/mean": 40.0})
     assert _tb_scalars(tmp_path / "tensorboard", "reward/mean") == [
-        (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)
-    ]  # fmt: skip
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 40.0),
+    ]
 
 
 def test_missing_tensorboard_warns_and_continues(
@@ -321,8 +325,9 @@ def test_wandb_receives_config_and_metrics(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
     config = {"algorithm": {"clip_high": 0.28}, "lr": 1e-6}
-    with _logger(tmp_path, wandb=True, wandb_project="proj", wandb_run_name="run-7",
-                 config=config) as lg:  # fmt: skip
+    with _logger(
+        tmp_path, wandb=True, wandb_project="proj", wandb_run_name="run-7", config=config
+    ) as lg:
         lg.log(1, {"reward/mean": np.float64(0.5), "actor/entropy": torch.tensor(0.3)})
         lg.log(2, {"reward/mean": 0.6})
 
@@ -354,24 +359,47 @@ def test_pg_loss_note_printed_once(tmp_path: Path, capsys: pytest.CaptureFixture
 
 # One rollout step of the default run as the trainer logs it (base run, step 3).
 REALISTIC_STEP = {
-    "reward/mean": 0.14391447368421054, "reward/std": 0.9937469959259033,
-    "reward/acc": 0.5723684210526315, "reward/overlong_penalty_mean": -0.0008224,
-    "response_length/mean": 31.61, "response_length/max": 50.0,
-    "response_length/clip_ratio": 0.0, "reward/failures": 0.0, "perf/gen_s": 0.2548,
-    "perf/score_s": 0.002375, "perf/rollout_tokens_per_s": 18857.0,
-    "sampling/generated_samples_total": 432.0, "rollout/staleness": 0.0,
-    "sampling/gen_rounds": 1.0, "sampling/generated_groups": 17.0,
-    "sampling/all_correct_frac": 0.0, "sampling/all_wrong_frac": 0.11764705882352941,
-    "sampling/uniform_groups": 0.11764705882352941, "sampling/carried_in": 0.0,
-    "sampling/carried_over": 3.0, "sampling/wasted_frac": 0.11764705882352941,
-    "sampling/short_batch": 0.0, "sampling/trained_groups": 16.0,
-    "actor/clip_frac_low": 0.000243, "actor/clip_frac_high": 0.000243,
-    "actor/ratio_mean": 0.9998, "actor/ppo_kl": 0.0002902, "actor/gen_prob": 0.962,
-    "actor/entropy": 0.09004, "actor/pg_loss": -0.0357, "actor/loss": -0.0357,
-    "actor/grad_norm": 0.2563, "actor/updates": 1.0, "actor/skipped_updates": 0.0,
-    "actor/lr": 9e-05, "train/loss_tokens": 3987.0, "train/stale_groups": 0.0,
-    "perf/train_s": 0.3455, "perf/train_tokens_per_s": 30620.0, "perf/step_s": 0.6029,
-}  # fmt: skip
+    "reward/mean": 0.14391447368421054,
+    "reward/std": 0.9937469959259033,
+    "reward/acc": 0.5723684210526315,
+    "reward/overlong_penalty_mean": -0.0008224,
+    "response_length/mean": 31.61,
+    "response_length/max": 50.0,
+    "response_length/clip_ratio": 0.0,
+    "reward/failures": 0.0,
+    "perf/gen_s": 0.2548,
+    "perf/score_s": 0.002375,
+    "perf/rollout_tokens_per_s": 18857.0,
+    "sampling/generated_samples_total": 432.0,
+    "rollout/staleness": 0.0,
+    "sampling/gen_rounds": 1.0,
+    "sampling/generated_groups": 17.0,
+    "sampling/all_correct_frac": 0.0,
+    "sampling/all_wrong_frac": 0.11764705882352941,
+    "sampling/uniform_groups": 0.11764705882352941,
+    "sampling/carried_in": 0.0,
+    "sampling/carried_over": 3.0,
+    "sampling/wasted_frac": 0.11764705882352941,
+    "sampling/short_batch": 0.0,
+    "sampling/trained_groups": 16.0,
+    "actor/clip_frac_low": 0.000243,
+    "actor/clip_frac_high": 0.000243,
+    "actor/ratio_mean": 0.9998,
+    "actor/ppo_kl": 0.0002902,
+    "actor/gen_prob": 0.962,
+    "actor/entropy": 0.09004,
+    "actor/pg_loss": -0.0357,
+    "actor/loss": -0.0357,
+    "actor/grad_norm": 0.2563,
+    "actor/updates": 1.0,
+    "actor/skipped_updates": 0.0,
+    "actor/lr": 9e-05,
+    "train/loss_tokens": 3987.0,
+    "train/stale_groups": 0.0,
+    "perf/train_s": 0.3455,
+    "perf/train_tokens_per_s": 30620.0,
+    "perf/step_s": 0.6029,
+}
 
 
 def _err_lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
@@ -401,11 +429,15 @@ def test_compact_line_of_a_realistic_step(
 
 def test_compact_line_stays_short_for_extreme_values() -> None:
     values = {
-        "val/acc": 1.0, "reward/acc": 1.0, "reward/mean": -12345.678,
-        "actor/entropy": 1.2345678e-05, "response_length/mean": 131072.4,
-        "actor/clip_frac_high": 0.123456, "sampling/uniform_groups": 1.0,
+        "val/acc": 1.0,
+        "reward/acc": 1.0,
+        "reward/mean": -12345.678,
+        "actor/entropy": 1.2345678e-05,
+        "response_length/mean": 131072.4,
+        "actor/clip_frac_high": 0.123456,
+        "sampling/uniform_groups": 1.0,
         "perf/step_s": 9999.4,
-    }  # fmt: skip
+    }
     # The widest of every field at once, and 10,000 steps of which 1,000 took 100 hours.
     clock = console.timing(360_000.0, 1000, 9000)
     assert clock == "100:00:00 eta 900:00:00"
@@ -419,9 +451,14 @@ def test_compact_line_stays_short_for_extreme_values() -> None:
 def test_compact_line_leaves_out_missing_metrics(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    no_update = {"reward/acc": 0.0, "reward/mean": -1.0, "response_length/mean": 48.0,
-                 "sampling/all_correct_frac": 0.0, "sampling/all_wrong_frac": 1.0,
-                 "perf/step_s": 1.5}  # fmt: skip
+    no_update = {
+        "reward/acc": 0.0,
+        "reward/mean": -1.0,
+        "response_length/mean": 48.0,
+        "sampling/all_correct_frac": 0.0,
+        "sampling/all_wrong_frac": 1.0,
+        "perf/step_s": 1.5,
+    }
     with _logger(tmp_path, console=True, total_steps=2) as lg:
         lg.log(0, {"val/acc": 0.37})  # the evaluation before training
         lg.log(1, no_update)  # dynamic sampling found no group with a signal: no update
@@ -443,8 +480,17 @@ def test_console_prints_first_step_every_tenth_evaluations_and_last(
         lg.log(0, {"val/acc": 0.25})
         for step in range(1, 21):
             extra = {"val/acc": 0.5} if step == 5 else {}
-            lg.log(step, {"reward/mean": 0.5, "reward/acc": 0.25, "response_length/mean": 812,
-                          "actor/entropy": 0.4, "perf/step_s": 12.5, **extra})  # fmt: skip
+            lg.log(
+                step,
+                {
+                    "reward/mean": 0.5,
+                    "reward/acc": 0.25,
+                    "response_length/mean": 812,
+                    "actor/entropy": 0.4,
+                    "perf/step_s": 12.5,
+                    **extra,
+                },
+            )
         lg.message("checkpoint saved")
     lines = _err_lines(capsys)
     # stderr is not a TTY here: plain lines only, no carriage returns or escape codes.
@@ -452,9 +498,20 @@ def test_console_prints_first_step_every_tenth_evaluations_and_last(
     printed = [x for x in lines if x.startswith("step ")]
     # step 0, the first step, every 10% (2 steps), the evaluation at 5 and the last one
     assert [x.split()[1] for x in printed] == [
-        "0/20", "1/20", "2/20", "4/20", "5/20", "6/20", "8/20", "10/20", "12/20", "14/20",
-        "16/20", "18/20", "20/20",
-    ]  # fmt: skip
+        "0/20",
+        "1/20",
+        "2/20",
+        "4/20",
+        "5/20",
+        "6/20",
+        "8/20",
+        "10/20",
+        "12/20",
+        "14/20",
+        "16/20",
+        "18/20",
+        "20/20",
+    ]
     assert printed[-1].startswith(
         "step 20/20  acc 25.0%  reward +0.5  entropy 0.4  len 812  12.5s/step  "
     )
@@ -582,8 +639,10 @@ def test_plot_dashboard_with_missing_keys(tmp_path: Path) -> None:
         ax.get_title() for ax in fig.axes if any(t.get_text() == "no data" for t in ax.texts)
     ]
     assert sorted(no_data) == [
-        "Dynamic sampling", "Mean generation probability", "Throughput and step time"
-    ]  # fmt: skip
+        "Dynamic sampling",
+        "Mean generation probability",
+        "Throughput and step time",
+    ]
 
 
 def test_dashboard_draws_accuracy_before_and_after_training(
@@ -621,7 +680,10 @@ def test_merge_steps_joins_the_records_of_a_step() -> None:
         {"step": "x"},
         {"b": 1},
     ]
-    assert dashboard.merge_steps(records) == [{"step": 0, "v": 0.1}, {"step": 2, "a": 3.0, "v": 0.5}]
+    assert dashboard.merge_steps(records) == [
+        {"step": 0, "v": 0.1},
+        {"step": 2, "a": 3.0, "v": 0.5},
+    ]
 
 
 def test_plot_dashboard_errors(tmp_path: Path) -> None:

@@ -50,8 +50,9 @@ def test_geometric_level_by_hand():
     w, _, _ = alg.is_weights(old, engine, mask, cap=100.0, level="sequence", mode="truncate")
     torch.testing.assert_close(w, torch.tensor([[16.0, 16.0, 0.0]], dtype=F64))
     # A row without a response token: ratio 1, weight 0 (nothing to weigh), nothing dropped.
-    w, keep, over = alg.is_weights(old, engine, torch.zeros(1, 3, dtype=F64), cap=2.0,
-                                   level="geometric", mode="mask")  # fmt: skip
+    w, keep, over = alg.is_weights(
+        old, engine, torch.zeros(1, 3, dtype=F64), cap=2.0, level="geometric", mode="mask"
+    )
     assert not w.any() and not keep.any() and not over.any()
 
 
@@ -100,12 +101,16 @@ def test_geometric_weights_of_a_multi_turn_sample_skip_the_environments_tokens()
     assert metrics["rollout/is_truncated_frac"] == 0.0
     metrics = attach_is_weights([s], LossSettings(is_cap=2.5, is_level="geometric"))
     torch.testing.assert_close(s.is_weight, torch.tensor([2.5, 0.0, 2.5]))
-    assert metrics == {"rollout/is_weight_mean": pytest.approx(2.5), "rollout/is_truncated_frac": 1.0}
+    assert metrics == {
+        "rollout/is_weight_mean": pytest.approx(2.5),
+        "rollout/is_truncated_frac": 1.0,
+    }
 
 
 def test_is_level_geometric_is_a_config_choice():
-    cfg = load_config(overrides=["algorithm.is_cap=2.0", "algorithm.is_level=geometric",
-                                 "algorithm.is_mode=mask"])  # fmt: skip
+    cfg = load_config(
+        overrides=["algorithm.is_cap=2.0", "algorithm.is_level=geometric", "algorithm.is_mode=mask"]
+    )
     assert cfg.algorithm.is_level == "geometric"
     with pytest.raises(ConfigError, match=r"is not one of \['token', 'sequence', 'geometric'\]"):
         load_config(overrides=["algorithm.is_level=geo"])
@@ -135,7 +140,9 @@ def test_mismatch_kl_estimates_kl_of_the_engine_from_the_trainer():
     p_t = torch.tensor([0.5, 0.5], dtype=F64)
     forward = float((p_e * (p_e / p_t).log()).sum())
     reverse = float((p_t * (p_t / p_e).log()).sum())
-    tokens = torch.multinomial(p_e, 40000, replacement=True, generator=torch.Generator().manual_seed(0))
+    tokens = torch.multinomial(
+        p_e, 40000, replacement=True, generator=torch.Generator().manual_seed(0)
+    )
     s = Sample([1], tokens.tolist(), 0.0, [1.0] * len(tokens), sampling_logprobs=p_e.log()[tokens])
     m = logprob_mismatch([s], [p_t.log()[tokens]])
     r = (p_t / p_e)[tokens]
@@ -143,7 +150,9 @@ def test_mismatch_kl_estimates_kl_of_the_engine_from_the_trainer():
     assert m["rollout/mismatch_kl"] == pytest.approx(float(k3.mean()), rel=1e-9)
     se = float(k3.std()) / len(tokens) ** 0.5
     assert forward == pytest.approx(0.368, abs=1e-3) and reverse == pytest.approx(0.511, abs=1e-3)
-    assert abs(m["rollout/mismatch_kl"] - forward) < 4 * se < abs(m["rollout/mismatch_kl"] - reverse)
+    assert (
+        abs(m["rollout/mismatch_kl"] - forward) < 4 * se < abs(m["rollout/mismatch_kl"] - reverse)
+    )
 
 
 @pytest.mark.parametrize("mini_batch_size", [4, 2], ids=["one_update", "two_updates"])
@@ -162,7 +171,9 @@ def test_the_learner_reports_mismatch_kl_beside_the_mismatch(mini_batch_size):
     trainer = compute_logprobs(model, samples, ForwardOptions(0, 1.0, 400))
     gaps, k3 = [], []
     for s, lp in zip(samples, trainer, strict=True):
-        s.sampling_logprobs = lp + 0.1 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(len(gaps)))
+        s.sampling_logprobs = lp + 0.1 * torch.randn(
+            lp.shape, generator=torch.Generator().manual_seed(len(gaps))
+        )
         d = (lp - s.sampling_logprobs).double()
         gaps += d.abs().tolist()
         k3 += (d.exp() - 1 - d).tolist()
@@ -183,20 +194,34 @@ def test_fp8_rollouts_warn_without_is_cap_and_not_with_it():
     assert cfg.rollout.vllm_quantization == "fp8"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_config(overrides=["rollout.engine=vllm", "rollout.vllm_quantization=fp8",
-                               "algorithm.is_cap=2.0"])  # fmt: skip
+        load_config(
+            overrides=[
+                "rollout.engine=vllm",
+                "rollout.vllm_quantization=fp8",
+                "algorithm.is_cap=2.0",
+            ]
+        )
         assert load_config().rollout.vllm_quantization == "none"
 
 
-@pytest.mark.parametrize(("engine", "fix"), [
-    ("hf", "use rollout.engine=vllm, or none"),
-    ("vllm-server", "dapo vllm-serve MODEL --quantization fp8"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("engine", "fix"),
+    [
+        ("hf", "use rollout.engine=vllm, or none"),
+        ("vllm-server", "dapo vllm-serve MODEL --quantization fp8"),
+    ],
+)
 def test_fp8_rollouts_need_the_in_process_vllm_engine(engine, fix):
     extra = ["rollout.server_url=http://127.0.0.1:8000"] if engine == "vllm-server" else []
     with pytest.raises(ConfigError) as info:
-        load_config(overrides=[f"rollout.engine={engine}", "rollout.vllm_quantization=fp8",
-                               "algorithm.is_cap=2.0", *extra])  # fmt: skip
+        load_config(
+            overrides=[
+                f"rollout.engine={engine}",
+                "rollout.vllm_quantization=fp8",
+                "algorithm.is_cap=2.0",
+                *extra,
+            ]
+        )
     msg = str(info.value)
     assert msg.startswith("`rollout.vllm_quantization` = 'fp8' is invalid:") and fix in msg
     with pytest.raises(ConfigError, match=r"is not one of \['none', 'fp8'\]"):
@@ -220,8 +245,13 @@ def test_fp8_reaches_vllm_through_the_factory_and_the_server(monkeypatch, random
     monkeypatch.setattr(vllm_engine, "VLLMEngine", fake_engine)
     tok = load_tokenizer(str(random_tiny_model))
     for setting, expected in (("fp8", "fp8"), ("none", None)):
-        cfg = load_config(overrides=["rollout.engine=vllm", f"rollout.vllm_quantization={setting}",
-                                     "algorithm.is_cap=2.0"])  # fmt: skip
+        cfg = load_config(
+            overrides=[
+                "rollout.engine=vllm",
+                f"rollout.vllm_quantization={setting}",
+                "algorithm.is_cap=2.0",
+            ]
+        )
         with pytest.raises(Stop):
             factory.make_engine(cfg.rollout, build_model(99), tok, max_model_len=64)
         assert built[-1]["quantization"] == expected
@@ -230,7 +260,9 @@ def test_fp8_reaches_vllm_through_the_factory_and_the_server(monkeypatch, random
     monkeypatch.setattr(server, "serve", lambda model, **kw: calls.append(kw) or 0)
     assert cli.main(["vllm-serve", str(random_tiny_model), "--quantization", "fp8"]) == 0
     assert calls[-1]["quantization"] == "fp8"
-    assert cli.main(["vllm-serve", str(random_tiny_model)]) == 0 and calls[-1]["quantization"] is None
+    assert (
+        cli.main(["vllm-serve", str(random_tiny_model)]) == 0 and calls[-1]["quantization"] is None
+    )
     with pytest.raises(SystemExit):
         cli.main(["vllm-serve", str(random_tiny_model), "--quantization", "int4"])
     monkeypatch.undo()
@@ -238,7 +270,9 @@ def test_fp8_reaches_vllm_through_the_factory_and_the_server(monkeypatch, random
     from dapo.rollout.weight_channel import free_port
 
     with pytest.raises(Stop):
-        server.serve(str(random_tiny_model), port=free_port(), quantization="fp8", log_fn=lambda _: None)
+        server.serve(
+            str(random_tiny_model), port=free_port(), quantization="fp8", log_fn=lambda _: None
+        )
     assert built[-1]["quantization"] == "fp8"
 
 

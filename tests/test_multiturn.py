@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from learner_utils import backward
+from vllm_check import needs_vllm
 
 from dapo.algorithms import LossSettings
 from dapo.config import load_config
 from dapo.training.batch import build_samples
 from dapo.training.dynamic_sampling import ScoredGroup
-from dapo.training.forward import ForwardOptions, compute_logprobs
+from dapo.training.forward import compute_logprobs
 from dapo.training.microbatch import loss_denominator
 from dapo.training.trainer import Trainer
-from learner_utils import backward
-from vllm_check import needs_vllm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ENVS = Path(__file__).with_name("sample_environments.py")
@@ -31,16 +31,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def episode_config(model: Path, out: Path, *extra: str):
-    return load_config(overrides=[
-        f"model.name_or_path={model}", f"output_dir={out}", "data.train=builtin:calculator",
-        "data.eval=builtin:calculator", "data.max_eval_prompts=8", "evaluate=false",
-        f"rollout.environment={ENVS}:TwoTurns", "rollout.max_turns=2",
-        "rollout.max_completion_length=80", "algorithm.overlong_buffer=8",
-        "train.steps=2", "train.prompts_per_step=4", "train.mini_batch_size=2",
-        "rollout.num_generations=4", "logging.tensorboard=false", "logging.console=false",
-        "checkpoint.save_every=0", "checkpoint.save_final_model=false", "reward.num_workers=1",
-        *extra,
-    ])  # fmt: skip
+    return load_config(
+        overrides=[
+            f"model.name_or_path={model}",
+            f"output_dir={out}",
+            "data.train=builtin:calculator",
+            "data.eval=builtin:calculator",
+            "data.max_eval_prompts=8",
+            "evaluate=false",
+            f"rollout.environment={ENVS}:TwoTurns",
+            "rollout.max_turns=2",
+            "rollout.max_completion_length=80",
+            "algorithm.overlong_buffer=8",
+            "train.steps=2",
+            "train.prompts_per_step=4",
+            "train.mini_batch_size=2",
+            "rollout.num_generations=4",
+            "logging.tensorboard=false",
+            "logging.console=false",
+            "checkpoint.save_every=0",
+            "checkpoint.save_final_model=false",
+            "reward.num_workers=1",
+            *extra,
+        ]
+    )
 
 
 def trainer_matches_engine(cfg) -> float:
@@ -81,11 +95,15 @@ def test_environment_tokens_are_in_no_loss_and_no_denominator(tmp_path) -> None:
 
     mask = [1, 1, 1, 0, 0, 1, 1]
     group = ScoredGroup(
-        prompt_ids=[5, 6, 7], response_ids=[[8, 9, 10, 11, 12, 13, 1], [8, 9, 1]],
-        sample_logprobs=[[-1.0] * 7, [-1.0] * 3], truncated=[False, False], rewards=[1.0, -1.0],
-        correct=[True, False], model_mask=[mask, [1, 1, 1]],
+        prompt_ids=[5, 6, 7],
+        response_ids=[[8, 9, 10, 11, 12, 13, 1], [8, 9, 1]],
+        sample_logprobs=[[-1.0] * 7, [-1.0] * 3],
+        truncated=[False, False],
+        rewards=[1.0, -1.0],
+        correct=[True, False],
+        model_mask=[mask, [1, 1, 1]],
         episode_stats=[{"end": "done"}, {"end": "done"}],
-    )  # fmt: skip
+    )
     samples = build_samples([group], step=0)
     assert samples[0].loss_mask == [float(m) for m in mask]
     assert loss_denominator(samples, LossSettings()) == 5 + 3
@@ -93,7 +111,9 @@ def test_environment_tokens_are_in_no_loss_and_no_denominator(tmp_path) -> None:
     model.train()
     gen = torch.Generator().manual_seed(0)
     for s in samples:
-        s.old_logprobs = -2.0 + 0.3 * torch.randn(len(s.response_ids), generator=gen, dtype=torch.float64)
+        s.old_logprobs = -2.0 + 0.3 * torch.randn(
+            len(s.response_ids), generator=gen, dtype=torch.float64
+        )
     model.zero_grad(set_to_none=True)
     backward(model, samples, LossSettings(), token_budget=10**6)
     got = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
@@ -120,8 +140,13 @@ def test_an_environment_that_fails_costs_its_episodes_not_the_run(tool_model, tm
     others: the run finishes, the failures are counted, and the failed episodes' tokens are
     in no loss."""
     out = tmp_path / "run"
-    cfg = episode_config(tool_model, out, f"rollout.environment={ENVS}:Flaky",
-                         "rollout.env_timeout_s=2", "algorithm.dynamic_sampling=false")  # fmt: skip
+    cfg = episode_config(
+        tool_model,
+        out,
+        f"rollout.environment={ENVS}:Flaky",
+        "rollout.env_timeout_s=2",
+        "algorithm.dynamic_sampling=false",
+    )
     trainer = Trainer(cfg, log=lambda _: None)
     seen = []
     build = trainer.build_samples
@@ -132,8 +157,12 @@ def test_an_environment_that_fails_costs_its_episodes_not_the_run(tool_model, tm
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     failures = [r["env/failures"] for r in rows if "env/failures" in r]
     assert sum(failures) > 0 and all(r["env/ended_env_failure"] < 1 for r in rows if r["step"])
-    failed = [s for batch in seen for s in batch if s.model_mask is not None and sum(s.loss_mask) == 0
-              and any(s.model_mask)]  # fmt: skip
+    failed = [
+        s
+        for batch in seen
+        for s in batch
+        if s.model_mask is not None and sum(s.loss_mask) == 0 and any(s.model_mask)
+    ]
     assert failed  # sampled tokens of failed episodes, masked out
 
 
@@ -147,18 +176,25 @@ def test_carried_over_episode_groups_survive_a_resume(tool_model, tmp_path) -> N
         from compare_runs import TIMING, differences, load
     finally:
         sys.path.remove(str(ROOT / "scripts"))
-    extra = ("train.steps=3", "checkpoint.save_every=1", "algorithm.max_gen_rounds=4",
-             f"reward.functions=[{{name: '{ENVS}:half_right'}}]")  # fmt: skip
+    extra = (
+        "train.steps=3",
+        "checkpoint.save_every=1",
+        "algorithm.max_gen_rounds=4",
+        f"reward.functions=[{{name: '{ENVS}:half_right'}}]",
+    )
     Trainer(episode_config(tool_model, tmp_path / "whole", *extra), log=lambda _: None).run()
     first = episode_config(tool_model, tmp_path / "split", *extra)
     first.train.steps = 2
     Trainer(first, log=lambda _: None).run()
-    state = torch.load(tmp_path / "split" / "checkpoints" / "step_000002" / "trainer_state.pt",
-                       weights_only=True)  # plain data  # fmt: skip
+    state = torch.load(
+        tmp_path / "split" / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=True
+    )  # plain data
     assert state["sampler"]["carry"] and all(g["model_mask"] for g in state["sampler"]["carry"])
     with pytest.warns(UserWarning, match="train.steps 2 -> 3"):
-        Trainer(episode_config(tool_model, tmp_path / "split", *extra, "resume=true"),
-                log=lambda _: None).run()  # fmt: skip
+        Trainer(
+            episode_config(tool_model, tmp_path / "split", *extra, "resume=true"),
+            log=lambda _: None,
+        ).run()
     a, b = load(tmp_path / "whole"), load(tmp_path / "split")
     assert not differences(a, b, TIMING, 0.0)
     assert any(r.get("sampling/carried_in", 0) > 0 for r in a)
@@ -179,8 +215,14 @@ def test_episodes_are_generated_ahead_with_async_rollouts(tool_model, tmp_path) 
     """rollout.async_steps=1: the next step's episodes are played while the trainer trains
     (one policy version behind), as single responses are."""
     out = tmp_path / "run"
-    cfg = episode_config(tool_model, out, "rollout.engine=vllm", "rollout.async_steps=1",
-                         "algorithm.dynamic_sampling=false", "train.steps=3")  # fmt: skip
+    cfg = episode_config(
+        tool_model,
+        out,
+        "rollout.engine=vllm",
+        "rollout.async_steps=1",
+        "algorithm.dynamic_sampling=false",
+        "train.steps=3",
+    )
     Trainer(cfg, log=lambda _: None).run()
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]

@@ -80,9 +80,12 @@ def test_one_bf16_mixed_update_at_lr_1e6_moves_every_weight_pure_bf16_rounds_it_
         opt = make_optimizer(model, t)
         hooked: dict[str, torch.Tensor] = {}
         for n, p in model.named_parameters():  # the gradient each parameter received
-            p.register_post_accumulate_grad_hook(lambda p, n=n, h=hooked: h.__setitem__(n, p.grad.clone()))
-        result = learner(model, LossSettings(), token_budget=400, pad_id=PAD, optimizer=opt,
-                         max_grad_norm=1.0).optimizer_step(batch)
+            p.register_post_accumulate_grad_hook(
+                lambda p, n=n, h=hooked: h.__setitem__(n, p.grad.clone())
+            )
+        result = learner(
+            model, LossSettings(), token_budget=400, pad_id=PAD, optimizer=opt, max_grad_norm=1.0
+        ).optimizer_step(batch)
         assert result.applied
         moved = total = 0
         for n, p in model.named_parameters():
@@ -161,7 +164,8 @@ def test_the_hf_engine_samples_in_the_trainers_precision() -> None:
     seen: dict[str, set[torch.dtype]] = {"layer": set(), "head": set()}
     model = set_precision(tiny(), "bf16-mixed")
     model.model.layers[0].mlp.down_proj.register_forward_hook(
-        lambda m, i, o: seen["layer"].add(o.dtype))
+        lambda m, i, o: seen["layer"].add(o.dtype)
+    )
     model.lm_head.register_forward_hook(lambda m, i, o: seen["head"].add(o.dtype))
     params = SamplingParams(n=2, max_tokens=6, seed=0)
     groups = HFEngine(model, 1, 0).generate([[5, 6, 7]], params)
@@ -179,13 +183,24 @@ def test_the_hf_engine_samples_in_the_trainers_precision() -> None:
 def _run(tmp: Path, model_dir: Path, *extra: str) -> tuple[list[dict], list[str]]:
     from dapo.training.trainer import Trainer
 
-    cfg = load_config(overrides=[
-        f"model.name_or_path={model_dir}", f"output_dir={tmp}", "train.steps=2",
-        "train.prompts_per_step=2", "train.mini_batch_size=2", "rollout.num_generations=4",
-        "rollout.max_completion_length=12", "algorithm.overlong_buffer=4",
-        "algorithm.dynamic_sampling=false", "evaluate=false", "logging.console=false",
-        "logging.tensorboard=false", "checkpoint.save_every=0", *extra,
-    ])
+    cfg = load_config(
+        overrides=[
+            f"model.name_or_path={model_dir}",
+            f"output_dir={tmp}",
+            "train.steps=2",
+            "train.prompts_per_step=2",
+            "train.mini_batch_size=2",
+            "rollout.num_generations=4",
+            "rollout.max_completion_length=12",
+            "algorithm.overlong_buffer=4",
+            "algorithm.dynamic_sampling=false",
+            "evaluate=false",
+            "logging.console=false",
+            "logging.tensorboard=false",
+            "checkpoint.save_every=0",
+            *extra,
+        ]
+    )
     lines: list[str] = []
     Trainer(cfg, log=lines.append).run()
     rows = [json.loads(x) for x in (tmp / "metrics.jsonl").read_text().splitlines()]
@@ -199,8 +214,11 @@ def test_bf16_mixed_run_logs_the_engine_mismatch_without_an_extra_pass(
 
     passes: list[int] = []
     original = learner_module.compute_logprobs
-    monkeypatch.setattr(learner_module, "compute_logprobs",
-                        lambda m, s, o: passes.append(len(s)) or original(m, s, o))
+    monkeypatch.setattr(
+        learner_module,
+        "compute_logprobs",
+        lambda m, s, o: passes.append(len(s)) or original(m, s, o),
+    )
     rows, lines = _run(tmp_path / "mixed", random_tiny_model, "train.precision=bf16-mixed")
     assert "precision: bf16-mixed" in lines
     assert passes == []  # one update per step: the training forward gave the comparison
@@ -211,7 +229,9 @@ def test_bf16_mixed_run_logs_the_engine_mismatch_without_an_extra_pass(
     rows, lines = _run(tmp_path / "fp32", random_tiny_model)
     assert "precision: fp32 (auto: no CUDA)" in lines
     assert all("rollout/logprob_mismatch" not in r for r in rows)
-    rows, lines = _run(tmp_path / "pure", random_tiny_model, "train.precision=bf16", "train.lr=1e-6")
+    rows, lines = _run(
+        tmp_path / "pure", random_tiny_model, "train.precision=bf16", "train.lr=1e-6"
+    )
     assert any(x.startswith("warning: train.precision=bf16") and "2.6e-04" in x for x in lines)
     assert (tmp_path / "pure" / "final_model").is_dir()
 

@@ -66,8 +66,11 @@ def test_skip_frequency_matches_the_probability_and_exploration_remains(streak):
 
 def test_decisions_differ_across_positions_keys_and_seeds():
     """The coin is fresh for each draw (not one verdict per prompt forever)."""
-    runs = [[should_skip(seed, pos, key, 1, 0.9) for pos in range(400)]
-            for seed in (0, 1) for key in ("a", "b")]  # fmt: skip
+    runs = [
+        [should_skip(seed, pos, key, 1, 0.9) for pos in range(400)]
+        for seed in (0, 1)
+        for key in ("a", "b")
+    ]
     assert all(0 < sum(r) < len(r) for r in runs)
     assert len({tuple(r) for r in runs}) == 4
 
@@ -79,7 +82,9 @@ def _decisions_in_a_fresh_process(hash_seed: str) -> list[bool]:
         "for pos in range(500)))"
     )
     env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONHASHSEED": hash_seed}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     return [c == "1" for c in out.stdout.strip()]
 
 
@@ -120,7 +125,9 @@ def test_resumed_history_and_stream_decide_as_the_uninterrupted_run():
     stream, history = PromptStream(n, 5), PromptHistory()
     first = _simulate(stream, history, _outcome, 5, per_step)
     # A checkpoint pickles the states; a fresh process builds new objects and loads them.
-    saved = pickle.loads(pickle.dumps({"stream": stream.state_dict(), "history": history.state_dict()}))
+    saved = pickle.loads(
+        pickle.dumps({"stream": stream.state_dict(), "history": history.state_dict()})
+    )
     stream2, history2 = PromptStream(n, 5), PromptHistory()
     stream2.load_state_dict(saved["stream"])
     history2.load_state_dict(saved["history"])
@@ -154,4 +161,3 @@ def test_skipping_passes_over_uniform_prompts_but_keeps_rounds_full():
     assert skipped and all(i % 3 != 2 for i in skipped)  # mixed prompts are never skipped
     # Exploration: uniform prompts are still generated now and then.
     assert any(i % 3 == 0 for i in generated) and any(i % 3 == 1 for i in generated)
-

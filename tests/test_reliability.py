@@ -869,13 +869,20 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
         ["data.curriculum=easy_first", "data.difficulty_key=reward_model"],
         ["data.difficulty_key='reward_model'", "not a finite number"],
     ),
-    "vllm-not-installed": (["rollout.engine=vllm"], ["vLLM is not installed", "pip install 'dapo[vllm]'"]),
+    "vllm-not-installed": (
+        ["rollout.engine=vllm"],
+        ["vLLM is not installed", "pip install 'dapo[vllm]'"],
+    ),
     "server-without-url": (
         ["rollout.engine=vllm-server"],
         ["`rollout.server_url` = None", "dapo vllm-serve"],
     ),
     "server-not-running": (
-        ["rollout.engine=vllm-server", "rollout.server_url=http://127.0.0.1:9", "rollout.server_timeout_s=1"],
+        [
+            "rollout.engine=vllm-server",
+            "rollout.server_url=http://127.0.0.1:9",
+            "rollout.server_timeout_s=1",
+        ],
         ["no rollout server answers at http://127.0.0.1:9", "dapo vllm-serve MODEL --port 9"],
     ),
     "async-steps-not-0-or-1": (
@@ -923,7 +930,10 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
         ["model.name_or_path=DIR/not_a_dir"],
         ["`model.name_or_path`", "is a file"],
     ),
-    "gguf-not-gguf": (["model.name_or_path=DIR/fake.gguf"], ["not a GGUF file", "download it again"]),
+    "gguf-not-gguf": (
+        ["model.name_or_path=DIR/fake.gguf"],
+        ["not a GGUF file", "download it again"],
+    ),
     "gguf-not-installed": (
         ["model.name_or_path=DIR/header_only.gguf"],
         ["`gguf` package", "pip install 'dapo[gguf]'"],
@@ -1010,7 +1020,9 @@ def test_round_cap_messages_are_the_documented_ones():
 
     def group(correct: list[bool]) -> ScoredGroup:
         n = len(correct)
-        return ScoredGroup([1], [[2]] * n, [[0.0]] * n, [False] * n, [float(c) for c in correct], correct)
+        return ScoredGroup(
+            [1], [[2]] * n, [[0.0]] * n, [False] * n, [float(c) for c in correct], correct
+        )
 
     def produce_one_mixed(k: int) -> list[ScoredGroup]:
         return [group([True, False])] + [group([False, False]) for _ in range(k - 1)]
@@ -1028,13 +1040,22 @@ def test_round_cap_messages_are_the_documented_ones():
     train = sampler("train")
     batch, stats = train.fill(produce_one_mixed)
     assert 0 < len(batch) < 4 and stats.short
-    assert _matches_with_placeholders(short_doc, f"rollout step 3: {stats.note}"), (short_doc, stats.note)
+    assert _matches_with_placeholders(short_doc, f"rollout step 3: {stats.note}"), (
+        short_doc,
+        stats.note,
+    )
     batch, stats = train.fill(produce_all_wrong)
     assert batch == [] and stats.short
-    assert _matches_with_placeholders(skipped_doc, f"rollout step 4: {stats.note}"), (skipped_doc, stats.note)
+    assert _matches_with_placeholders(skipped_doc, f"rollout step 4: {stats.note}"), (
+        skipped_doc,
+        stats.note,
+    )
     with pytest.raises(DynamicSamplingError) as stopped:
         train.fill(produce_all_wrong)
-    assert _matches_with_placeholders(stopped_doc, str(stopped.value)), (stopped_doc, str(stopped.value))
+    assert _matches_with_placeholders(stopped_doc, str(stopped.value)), (
+        stopped_doc,
+        str(stopped.value),
+    )
     with pytest.raises(DynamicSamplingError) as stop:
         sampler("stop").fill(produce_one_mixed)
     assert _matches_with_placeholders(stop_doc, str(stop.value)), (stop_doc, str(stop.value))

@@ -21,9 +21,9 @@ import torch
 from dapo.errors import RolloutServerError
 from dapo.rollout import Group, SamplingParams
 from dapo.rollout.fingerprint import Fingerprint
-from dapo.rollout.server import RolloutServer, WeightReceiver
+from dapo.rollout.server import RolloutServer
 from dapo.rollout.server_client import ServerEngine
-from dapo.rollout.weight_channel import WeightGroup, free_port
+from dapo.rollout.weight_channel import WeightGroup, WeightReceiver, free_port
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,12 +73,16 @@ class FakeEngine:
         self.batches.append(len(calls))
         return [
             [
-                Group(p, [[len(p), params.seed, i]] * params.n, [[-1 / 3, -2 / 7, -0.1]] * params.n,
-                      [i % 2 == 1] * params.n)
+                Group(
+                    p,
+                    [[len(p), params.seed, i]] * params.n,
+                    [[-1 / 3, -2 / 7, -0.1]] * params.n,
+                    [i % 2 == 1] * params.n,
+                )
                 for i, p in enumerate(prompts)
             ]
             for prompts, params in calls
-        ]  # fmt: skip
+        ]
 
     def close(self) -> None:
         pass
@@ -86,9 +90,11 @@ class FakeEngine:
 
 # The stand-in model: what `test_weights_go_over_the_weight_channel` pushes.
 MODEL = Fingerprint(
-    vocab_size=32, eos_token_id=1, name="fake",
+    vocab_size=32,
+    eos_token_id=1,
+    name="fake",
     parameters=(("0.weight", (4, 3)), ("0.bias", (4,)), ("1.weight", (2, 4)), ("1.bias", (2,))),
-)  # fmt: skip
+)
 
 
 @pytest.fixture
@@ -125,8 +131,10 @@ def test_requests_waiting_together_are_generated_in_one_batch(server):
     with ThreadPoolExecutor(4) as pool:
         blocker = pool.submit(srv.submit, "call", gate.wait)  # the engine thread is busy
         time.sleep(0.2)
-        calls = [pool.submit(eng.generate, [[r + 3] * (r + 1)], SamplingParams(n=1, seed=r))
-                 for r in range(3)]  # fmt: skip
+        calls = [
+            pool.submit(eng.generate, [[r + 3] * (r + 1)], SamplingParams(n=1, seed=r))
+            for r in range(3)
+        ]
         time.sleep(0.5)  # all three wait in the queue
         gate.set()
         results = [c.result() for c in calls]
@@ -139,7 +147,10 @@ def test_requests_waiting_together_are_generated_in_one_batch(server):
 def test_bad_request_names_the_problem_and_fails_alone(server):
     _, engine, url = server
     eng = client(url)
-    with pytest.raises(RolloutServerError, match=r"answered POST /generate with 400: .*`prompts\[0\]` has 200 tokens"):
+    with pytest.raises(
+        RolloutServerError,
+        match=r"answered POST /generate with 400: .*`prompts\[0\]` has 200 tokens",
+    ):
         eng.generate([[1] * 200], SamplingParams(max_tokens=128))
     assert engine.batches == []  # rejected before reaching the engine
 
@@ -164,7 +175,10 @@ def test_weights_go_over_the_weight_channel(server):
 
 def test_weight_group_alone_sends_in_order():
     port = free_port()
-    tensors = [("a", torch.arange(6.0).reshape(2, 3)), ("b", torch.tensor([1, 2], dtype=torch.int64))]
+    tensors = [
+        ("a", torch.arange(6.0).reshape(2, 3)),
+        ("b", torch.tensor([1, 2], dtype=torch.int64)),
+    ]
     specs = [("a", "float32", [2, 3]), ("b", "int64", [2])]
     got: list = []
 
@@ -201,7 +215,9 @@ def test_a_server_that_does_not_fit_is_refused(server):
     _, _, url = server
     with pytest.raises(RolloutServerError, match="restart it with --max-model-len 300"):
         client(url, max_model_len=300)
-    with pytest.raises(RolloutServerError, match="stops generation on token 1, the trainer's tokenizer on 2"):
+    with pytest.raises(
+        RolloutServerError, match="stops generation on token 1, the trainer's tokenizer on 2"
+    ):
         ServerEngine(url, max_model_len=32, eos_token_id=2)
 
 
@@ -243,7 +259,9 @@ def post(url: str, path: str, body: bytes | dict, key: str | None = None) -> tup
     headers = {"Content-Type": "application/json"}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(url + path, data=data, method="POST" if data else "GET", headers=headers)
+    req = urllib.request.Request(
+        url + path, data=data, method="POST" if data else "GET", headers=headers
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, json.loads(resp.read())
@@ -256,10 +274,16 @@ def get(url: str, path: str, key: str | None = None) -> tuple[int, dict]:
 
 
 BAD_GENERATE = [  # (body, what the 400 says); the stand-in model has 32 tokens, 256 positions
-    ({"prompts": [[5, 99999999]]}, "`prompts[0][1]` = 99999999 is not a token id of the served model: ids run from 0 to 31"),
+    (
+        {"prompts": [[5, 99999999]]},
+        "`prompts[0][1]` = 99999999 is not a token id of the served model: ids run from 0 to 31",
+    ),
     ({"prompts": [[5], [-1]]}, "`prompts[1][0]` = -1 is not a token id"),
     ({"prompts": [[5]], "n": 0}, "`n` = 0 is outside [1, 256]"),
-    ({"prompts": [[5]], "n": 100000}, "`n` = 100000 is outside [1, 256] (max_n in /health; dapo vllm-serve --max-n)"),
+    (
+        {"prompts": [[5]], "n": 100000},
+        "`n` = 100000 is outside [1, 256] (max_n in /health; dapo vllm-serve --max-n)",
+    ),
     ({"prompts": [[5]], "n": "2"}, '`n` must be an integer, got "2"'),
     ({"prompts": [[5]], "n": True}, "`n` must be an integer, got true"),
     ({"prompts": [[5]], "n": 2.0}, "`n` must be an integer, got 2.0"),
@@ -267,10 +291,19 @@ BAD_GENERATE = [  # (body, what the 400 says); the stand-in model has 32 tokens,
     ({"prompts": [[5]], "temperature": "hot"}, '`temperature` must be a finite number, got "hot"'),
     ({"prompts": [[5]], "top_p": 0}, "`top_p` = 0 is outside (0, 1]"),
     ({"prompts": [[5]], "top_k": 33}, "`top_k` = 33 is outside [0, 32]"),
-    ({"prompts": [[5]], "max_tokens": 256}, "`max_tokens` = 256 is outside [1, 255] (max_tokens in /health"),
+    (
+        {"prompts": [[5]], "max_tokens": 256},
+        "`max_tokens` = 256 is outside [1, 255] (max_tokens in /health",
+    ),
     ({"prompts": [[5]], "seed": -1}, "`seed` = -1 is outside [0, 9223372036854775807]"),
-    ({"prompts": [[5] * 250], "max_tokens": 10}, "`prompts[0]` has 250 tokens: with `max_tokens` = 10 that is 260, over the server's max_model_len of 256"),
-    ({"prompts": [[5]], "min_p": 0.1}, "unknown field `min_p` in POST /generate; its fields are: prompts, n,"),
+    (
+        {"prompts": [[5] * 250], "max_tokens": 10},
+        "`prompts[0]` has 250 tokens: with `max_tokens` = 10 that is 260, over the server's max_model_len of 256",
+    ),
+    (
+        {"prompts": [[5]], "min_p": 0.1},
+        "unknown field `min_p` in POST /generate; its fields are: prompts, n,",
+    ),
     ({"prompts": "5"}, "`prompts` must be a list of token-id lists"),
     ({"prompts": [[]]}, "`prompts[0]` must be a non-empty list of token ids"),
     ({"prompts": [[5, "a"]]}, '`prompts[0][1]` must be an integer token id, got "a"'),
@@ -279,17 +312,21 @@ BAD_GENERATE = [  # (body, what the 400 says); the stand-in model has 32 tokens,
     (b"{not json", "the request body is not valid JSON"),
     (b'{"prompts": [[5]], "temperature": NaN}', "NaN is not a number"),
     (b"[" * 100_000, "not valid JSON"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("body", "message"), BAD_GENERATE, ids=range(len(BAD_GENERATE)))
-def test_a_bad_request_gets_a_400_naming_field_value_and_limit_and_costs_only_itself(server, body, message):
+def test_a_bad_request_gets_a_400_naming_field_value_and_limit_and_costs_only_itself(
+    server, body, message
+):
     _, engine, url = server
     status, answer = post(url, "/generate", body)
     assert status == 400 and answer["error"].startswith("bad request to /generate: "), answer
     assert message in answer["error"], answer
     assert engine.batches == []  # nothing reached the engine
-    status, answer = post(url, "/generate", {"prompts": [[5, 6]], "n": 1, "seed": 3, "max_tokens": 8})
+    status, answer = post(
+        url, "/generate", {"prompts": [[5, 6]], "n": 1, "seed": 3, "max_tokens": 8}
+    )
     assert status == 200 and answer["groups"][0]["response_ids"] == [[2, 3, 0]]
 
 
@@ -298,13 +335,20 @@ def test_health_states_the_limits_and_the_fingerprint(server):
     status, health = get(url, "/health")
     assert status == 200 and health["status"] == "ok" and health["auth"] is False
     assert health["limits"] == {
-        "max_model_len": 256, "vocab_size": 32, "max_n": 256, "max_tokens": 255,
-        "max_request_bytes": 64 << 20, "job_timeout_s": 1800.0,
-    }  # fmt: skip
+        "max_model_len": 256,
+        "vocab_size": 32,
+        "max_n": 256,
+        "max_tokens": 255,
+        "max_request_bytes": 64 << 20,
+        "job_timeout_s": 1800.0,
+    }
     assert health["fingerprint"] == {
-        "vocab_size": 32, "eos_token_id": 1, "num_tensors": 4, "num_elements": 12 + 4 + 8 + 2,
+        "vocab_size": 32,
+        "eos_token_id": 1,
+        "num_tensors": 4,
+        "num_elements": 12 + 4 + 8 + 2,
         "hash": MODEL.digest,
-    }  # fmt: skip
+    }
     status, params = get(url, "/parameters")
     assert status == 200 and Fingerprint.from_json(params) == MODEL
 
@@ -312,8 +356,9 @@ def test_health_states_the_limits_and_the_fingerprint(server):
 def test_a_body_over_the_limit_is_refused_unread():
     from dapo.rollout.protocol import Limits
 
-    srv = RolloutServer(FakeEngine(), model="fake", fingerprint=MODEL,
-                        limits=Limits(256, 32, max_request_bytes=100))  # fmt: skip
+    srv = RolloutServer(
+        FakeEngine(), model="fake", fingerprint=MODEL, limits=Limits(256, 32, max_request_bytes=100)
+    )
     port = free_port()
     srv.start("127.0.0.1", port)
     try:
@@ -321,7 +366,11 @@ def test_a_body_over_the_limit_is_refused_unread():
         body = {"prompts": [[5] * 40]}
         status, answer = post(url, "/generate", body)
         size = len(json.dumps(body))  # 135
-        assert status == 400 and f"the request body of {size} bytes is over the server's limit of 100 bytes" in answer["error"]
+        assert (
+            status == 400
+            and f"the request body of {size} bytes is over the server's limit of 100 bytes"
+            in answer["error"]
+        )
         assert post(url, "/generate", {"prompts": [[5]], "max_tokens": 4})[0] == 200
     finally:
         srv.close()
@@ -329,16 +378,30 @@ def test_a_body_over_the_limit_is_refused_unread():
 
 def test_weight_requests_are_checked(server):
     _, _, url = server
-    status, answer = post(url, "/update_weights", {"specs": [["0.bias", "float32", [4]]], "version": 1})
+    status, answer = post(
+        url, "/update_weights", {"specs": [["0.bias", "float32", [4]]], "version": 1}
+    )
     assert status == 400 and "call /init_weight_sync first" in answer["error"]
     cases = [
-        ({"host": "127.0.0.1", "port": 1234, "world_size": 3}, "`world_size` = 3 is outside [2, 2] (1 trainer rank + 1 tensor-parallel workers"),
-        ({"host": "127.0.0.1", "port": 1234, "world_size": 2, "backend": "nccl"}, "`backend` = \"nccl\" is not one of ['gloo'] (the server runs on cpu)"),
-        ({"host": "127.0.0.1", "port": 70000, "world_size": 2}, "`port` = 70000 is outside [1, 65535]"),
-        ({"host": "127.0.0.1", "port": 1234, "world_size": 2, "timeout_s": 1e9}, "`timeout_s` = 1000000000.0 is outside (0, 1800]"),
+        (
+            {"host": "127.0.0.1", "port": 1234, "world_size": 3},
+            "`world_size` = 3 is outside [2, 2] (1 trainer rank + 1 tensor-parallel workers",
+        ),
+        (
+            {"host": "127.0.0.1", "port": 1234, "world_size": 2, "backend": "nccl"},
+            "`backend` = \"nccl\" is not one of ['gloo'] (the server runs on cpu)",
+        ),
+        (
+            {"host": "127.0.0.1", "port": 70000, "world_size": 2},
+            "`port` = 70000 is outside [1, 65535]",
+        ),
+        (
+            {"host": "127.0.0.1", "port": 1234, "world_size": 2, "timeout_s": 1e9},
+            "`timeout_s` = 1000000000.0 is outside (0, 1800]",
+        ),
         ({"host": 5, "port": 1234, "world_size": 2}, "`host` must be the trainer's address"),
         ({"host": "h", "port": 1, "world_size": 2, "rank": 0}, "unknown field `rank`"),
-    ]  # fmt: skip
+    ]
     for body, message in cases:
         status, answer = post(url, "/init_weight_sync", body)
         assert status == 400 and message in answer["error"], answer
@@ -354,7 +417,10 @@ def test_a_push_of_other_shapes_is_refused_and_does_not_hang(server):
     assert time.monotonic() - t0 < 20
     msg = str(err.value)
     assert "answered POST /update_weights with 400" in msg
-    assert "0.weight has shape [5, 3], the served model's [4, 3] (the server left the weight group)" in msg
+    assert (
+        "0.weight has shape [5, 3], the served model's [4, 3] (the server left the weight group)"
+        in msg
+    )
     assert engine.worker.loaded == {} and srv.weight_version == -1
 
 
@@ -366,8 +432,13 @@ def test_every_endpoint_but_health_needs_the_api_key():
     try:
         assert get(url, "/health")[0] == 200 and get(url, "/health")[1]["auth"] is True
         body = {"prompts": [[5]], "max_tokens": 4}
-        for path, payload in [("/generate", body), ("/init_weight_sync", {}), ("/update_weights", {}),
-                              ("/close_weight_sync", {}), ("/parameters", b"")]:  # fmt: skip
+        for path, payload in [
+            ("/generate", body),
+            ("/init_weight_sync", {}),
+            ("/update_weights", {}),
+            ("/close_weight_sync", {}),
+            ("/parameters", b""),
+        ]:
             status, answer = post(url, path, payload)
             assert status == 401 and "requires an API key" in answer["error"], (path, answer)
             status, answer = post(url, path, payload, key="wrong")
@@ -376,8 +447,14 @@ def test_every_endpoint_but_health_needs_the_api_key():
         with pytest.raises(RolloutServerError) as err:  # a trainer without the key: at connect
             client(url)
         assert "answered GET /parameters with 401" in str(err.value)
-        assert "rollout.server_api_key=KEY or the DAPO_SERVER_API_KEY environment variable" in str(err.value)
-        assert client(url, api_key="s3cret").generate([[5]], SamplingParams(max_tokens=4))[0].response_ids
+        assert "rollout.server_api_key=KEY or the DAPO_SERVER_API_KEY environment variable" in str(
+            err.value
+        )
+        assert (
+            client(url, api_key="s3cret")
+            .generate([[5]], SamplingParams(max_tokens=4))[0]
+            .response_ids
+        )
     finally:
         srv.close()
 
@@ -440,7 +517,10 @@ def test_the_watchdog_declares_a_stuck_engine_unhealthy():
     t0 = time.monotonic()
     status, answer = post(url, "/generate", {"prompts": [[5]], "max_tokens": 4, "seed": 666})
     assert time.monotonic() - t0 < 5
-    assert status == 503 and "one generate job has run for 1 s, over the limit of 0.5 s" in answer["error"]
+    assert (
+        status == 503
+        and "one generate job has run for 1 s, over the limit of 0.5 s" in answer["error"]
+    )
     assert "(dapo vllm-serve --job-timeout-s): the engine is stuck" in answer["error"]
     assert waited.result(timeout=10)[0] == 1
     engine.release.set()
@@ -453,7 +533,9 @@ def test_stopping_with_a_stuck_engine_takes_seconds(monkeypatch):
     srv, engine, url = broken_server("stuck")
     waited = wait_in_thread(srv)
     with ThreadPoolExecutor(2) as pool:
-        stuck = pool.submit(post, url, "/generate", {"prompts": [[5]], "max_tokens": 4, "seed": 666})
+        stuck = pool.submit(
+            post, url, "/generate", {"prompts": [[5]], "max_tokens": 4, "seed": 666}
+        )
         time.sleep(0.5)
         queued = pool.submit(post, url, "/generate", {"prompts": [[5]], "max_tokens": 4})
         time.sleep(0.2)
@@ -461,7 +543,9 @@ def test_stopping_with_a_stuck_engine_takes_seconds(monkeypatch):
         srv.stop("SIGTERM received")
         code, message = waited.result(timeout=10)
         assert time.monotonic() - t0 < 3
-        assert code == 1 and message.startswith("stopped (SIGTERM received) while the engine was still running a generate job")
+        assert code == 1 and message.startswith(
+            "stopped (SIGTERM received) while the engine was still running a generate job"
+        )
         engine.release.set()
         assert stuck.result(timeout=10)[0] == 200  # it finished after all; the reply still went out
         assert queued.result(timeout=10)[0] == 503
@@ -477,9 +561,14 @@ def test_an_unhealthy_server_is_reported_at_once_not_after_the_timeout():
     with pytest.raises(RolloutServerError) as at_connect:
         client(url, timeout_s=600)
     assert time.monotonic() - t0 < 5
-    assert "answered POST /generate with 503: the rollout server is unhealthy: the engine failed" in str(err.value)
+    assert (
+        "answered POST /generate with 503: the rollout server is unhealthy: the engine failed"
+        in str(err.value)
+    )
     assert "resume=true" in str(err.value)
-    assert "answered GET /health with 503: the engine failed during generate" in str(at_connect.value)
+    assert "answered GET /health with 503: the engine failed during generate" in str(
+        at_connect.value
+    )
     srv.stop("test")
     srv.wait()
 
@@ -489,18 +578,36 @@ def test_an_unhealthy_server_is_reported_at_once_not_after_the_timeout():
 
 def test_a_client_of_another_model_stops_naming_both(server):
     _, _, url = server
-    other = Fingerprint(32, 1, (("0.weight", (4, 3)), ("0.bias", (4,)), ("1.weight", (3, 4)), ("1.bias", (3,))), name="mine")
+    other = Fingerprint(
+        32,
+        1,
+        (("0.weight", (4, 3)), ("0.bias", (4,)), ("1.weight", (3, 4)), ("1.bias", (3,))),
+        name="mine",
+    )
     with pytest.raises(RolloutServerError) as err:
         client(url, policy=other)
     msg = str(err.value)
-    assert f"the rollout server at {url} serves another model than the trainer's: 1.weight is [2, 4] on the server, [3, 4] in the trainer" in msg
-    assert f"The server's model fake has vocabulary 32, EOS 1, 4 tensors (26 elements, hash {MODEL.digest})" in msg
-    assert f"the trainer's mine has vocabulary 32, EOS 1, 4 tensors (31 elements, hash {other.digest})" in msg
+    assert (
+        f"the rollout server at {url} serves another model than the trainer's: 1.weight is [2, 4] on the server, [3, 4] in the trainer"
+        in msg
+    )
+    assert (
+        f"The server's model fake has vocabulary 32, EOS 1, 4 tensors (26 elements, hash {MODEL.digest})"
+        in msg
+    )
+    assert (
+        f"the trainer's mine has vocabulary 32, EOS 1, 4 tensors (31 elements, hash {other.digest})"
+        in msg
+    )
     assert "Serve the trainer's model (dapo vllm-serve mine --port" in msg
     extended = Fingerprint(40, 1, MODEL.parameters, name="mine")
-    with pytest.raises(RolloutServerError, match="vocabulary size 32 on the server, 40 in the trainer"):
+    with pytest.raises(
+        RolloutServerError, match="vocabulary size 32 on the server, 40 in the trainer"
+    ):
         client(url, policy=extended)
-    assert client(url, policy=Fingerprint(32, 1, MODEL.parameters, name="mine")).info["status"] == "ok"
+    assert (
+        client(url, policy=Fingerprint(32, 1, MODEL.parameters, name="mine")).info["status"] == "ok"
+    )
 
 
 def test_the_policy_fingerprint_is_the_model_directorys_also_with_lora(tmp_path):
@@ -518,10 +625,15 @@ def test_the_policy_fingerprint_is_the_model_directorys_also_with_lora(tmp_path)
     assert any("lora_A" in n for n, _ in model.named_parameters())
     assert of_module(model, 1, name="x").parameters == served.parameters  # the pushed names
     bigger = build_model(len(build_tokenizer()) + 8, seed=0)
-    assert served.difference(of_module(bigger, 1)) == f"vocabulary size {served.vocab_size} on the server, {served.vocab_size + 8} in the trainer"
+    assert (
+        served.difference(of_module(bigger, 1))
+        == f"vocabulary size {served.vocab_size} on the server, {served.vocab_size + 8} in the trainer"
+    )
 
 
-def test_the_trainer_takes_the_key_from_the_config_or_the_environment_and_never_writes_it(monkeypatch):
+def test_the_trainer_takes_the_key_from_the_config_or_the_environment_and_never_writes_it(
+    monkeypatch,
+):
     from dataclasses import replace
 
     from dapo.config import load_config
@@ -534,13 +646,22 @@ def test_the_trainer_takes_the_key_from_the_config_or_the_environment_and_never_
         policy = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
         policy.config = SimpleNamespace(vocab_size=32, _name_or_path="mine")  # what of_module reads
         tok = SimpleNamespace(eos_token_id=1, pad_token_id=0)
-        cfg = load_config(None, ["rollout.engine=vllm-server", f"rollout.server_url=http://127.0.0.1:{port}",
-                                 "rollout.server_api_key=s3cret"])  # fmt: skip
+        cfg = load_config(
+            None,
+            [
+                "rollout.engine=vllm-server",
+                f"rollout.server_url=http://127.0.0.1:{port}",
+                "rollout.server_api_key=s3cret",
+            ],
+        )
         monkeypatch.delenv("DAPO_SERVER_API_KEY", raising=False)
         eng = make_engine(cfg.rollout, policy, tok, max_model_len=32)
         assert eng.generate([[5]], SamplingParams(max_tokens=4))[0].response_ids == [[1, 0, 0]]
         assert "s3cret" not in cfg.to_yaml() and "server_api_key: null" in cfg.to_yaml()
-        assert cfg.to_dict()["rollout"]["server_api_key"] is None and cfg.rollout.server_api_key == "s3cret"
+        assert (
+            cfg.to_dict()["rollout"]["server_api_key"] is None
+            and cfg.rollout.server_api_key == "s3cret"
+        )
         keyless = replace(cfg.rollout, server_api_key=None)
         with pytest.raises(RolloutServerError, match="answered GET /parameters with 401"):
             make_engine(keyless, policy, tok, max_model_len=32)
@@ -563,5 +684,7 @@ def test_vllm_serve_listens_on_127_0_0_1_by_default_and_a_taken_port_fails_at_on
         assert main(["vllm-serve", "builtin:tiny", "--port", str(port)]) == 1
     assert time.monotonic() - t0 < 5  # before the engine is built
     err = capsys.readouterr().err.strip()
-    assert err == (f"dapo: error: cannot listen on 127.0.0.1:{port} (Address already in use): "
-                   "choose another --port, or stop what listens there")  # fmt: skip
+    assert err == (
+        f"dapo: error: cannot listen on 127.0.0.1:{port} (Address already in use): "
+        "choose another --port, or stop what listens there"
+    )

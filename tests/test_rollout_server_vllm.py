@@ -33,15 +33,21 @@ PROMPTS = [[3 + i % 90 for i in range(k, k + 9)] for k in range(3)]  # token ids
 REFERENCE = {"prompts": PROMPTS, "n": 2, "temperature": 1.0, "max_tokens": 12, "seed": 7}
 
 
-def request(url: str, path: str, body: bytes | dict | None = None, key: str | None = KEY,
-            timeout: float = 120) -> tuple[int, dict]:  # fmt: skip
+def request(
+    url: str,
+    path: str,
+    body: bytes | dict | None = None,
+    key: str | None = KEY,
+    timeout: float = 120,
+) -> tuple[int, dict]:
     """(status, JSON answer) of one request (GET without a body)."""
     data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(url + path, data=data, method="GET" if data is None else "POST",
-                                 headers=headers)  # fmt: skip
+    req = urllib.request.Request(
+        url + path, data=data, method="GET" if data is None else "POST", headers=headers
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -65,13 +71,24 @@ class Server:
             self.starts += 1
             self.port = free_port()
             self.log = self.logs / f"server-{self.faults or 'plain'}-{self.starts}.log"
-            env = dict(os.environ, DAPO_CACHE=str(self.tiny.parent), OMP_NUM_THREADS="1",
-                       DAPO_TEST_FAULTS=self.faults)  # fmt: skip
+            env = dict(
+                os.environ,
+                DAPO_CACHE=str(self.tiny.parent),
+                OMP_NUM_THREADS="1",
+                DAPO_TEST_FAULTS=self.faults,
+            )
             env.pop("DAPO_SERVER_API_KEY", None)
             if self.key:
                 env["DAPO_SERVER_API_KEY"] = self.key
-            self.proc = launch(str(self.tiny), self.port, log=self.log, max_model_len=256,
-                               env=env, timeout_s=300, command=FAULTS)  # fmt: skip
+            self.proc = launch(
+                str(self.tiny),
+                self.port,
+                log=self.log,
+                max_model_len=256,
+                env=env,
+                timeout_s=300,
+                command=FAULTS,
+            )
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
@@ -108,7 +125,10 @@ def test_an_out_of_vocabulary_id_gets_a_400_and_the_next_request_is_served(url):
     assert status == 200, before
     status, answer = request(url, "/generate", {**REFERENCE, "prompts": [[5, 99999999]]})
     assert status == 400, answer
-    assert "`prompts[0][1]` = 99999999 is not a token id of the served model: ids run from 0 to 98" in answer["error"]
+    assert (
+        "`prompts[0][1]` = 99999999 is not a token id of the served model: ids run from 0 to 98"
+        in answer["error"]
+    )
     status, after = request(url, "/generate", REFERENCE)
     assert status == 200 and tokens(after) == tokens(before)
     status, health = request(url, "/health", key=None)
@@ -122,12 +142,26 @@ def test_fuzzed_bad_requests_leave_the_server_generating_the_same_tokens(url):
     status, before = request(url, "/generate", REFERENCE)
     assert status == 200
     weird = st.one_of(
-        st.integers(-3, 140), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=4),
-        st.booleans(), st.none(), st.lists(st.integers(-2, 3), max_size=2),
-    ).filter(lambda v: v != HANG_SEED)  # fmt: skip
-    prompt = st.one_of(st.lists(weird, max_size=5), st.lists(st.integers(0, 120), max_size=5), weird)
-    fields = {"prompts": st.one_of(st.lists(prompt, max_size=3), weird), "n": weird,
-              "temperature": weird, "top_p": weird, "top_k": weird, "max_tokens": weird, "seed": weird}  # fmt: skip
+        st.integers(-3, 140),
+        st.integers(-(2**70), 2**70),
+        st.floats(),
+        st.text(max_size=4),
+        st.booleans(),
+        st.none(),
+        st.lists(st.integers(-2, 3), max_size=2),
+    ).filter(lambda v: v != HANG_SEED)
+    prompt = st.one_of(
+        st.lists(weird, max_size=5), st.lists(st.integers(0, 120), max_size=5), weird
+    )
+    fields = {
+        "prompts": st.one_of(st.lists(prompt, max_size=3), weird),
+        "n": weird,
+        "temperature": weird,
+        "top_p": weird,
+        "top_k": weird,
+        "max_tokens": weird,
+        "seed": weird,
+    }
     bodies = st.one_of(
         st.fixed_dictionaries({}, optional=fields),
         st.dictionaries(st.sampled_from([*fields, "min_p", "stream", ""]), weird, max_size=4),
@@ -135,8 +169,13 @@ def test_fuzzed_bad_requests_leave_the_server_generating_the_same_tokens(url):
     )
     answered: list[int] = []
 
-    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=150,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(bodies)
     def send(body) -> None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -157,8 +196,13 @@ def test_every_endpoint_but_health_needs_the_key(url):
     assert request(url, "/health", key=None)[0] == 200
     ok = {"prompts": PROMPTS[:1], "max_tokens": 4}
     for key, says in [(None, "requires an API key"), ("wrong", "does not match")]:
-        for path, body in [("/generate", ok), ("/update_weights", {}), ("/init_weight_sync", {}),
-                           ("/close_weight_sync", {}), ("/parameters", None)]:  # fmt: skip
+        for path, body in [
+            ("/generate", ok),
+            ("/update_weights", {}),
+            ("/init_weight_sync", {}),
+            ("/close_weight_sync", {}),
+            ("/parameters", None),
+        ]:
             status, answer = request(url, path, body, key=key)
             assert status == 401 and says in answer["error"], (path, answer)
     assert request(url, "/generate", ok)[0] == 200
@@ -180,7 +224,9 @@ def test_a_trainer_of_another_model_stops_with_the_mismatch_in_seconds(url, tiny
     before = eng.generate(PROMPTS[:2], _params())
     eng.load_weights(full_named_parameters(served))  # every name and shape passes the check
     assert request(url, "/health", key=None)[1]["weight_version"] == eng.version >= 1
-    assert [g.response_ids for g in eng.generate(PROMPTS[:2], _params())] == [g.response_ids for g in before]
+    assert [g.response_ids for g in eng.generate(PROMPTS[:2], _params())] == [
+        g.response_ids for g in before
+    ]
     eng.close()
     other = build_model(len(tok) + 8)  # a vocabulary extended by 8 tokens
     t0 = time.monotonic()
@@ -188,9 +234,14 @@ def test_a_trainer_of_another_model_stops_with_the_mismatch_in_seconds(url, tiny
         make_engine(r, other, tok, max_model_len=64)
     assert time.monotonic() - t0 < 10
     msg = str(err.value)
-    assert msg.startswith(f"the rollout server at {url} serves another model than the trainer's: "
-                          "vocabulary size 99 on the server, 107 in the trainer. The server's model ")  # fmt: skip
-    assert "has vocabulary 99, EOS 1, 38 tensors" in msg and "has vocabulary 107, EOS 1, 38 tensors" in msg
+    assert msg.startswith(
+        f"the rollout server at {url} serves another model than the trainer's: "
+        "vocabulary size 99 on the server, 107 in the trainer. The server's model "
+    )
+    assert (
+        "has vocabulary 99, EOS 1, 38 tensors" in msg
+        and "has vocabulary 107, EOS 1, 38 tensors" in msg
+    )
 
 
 def _params():
@@ -201,7 +252,9 @@ def _params():
 
 def test_sigterm_during_a_stuck_job_ends_the_server_within_10_s(shared, url):
     with ThreadPoolExecutor(1) as pool:
-        stuck = pool.submit(request, url, "/generate", {"prompts": PROMPTS[:1], "seed": HANG_SEED}, timeout=60)
+        stuck = pool.submit(
+            request, url, "/generate", {"prompts": PROMPTS[:1], "seed": HANG_SEED}, timeout=60
+        )
         time.sleep(2)
         assert not stuck.done()
         status, health = request(url, "/health", key=None)
@@ -214,8 +267,10 @@ def test_sigterm_during_a_stuck_job_ends_the_server_within_10_s(shared, url):
             stuck.result(timeout=30)
     assert code == 1
     last = shared.log.read_text().strip().splitlines()[-1]
-    assert last.startswith("dapo vllm-serve: error: stopped (SIGTERM received) while the engine "
-                           "was still running a generate job"), last  # fmt: skip
+    assert last.startswith(
+        "dapo vllm-serve: error: stopped (SIGTERM received) while the engine "
+        "was still running a generate job"
+    ), last
 
 
 def test_a_failure_inside_the_engine_gives_503s_and_a_non_zero_exit(tiny_path, tmp_path):
@@ -233,7 +288,10 @@ def test_a_failure_inside_the_engine_gives_503s_and_a_non_zero_exit(tiny_path, t
         assert status == 503 and reason in answer["error"]
         assert server.proc.wait(timeout=20) == 1
         last = server.log.read_text().strip().splitlines()[-1]
-        assert last == f"dapo vllm-serve: error: {reason}; exiting so that a supervisor restarts the server"
+        assert (
+            last
+            == f"dapo vllm-serve: error: {reason}; exiting so that a supervisor restarts the server"
+        )
     finally:
         server.stop()
 

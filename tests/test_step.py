@@ -33,8 +33,16 @@ def make_samples(seed: int = 0) -> list[Sample]:
     (groups, as in training: one prompt pass shared by the group); three responses masked as
     truncated."""
     rng = random.Random(seed)
-    layout = [(5, [40]), (12, [1]), (3, [17]), (9, [60]), (7, [2]), (4, [33]),
-              (6, [1, 25, 55, 8]), (11, [3, 3, 44])]  # (prompt length, its response lengths)
+    layout = [
+        (5, [40]),
+        (12, [1]),
+        (3, [17]),
+        (9, [60]),
+        (7, [2]),
+        (4, [33]),
+        (6, [1, 25, 55, 8]),
+        (11, [3, 3, 44]),
+    ]  # (prompt length, its response lengths)
     truncated = {3, 4, 8}
     samples = []
     for lp, lrs in layout:
@@ -52,7 +60,9 @@ def with_old_logprobs(samples: list[Sample], seed: int) -> list[Sample]:
     """Old log-probs that differ from the policy's, so that ratios leave [0.8, 1.28]."""
     gen = torch.Generator().manual_seed(seed)
     for s in samples:
-        s.old_logprobs = -4.6 + 0.5 * torch.randn(len(s.response_ids), generator=gen, dtype=torch.float64)
+        s.old_logprobs = -4.6 + 0.5 * torch.randn(
+            len(s.response_ids), generator=gen, dtype=torch.float64
+        )
     return samples
 
 
@@ -60,7 +70,9 @@ def grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
 
 
-def reference_gradient(model: torch.nn.Module, samples: list[Sample], settings: LossSettings) -> torch.Tensor:
+def reference_gradient(
+    model: torch.nn.Module, samples: list[Sample], settings: LossSettings
+) -> torch.Tensor:
     """The paper's token-level loss transcribed directly, one unpadded sequence at a time.
 
     J = 1/sum_i |o_i| * sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i),
@@ -82,7 +94,9 @@ def reference_gradient(model: torch.nn.Module, samples: list[Sample], settings: 
             weight = 1.0
             if settings.is_cap is not None:
                 weight = min(math.exp(s.old_logprobs[t] - s.sampling_logprobs[t]), settings.is_cap)
-            objective = objective + weight * torch.minimum(ratio * s.advantage, clipped * s.advantage)
+            objective = objective + weight * torch.minimum(
+                ratio * s.advantage, clipped * s.advantage
+            )
         if torch.is_tensor(objective):
             (-objective / total).backward()
     return grads(model)
@@ -176,14 +190,16 @@ def test_truncated_importance_sampling_weights_each_token(model) -> None:
     plain = reference_gradient(model, samples, LossSettings(loss_agg="token-mean"))
     assert not torch.allclose(ref, plain, atol=1e-5)
     for budget in (10**6, 130):
-        torch.testing.assert_close(step_gradient(model, samples, settings, budget), ref,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            step_gradient(model, samples, settings, budget), ref, atol=1e-5, rtol=1e-5
+        )
     # Engine log-probs equal to the trainer's: weight 1, the plain step.
     for s in samples:
         s.sampling_logprobs = s.old_logprobs.clone()
     attach_is_weights(samples, settings)
-    torch.testing.assert_close(step_gradient(model, samples, settings, 10**6), plain,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        step_gradient(model, samples, settings, 10**6), plain, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_micro_batches_keep_groups_together() -> None:
@@ -227,10 +243,14 @@ def test_shared_prompt_forward_equals_full_sequences(model) -> None:
         for budget in (10**6, 250, 130, 70):
             chunks = micro_batches(samples, budget)
             seen.clear()
-            full = compute_logprobs(model, samples, ForwardOptions(PAD, 0.7, budget, shared_prompt=False))
+            full = compute_logprobs(
+                model, samples, ForwardOptions(PAD, 0.7, budget, shared_prompt=False)
+            )
             assert not seen
             shared = compute_logprobs(model, samples, ForwardOptions(PAD, 0.7, budget))
-            repeated = [c for c in chunks if len({tuple(samples[i].prompt_ids) for i in c}) < len(c)]
+            repeated = [
+                c for c in chunks if len({tuple(samples[i].prompt_ids) for i in c}) < len(c)
+            ]
             assert len(seen) == len(repeated) > 0  # the shared path did run
             for a, b in zip(full, shared, strict=True):
                 torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
@@ -243,7 +263,9 @@ def test_shared_prompt_forward_equals_full_sequences(model) -> None:
     # A micro-batch of length-1 responses: response token 0 is predicted by the prompt pass
     # alone, and two prompt lengths share it.
     ones = [s for s in make_samples() if len(s.response_ids) <= 3]
-    assert len({len(s.prompt_ids) for s in ones}) > 1 and min(len(s.response_ids) for s in ones) == 1
+    assert (
+        len({len(s.prompt_ids) for s in ones}) > 1 and min(len(s.response_ids) for s in ones) == 1
+    )
     for group in (ones, [s for s in ones if len(s.response_ids) == 1] * 2):
         a = response_logits(model, collate(group, PAD), temperature=1.0, shared_prompt=False)
         b = response_logits(model, collate(group, PAD), temperature=1.0)
@@ -281,9 +303,10 @@ def test_checkpointed_layers_with_the_shared_prompt_equal_the_plain_forward(mode
     calls = {"plain": 0, "checkpointed": 0}
     handles = [
         m.model.layers[0].self_attn.register_forward_pre_hook(
-            lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
+            lambda *_, k=k: calls.__setitem__(k, calls[k] + 1)
+        )
         for k, m in (("plain", model), ("checkpointed", checkpointed))
-    ]  # fmt: skip
+    ]
     seen, hook = _count_prompt_passes(checkpointed)
     try:
         plain = step_gradient(model, samples, settings, 130, shared_prompt=False)
@@ -320,13 +343,23 @@ def test_prompt_cache_only_where_the_cache_is_exact(model) -> None:
     checkpointed.train()
     settings = LossSettings(loss_agg="token-mean")
     samples = with_old_logprobs(make_samples(), seed=9)
-    torch.testing.assert_close(step_gradient(checkpointed, samples, settings, 250),
-                               step_gradient(model, samples, settings, 250, shared_prompt=False),
-                               atol=1e-5, rtol=1e-5)
-    sliding = MistralForCausalLM(MistralConfig(
-        vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
-    ))
+    torch.testing.assert_close(
+        step_gradient(checkpointed, samples, settings, 250),
+        step_gradient(model, samples, settings, 250, shared_prompt=False),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    sliding = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=99,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            sliding_window=8,
+        )
+    )
     assert prompt_cache(sliding) is None
 
 
@@ -345,13 +378,21 @@ def test_a_full_batch_is_cut_into_equal_mini_batches() -> None:
     for epoch in range(epochs):
         order = torch.randperm(n, generator=gen).tolist()
         for m in range(n // mbs):
-            expected.append((epoch, [k * g + j for k in order[m * mbs : (m + 1) * mbs] for j in range(g)]))
+            expected.append(
+                (epoch, [k * g + j for k in order[m * mbs : (m + 1) * mbs] for j in range(g)])
+            )
     assert plan == expected
 
 
 @pytest.mark.parametrize(
     ("groups", "prompts_per_step", "mbs", "sizes"),
-    [(29, 32, 16, [15, 14]), (17, 32, 16, [9, 8]), (3, 32, 8, [3]), (10, 16, 4, [4, 3, 3]), (1, 4, 4, [1])],
+    [
+        (29, 32, 16, [15, 14]),
+        (17, 32, 16, [9, 8]),
+        (3, 32, 8, [3]),
+        (10, 16, 4, [4, 3, 3]),
+        (1, 4, 4, [1]),
+    ],
 )
 def test_a_short_batch_gets_ceil_n_over_mini_batch_updates_of_near_equal_size(
     groups: int, prompts_per_step: int, mbs: int, sizes: list[int]
@@ -380,23 +421,37 @@ def test_more_groups_than_the_batch_is_an_error() -> None:
 # ======================================================================================
 
 VARIANTS = {
-    "gspo": LossSettings(policy_loss="gspo", clip_low=0.05, clip_high=0.08,
-                         loss_agg="seq-mean-token-mean"),
+    "gspo": LossSettings(
+        policy_loss="gspo", clip_low=0.05, clip_high=0.08, loss_agg="seq-mean-token-mean"
+    ),
     "cispo": LossSettings(policy_loss="cispo", clip_low=1.0, clip_high=0.3),
     "is-token-truncate": LossSettings(is_cap=1.5, is_level="token", is_mode="truncate"),
     "is-token-mask": LossSettings(is_cap=1.5, is_level="token", is_mode="mask"),
     "is-sequence-truncate": LossSettings(is_cap=1.5, is_level="sequence", is_mode="truncate"),
     "is-sequence-mask": LossSettings(is_cap=1.5, is_level="sequence", is_mode="mask"),
-    "gspo+is-sequence-mask": LossSettings(policy_loss="gspo", clip_low=0.05, clip_high=0.08,
-                                          loss_agg="seq-mean-token-mean", is_cap=1.5,
-                                          is_level="sequence", is_mode="mask"),
-    "clip_cov": LossSettings(entropy_control="clip_cov", clip_low=1.0, clip_high=1.0,
-                             clip_cov_ratio=0.1, clip_cov_low=0.05, clip_cov_high=5.0),
+    "gspo+is-sequence-mask": LossSettings(
+        policy_loss="gspo",
+        clip_low=0.05,
+        clip_high=0.08,
+        loss_agg="seq-mean-token-mean",
+        is_cap=1.5,
+        is_level="sequence",
+        is_mode="mask",
+    ),
+    "clip_cov": LossSettings(
+        entropy_control="clip_cov",
+        clip_low=1.0,
+        clip_high=1.0,
+        clip_cov_ratio=0.1,
+        clip_cov_low=0.05,
+        clip_cov_high=5.0,
+    ),
     "kl_cov": LossSettings(entropy_control="kl_cov", kl_cov_ratio=0.1, kl_cov_coef=1.0),
     "entropy-token-mean": LossSettings(entropy_coef=0.05),
     "entropy-seq-mean": LossSettings(entropy_coef=0.05, loss_agg="seq-mean-token-mean"),
-    "entropy-sum-norm": LossSettings(entropy_coef=0.05, loss_agg="seq-mean-token-sum-norm",
-                                     max_len=64),
+    "entropy-sum-norm": LossSettings(
+        entropy_coef=0.05, loss_agg="seq-mean-token-sum-norm", max_len=64
+    ),
 }
 
 
@@ -406,8 +461,9 @@ def variant_samples(seed: int) -> list[Sample]:
     samples = with_old_logprobs(make_samples(), seed=seed)
     gen = torch.Generator().manual_seed(seed + 100)
     for s in samples:
-        s.sampling_logprobs = s.old_logprobs + 0.25 * torch.randn(len(s.response_ids), generator=gen,
-                                                                   dtype=torch.float64)
+        s.sampling_logprobs = s.old_logprobs + 0.25 * torch.randn(
+            len(s.response_ids), generator=gen, dtype=torch.float64
+        )
     return samples
 
 
@@ -430,8 +486,9 @@ def test_every_variant_is_exact_under_any_micro_batch_split(model, name) -> None
     assert not torch.allclose(whole, plain, atol=1e-6)  # the variant changes the step
     for budget in (70, 130, 250):
         assert len(micro_batches(samples, budget)) > 1
-        torch.testing.assert_close(variant_gradient(model, samples, settings, budget), whole,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            variant_gradient(model, samples, settings, budget), whole, atol=1e-5, rtol=1e-5
+        )
 
 
 def _sequence_logprobs(model, s: Sample) -> torch.Tensor:
@@ -449,8 +506,9 @@ def test_gspo_and_sequence_masked_is_match_a_transcription(model) -> None:
     samples = variant_samples(seed=12)
     attach_is_weights(samples, settings)
     rhos = [math.exp(float((s.old_logprobs - s.sampling_logprobs).sum())) for s in samples]
-    assert any(r > 1.5 for r in rhos) and any(r <= 1.5 and sum(s.loss_mask) for r, s in
-                                               zip(rhos, samples, strict=True))
+    assert any(r > 1.5 for r in rhos) and any(
+        r <= 1.5 and sum(s.loss_mask) for r, s in zip(rhos, samples, strict=True)
+    )
     model.zero_grad(set_to_none=True)
     G = len(samples)
     for s, rho in zip(samples, rhos, strict=True):
@@ -462,19 +520,30 @@ def test_gspo_and_sequence_masked_is_match_a_transcription(model) -> None:
         clipped = torch.clamp(ratio, 1 - 0.05, 1 + 0.08)
         (-rho * torch.minimum(ratio * s.advantage, clipped * s.advantage) / G).backward()
     ref = grads(model)
-    torch.testing.assert_close(variant_gradient(model, samples, settings, 130), ref,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        variant_gradient(model, samples, settings, 130), ref, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_cispo_and_token_masked_is_match_a_transcription(model) -> None:
     """CISPO with token-level masked IS: J = 1/N sum sg(clip(r)) rho A log pi over the loss
     tokens with rho = pi_old / pi_engine <= C; N counts only those tokens."""
-    settings = LossSettings(policy_loss="cispo", clip_low=1.0, clip_high=0.3, is_cap=1.5,
-                            is_level="token", is_mode="mask")
+    settings = LossSettings(
+        policy_loss="cispo",
+        clip_low=1.0,
+        clip_high=0.3,
+        is_cap=1.5,
+        is_level="token",
+        is_mode="mask",
+    )
     samples = variant_samples(seed=13)  # ratios pi / pi_old far from 1, some above 1.3
     attach_is_weights(samples, settings)
-    kept = [(i, t) for i, s in enumerate(samples) for t in range(len(s.response_ids))
-            if s.loss_mask[t] and math.exp(s.old_logprobs[t] - s.sampling_logprobs[t]) <= 1.5]
+    kept = [
+        (i, t)
+        for i, s in enumerate(samples)
+        for t in range(len(s.response_ids))
+        if s.loss_mask[t] and math.exp(s.old_logprobs[t] - s.sampling_logprobs[t]) <= 1.5
+    ]
     n = len(kept)
     assert 0 < n < sum(sum(s.loss_mask) for s in samples)
     model.zero_grad(set_to_none=True)
@@ -490,8 +559,9 @@ def test_cispo_and_token_masked_is_match_a_transcription(model) -> None:
     (-objective).backward()
     ref = grads(model)
     assert loss_denominator(samples, settings) == n
-    torch.testing.assert_close(variant_gradient(model, samples, settings, 70), ref,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        variant_gradient(model, samples, settings, 70), ref, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_masked_responses_leave_the_loss_and_its_denominator(model) -> None:
@@ -506,8 +576,9 @@ def test_masked_responses_leave_the_loss_and_its_denominator(model) -> None:
     metrics = attach_is_weights(samples, settings)
     assert metrics["rollout/is_masked_frac"] == pytest.approx(2 / 10)  # of the 10 with loss tokens
     assert metrics["rollout/is_weight_mean"] == pytest.approx(1.0)
-    torch.testing.assert_close(variant_gradient(model, samples, settings, 130), expected,
-                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        variant_gradient(model, samples, settings, 130), expected, atol=1e-6, rtol=1e-6
+    )
 
 
 @pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
@@ -519,8 +590,9 @@ def test_cov_selection_equals_the_single_batch_algorithm(name) -> None:
     from dapo.training.token_weights import cov_selection
 
     def pad(rows):
-        return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(x, dtype=torch.float64)
-                                                for x in rows], batch_first=True)
+        return torch.nn.utils.rnn.pad_sequence(
+            [torch.as_tensor(x, dtype=torch.float64) for x in rows], batch_first=True
+        )
 
     settings = VARIANTS[name]
     samples = variant_samples(seed=15)
@@ -529,9 +601,16 @@ def test_cov_selection_equals_the_single_batch_algorithm(name) -> None:
     mask = pad([s.loss_mask for s in samples])
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float64)
     if name == "clip_cov":
-        priority = pad([torch.rand(len(s.response_ids), dtype=torch.float64,
-                                   generator=torch.Generator().manual_seed(mix_seed(3, i)))
-                        for i, s in enumerate(samples)])  # fmt: skip
+        priority = pad(
+            [
+                torch.rand(
+                    len(s.response_ids),
+                    dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(mix_seed(3, i)),
+                )
+                for i, s in enumerate(samples)
+            ]
+        )
         want = alg.clip_cov_select(lp, adv, mask, priority, ratio=0.1, low=0.05, high=5.0)
     else:
         want = alg.kl_cov_select(lp, adv, mask, ratio=0.1)
@@ -568,8 +647,9 @@ def test_cov_selection_is_the_same_on_any_number_of_ranks(monkeypatch, name, wor
 
     settings = VARIANTS[name]
     samples = variant_samples(seed=16)
-    single, single_metrics = token_weights.cov_selection(samples, list(range(len(samples))),
-                                                       settings, seed=5)
+    single, single_metrics = token_weights.cov_selection(
+        samples, list(range(len(samples))), settings, seed=5
+    )
     fake = FakeRanks(world)
     monkeypatch.setattr(token_weights, "all_gather_objects", fake.all_gather_objects)
     order = list(range(len(samples)))
@@ -580,7 +660,9 @@ def test_cov_selection_is_the_same_on_any_number_of_ranks(monkeypatch, name, wor
     def run(rank: int) -> None:
         fake.local.rank = rank
         ids = parts[rank]
-        results[rank] = token_weights.cov_selection([samples[i] for i in ids], ids, settings, seed=5)
+        results[rank] = token_weights.cov_selection(
+            [samples[i] for i in ids], ids, settings, seed=5
+        )
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
     for th in threads:

@@ -160,9 +160,11 @@ def test_each_builtin_model_has_its_own_cache_and_unknown_ones_are_named(tmp_pat
     from dapo.models.loading import BUILTIN_MODELS, resolve_model_path
 
     monkeypatch.setenv("DAPO_CACHE", str(tmp_path))
-    assert set(tiny.RECIPES) == set(BUILTIN_MODELS) == {
-        "builtin:tiny", "builtin:tiny-long", "builtin:tiny-tool"
-    }
+    assert (
+        set(tiny.RECIPES)
+        == set(BUILTIN_MODELS)
+        == {"builtin:tiny", "builtin:tiny-long", "builtin:tiny-tool"}
+    )
     # The default model keeps the cache directory it always had.
     assert tiny.cache_dir("builtin:tiny") == tmp_path / "builtin-tiny-v3"
     assert tiny.cache_dir("builtin:tiny-long").name.startswith("builtin-tiny-long-v")
@@ -187,7 +189,9 @@ def test_warm_up_continues_from_the_base_model_on_the_named_task(tmp_path, monke
     base = tiny.build_model(len(tiny.build_tokenizer()), seed=5)
     base.save_pretrained(base_dir)
     asked = []
-    monkeypatch.setattr(tiny, "ensure_builtin_model", lambda name, log: asked.append(name) or base_dir)
+    monkeypatch.setattr(
+        tiny, "ensure_builtin_model", lambda name, log: asked.append(name) or base_dir
+    )
     seen = []
 
     def spy(rng):
@@ -209,7 +213,10 @@ def test_warm_up_continues_from_the_base_model_on_the_named_task(tmp_path, monke
     fresh = tiny.build_model(len(tiny.build_tokenizer()), seed=0)
 
     def distance(m):
-        return sum((p - q).abs().sum().item() for p, q in zip(trained.parameters(), m.parameters(), strict=True))
+        return sum(
+            (p - q).abs().sum().item()
+            for p, q in zip(trained.parameters(), m.parameters(), strict=True)
+        )
 
     # One step at the first warm-up learning rate moves the base weights a little.
     assert 0 < distance(base) < 0.01 * distance(fresh)

@@ -76,7 +76,9 @@ def test_dynamic_sampling_trains_only_mixed_groups_and_reuses_surplus(random_tin
     metrics = [json.loads(r) for r in rows]
     uniform_seen = any(m["sampling/all_correct_frac"] > 0 for m in metrics)
     assert uniform_seen
-    assert all(m["sampling/all_wrong_frac"] > 0 or m["sampling/all_correct_frac"] > 0 for m in metrics[:1])
+    assert all(
+        m["sampling/all_wrong_frac"] > 0 or m["sampling/all_correct_frac"] > 0 for m in metrics[:1]
+    )
     # Surplus kept after step k is trained first at step k+1, the very same objects.
     reused = 0
     for k in range(len(trained) - 1):
@@ -138,14 +140,18 @@ def test_round_cap_train_trains_short_batches_exactly_planned(random_tiny_model,
     assert all("algorithm.round_cap=train" in x and "algorithm.round_cap=stop" in x for x in notes)
 
 
-def test_steps_without_signal_skip_the_update_then_stop_also_after_resume(random_tiny_model, tmp_path):
+def test_steps_without_signal_skip_the_update_then_stop_also_after_resume(
+    random_tiny_model, tmp_path
+):
     out = tmp_path / "run"
     extra = (
         f"reward.functions=[{{name: '{REWARDS}:always_wrong'}}]",
         "algorithm.max_gen_rounds=2",
         "checkpoint.save_every=1",
     )
-    trainer = Trainer(small_config(random_tiny_model, out, *extra, "train.steps=1"), log=lambda _: None)
+    trainer = Trainer(
+        small_config(random_tiny_model, out, *extra, "train.steps=1"), log=lambda _: None
+    )
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with pytest.warns(DynamicSamplingWarning, match="update is skipped"):
         trainer.run()
@@ -158,7 +164,10 @@ def test_steps_without_signal_skip_the_update_then_stop_also_after_resume(random
 
     # The count of empty steps in a row is checkpointed: with the default
     # algorithm.max_empty_steps=3 the resumed run skips step 1 and stops at step 2.
-    resumed = Trainer(small_config(random_tiny_model, out, *extra, "train.steps=5", "resume=true"), log=lambda _: None)
+    resumed = Trainer(
+        small_config(random_tiny_model, out, *extra, "train.steps=5", "resume=true"),
+        log=lambda _: None,
+    )
     with pytest.warns(DynamicSamplingWarning), pytest.raises(DynamicSamplingError) as info:
         resumed.run()
     assert resumed.step == 2
@@ -182,10 +191,14 @@ def test_same_seed_same_metrics(random_tiny_model, tmp_path):
     import json
 
     def run(out: Path) -> list[dict]:
-        cfg = small_config(random_tiny_model, out, "algorithm.dynamic_sampling=false", "train.steps=2")
+        cfg = small_config(
+            random_tiny_model, out, "algorithm.dynamic_sampling=false", "train.steps=2"
+        )
         Trainer(cfg, log=lambda _: None).run()
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in r.items() if not k.startswith("perf/") and k != "time"} for r in rows]
+        return [
+            {k: v for k, v in r.items() if not k.startswith("perf/") and k != "time"} for r in rows
+        ]
 
     assert run(tmp_path / "a") == run(tmp_path / "b")
 
@@ -194,7 +207,13 @@ def test_beta_loads_reference_model_only_when_needed(random_tiny_model, tmp_path
     no_kl = Trainer(small_config(random_tiny_model, tmp_path / "a"), log=lambda _: None)
     assert no_kl.learner.ref_model is None
     with_kl = Trainer(
-        small_config(random_tiny_model, tmp_path / "b", "algorithm.beta=0.1", "algorithm.dynamic_sampling=false", "train.steps=1"),
+        small_config(
+            random_tiny_model,
+            tmp_path / "b",
+            "algorithm.beta=0.1",
+            "algorithm.dynamic_sampling=false",
+            "train.steps=1",
+        ),
         log=lambda _: None,
     )
     assert with_kl.learner.ref_model is not None
@@ -237,8 +256,14 @@ def test_trains_a_transformers_model_on_reference_parquet(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), data)
     out = tmp_path / "run"
     cfg = small_config(
-        model_dir, out, f"data.train={data}", f"data.eval={data}", "evaluate=true",
-        "algorithm.dynamic_sampling=false", "train.steps=2", "checkpoint.save_final_model=true",
+        model_dir,
+        out,
+        f"data.train={data}",
+        f"data.eval={data}",
+        "evaluate=true",
+        "algorithm.dynamic_sampling=false",
+        "train.steps=2",
+        "checkpoint.save_final_model=true",
     )
     trainer = Trainer(cfg, log=lambda _: None)
     assert len(trainer.rollouts.train_records) == 12
@@ -246,7 +271,11 @@ def test_trains_a_transformers_model_on_reference_parquet(tmp_path):
     summary = trainer.run()
     assert summary["steps"] == 2 and "accuracy_after" in summary
     rows_out = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows_out[0] == {"step": 0, "val/acc": summary["accuracy_before"], "time": rows_out[0]["time"]}
+    assert rows_out[0] == {
+        "step": 0,
+        "val/acc": summary["accuracy_before"],
+        "time": rows_out[0]["time"],
+    }
     assert rows_out[1]["actor/grad_norm"] > 0
     assert (out / "final_model" / "model.safetensors").is_file()
 
@@ -260,8 +289,14 @@ def test_sample_budget_stops_after_that_many_generated_responses(random_tiny_mod
     out = tmp_path / "run"
     # 4 prompts x 4 responses per round; uniform groups force extra rounds.
     budget = 40
-    cfg = small_config(random_tiny_model, out, reward, "train.steps=50", f"train.sample_budget={budget}",
-                       "checkpoint.save_every=1")
+    cfg = small_config(
+        random_tiny_model,
+        out,
+        reward,
+        "train.steps=50",
+        f"train.sample_budget={budget}",
+        "checkpoint.save_every=1",
+    )
     summary = Trainer(cfg, log=lambda _: None).run()
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "sampling/generated_groups" in r]
@@ -275,8 +310,14 @@ def test_sample_budget_stops_after_that_many_generated_responses(random_tiny_mod
     assert any(n > 16 for n in per_step)  # some step needed more than one round
 
     # A resumed run with a larger budget continues the count instead of restarting it.
-    more = small_config(random_tiny_model, out, reward, "train.steps=50", "resume=true",
-                        f"train.sample_budget={totals[-1] + 1}")
+    more = small_config(
+        random_tiny_model,
+        out,
+        reward,
+        "train.steps=50",
+        "resume=true",
+        f"train.sample_budget={totals[-1] + 1}",
+    )
     resumed = Trainer(more, log=lambda _: None).run()
     assert resumed["steps"] == len(steps) + 1
     assert resumed["samples_generated"] > totals[-1]
@@ -295,13 +336,18 @@ def _punishment(length: int, l_max: int, buffer: int) -> float:
 
 
 @pytest.mark.parametrize("penalty, factor", [(True, 0.5), (False, 1.0)])
-def test_overlong_penalty_metric_is_the_penalty_applied(random_tiny_model, tmp_path, penalty, factor):
+def test_overlong_penalty_metric_is_the_penalty_applied(
+    random_tiny_model, tmp_path, penalty, factor
+):
     """reward/overlong_penalty_mean is the mean shaping actually added to the rewards: with
     its factor, and 0 when the shaping is off (it used to be computed regardless, unscaled)."""
     cfg = small_config(
-        random_tiny_model, tmp_path / "run", "algorithm.dynamic_sampling=false",
+        random_tiny_model,
+        tmp_path / "run",
+        "algorithm.dynamic_sampling=false",
         f"algorithm.overlong_penalty={str(penalty).lower()}",
-        f"algorithm.overlong_penalty_factor={factor}", "algorithm.overlong_buffer=8",
+        f"algorithm.overlong_penalty_factor={factor}",
+        "algorithm.overlong_buffer=8",
     )
     trainer = Trainer(cfg, log=lambda _: None)
     try:
@@ -331,10 +377,16 @@ def test_only_rank_zero_prints_start_up_lines(random_tiny_model, tmp_path, monke
     monkeypatch.setattr(learner_mod, "wrap_data_parallel", lambda *a, **k: ("ddp", None))
     heard: dict[int, list[str]] = {}
     for rank in (0, 1):
-        monkeypatch.setattr(D, "init_distributed", lambda rank=rank: D.DistInfo(rank=rank, world_size=2))
+        monkeypatch.setattr(
+            D, "init_distributed", lambda rank=rank: D.DistInfo(rank=rank, world_size=2)
+        )
         heard[rank] = []
-        cfg = small_config(random_tiny_model, tmp_path / f"run{rank}", f"data.train={data}",
-                           "data.max_prompt_length=20")
+        cfg = small_config(
+            random_tiny_model,
+            tmp_path / f"run{rank}",
+            f"data.train={data}",
+            "data.max_prompt_length=20",
+        )
         Trainer(cfg, log=heard[rank].append).close()
     assert any("dropped 4 training prompts" in m for m in heard[0])
     assert heard[1] == []
@@ -344,21 +396,42 @@ def test_only_rank_zero_prints_start_up_lines(random_tiny_model, tmp_path, monke
     ("extra", "logged"),
     [
         (["preset=gspo"], []),
-        (["preset=cispo", "algorithm.is_cap=1.0", "algorithm.is_level=token", "algorithm.is_mode=mask"],
-         ["rollout/is_weight_mean", "rollout/is_masked_frac"]),
-        (["preset=clip_cov", "algorithm.clip_cov_ratio=0.05", "algorithm.clip_cov_low=-5"],
-         ["actor/cov_selected_frac"]),
-        (["preset=kl_cov", "algorithm.entropy_coef=0.01", "algorithm.is_cap=2.0",
-          "algorithm.is_level=sequence"],
-         ["actor/cov_selected_frac", "actor/entropy_bonus", "rollout/is_truncated_frac"]),
+        (
+            [
+                "preset=cispo",
+                "algorithm.is_cap=1.0",
+                "algorithm.is_level=token",
+                "algorithm.is_mode=mask",
+            ],
+            ["rollout/is_weight_mean", "rollout/is_masked_frac"],
+        ),
+        (
+            ["preset=clip_cov", "algorithm.clip_cov_ratio=0.05", "algorithm.clip_cov_low=-5"],
+            ["actor/cov_selected_frac"],
+        ),
+        (
+            [
+                "preset=kl_cov",
+                "algorithm.entropy_coef=0.01",
+                "algorithm.is_cap=2.0",
+                "algorithm.is_level=sequence",
+            ],
+            ["actor/cov_selected_frac", "actor/entropy_bonus", "rollout/is_truncated_frac"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_loss_variants_train_and_log_their_metrics(random_tiny_model, tmp_path, extra, logged):
     import json
 
     # No overlong filtering: the random model's responses are mostly truncated.
-    cfg = small_config(random_tiny_model, tmp_path / "run", "train.steps=2",
-                       "algorithm.dynamic_sampling=false", "algorithm.overlong_filter=false", *extra)
+    cfg = small_config(
+        random_tiny_model,
+        tmp_path / "run",
+        "train.steps=2",
+        "algorithm.dynamic_sampling=false",
+        "algorithm.overlong_filter=false",
+        *extra,
+    )
     Trainer(cfg, log=lambda _: None).run()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "actor/loss" in r]

@@ -145,8 +145,9 @@ class TestWeightUpdates:
         model, eng = setup
         prompts = encode(tok, ["Add 1+2", "abc", "The quick brown"])
         n = 3
-        groups = eng.generate(prompts, SamplingParams(n=n, temperature=temperature,
-                                                      max_tokens=10, seed=1))
+        groups = eng.generate(
+            prompts, SamplingParams(n=n, temperature=temperature, max_tokens=10, seed=1)
+        )
         assert [g.prompt_ids for g in groups] == prompts
         for g in groups:
             assert len(g.response_ids) == len(g.logprobs) == len(g.truncated) == n
@@ -183,8 +184,9 @@ class TestWeightUpdates:
 
     def test_truncation_and_bad_prompts(self, setup, tok):
         _, eng = setup
-        groups = eng.generate(encode(tok, ["Hi"]), SamplingParams(n=2, temperature=1.0,
-                                                                  max_tokens=3, seed=0))
+        groups = eng.generate(
+            encode(tok, ["Hi"]), SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=0)
+        )
         for resp, trunc in zip(groups[0].response_ids, groups[0].truncated, strict=True):
             assert trunc == (EOS not in resp)
             assert len(resp) == 3 or resp[-1] == EOS
@@ -254,8 +256,9 @@ class TestAgainstHFEngine:
             g = eng.generate(prompts[:1], SamplingParams(n=2, temperature=0.0, max_tokens=length))
             assert g[0].response_ids == [full.response_ids[0]] * 2
             assert g[0].truncated == [False, False]
-            g = eng.generate(prompts[:1], SamplingParams(n=1, temperature=0.0,
-                                                         max_tokens=length - 1))
+            g = eng.generate(
+                prompts[:1], SamplingParams(n=1, temperature=0.0, max_tokens=length - 1)
+            )
             assert g[0].response_ids[0] == full.response_ids[0][:-1] and g[0].truncated[0]
 
     def test_sampled_accuracy_is_close(self, engines, prompts, tok):
@@ -291,8 +294,14 @@ def train(tiny_path: Path, out: Path, *overrides: str) -> list[dict]:
     """``dapo train rollout.engine=vllm`` in a subprocess; its metrics lines."""
     env = dict(os.environ, DAPO_CACHE=str(tiny_path.parent))
     cmd = [
-        sys.executable, "-m", "dapo", "train", "rollout.engine=vllm",
-        "logging.tensorboard=false", f"output_dir={out}", *overrides,
+        sys.executable,
+        "-m",
+        "dapo",
+        "train",
+        "rollout.engine=vllm",
+        "logging.tensorboard=false",
+        f"output_dir={out}",
+        *overrides,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -344,12 +353,21 @@ def test_every_rank_has_its_own_engine_in_step_with_its_trainer(mode, random_tin
     names), scores them like its trainer."""
     here = Path(__file__).parent
     out = tmp_path / "run"
-    torchrun(str(here / "dist_worker.py"), "vllm", mode, str(random_tiny_model), str(out),
-             cwd=tmp_path, timeout=900)
+    torchrun(
+        str(here / "dist_worker.py"),
+        "vllm",
+        mode,
+        str(random_tiny_model),
+        str(out),
+        cwd=tmp_path,
+        timeout=900,
+    )
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
-        print(f"{mode} rank {r['rank']}: engine vs trainer {r['engine_vs_trainer']:.1e}, "
-              f"vs initial weights {r['engine_vs_initial']:.1e}, mismatch {r['mismatch']}")
+        print(
+            f"{mode} rank {r['rank']}: engine vs trainer {r['engine_vs_trainer']:.1e}, "
+            f"vs initial weights {r['engine_vs_initial']:.1e}, mismatch {r['mismatch']}"
+        )
         assert r["updates"] == [2.0, 2.0] and r["synced"] == [True, True]
         assert r["engine_vs_initial"] > 1e-2  # precondition: training moved the weights
         assert r["engine_vs_trainer"] < 1e-5  # measured 5e-7 (ddp) to 9.5e-7 (fsdp+lora)
@@ -388,8 +406,22 @@ def test_dapo_eval_with_vllm_matches_hf_greedy(tiny_path, tmp_path):
     reports = {}
     for engine in ("hf", "vllm"):
         out = tmp_path / f"{engine}.json"
-        args = ["eval", str(tiny_path), "--data", "builtin:addition", "--max-problems", "40",
-                "--temperature", "0", "--k", "1", "--max-tokens", "64", "--engine", engine]
+        args = [
+            "eval",
+            str(tiny_path),
+            "--data",
+            "builtin:addition",
+            "--max-problems",
+            "40",
+            "--temperature",
+            "0",
+            "--k",
+            "1",
+            "--max-tokens",
+            "64",
+            "--engine",
+            engine,
+        ]
         assert main([*args, "--output", str(out)]) == 0
         reports[engine] = json.loads(out.read_text())
     hf, vl = reports["hf"]["overall"], reports["vllm"]["overall"]
@@ -409,8 +441,20 @@ def test_dapo_eval_with_vllm_fits_long_prompts(tiny_path, tmp_path):
     from dapo.cli import main
 
     out = tmp_path / "aime.json"
-    args = ["eval", str(tiny_path), "--data", str(AIME), "--k", "1", "--max-tokens", "8",
-            "--engine", "vllm", "--output", str(out)]
+    args = [
+        "eval",
+        str(tiny_path),
+        "--data",
+        str(AIME),
+        "--k",
+        "1",
+        "--max-tokens",
+        "8",
+        "--engine",
+        "vllm",
+        "--output",
+        str(out),
+    ]
     assert main(args) == 0
     report = json.loads(out.read_text())
     assert report["problems"] == 30 and report["dropped_too_long"] == 0
@@ -437,17 +481,42 @@ def health(url: str) -> dict:
 
 
 def dapo_cmd(tiny_path: Path, out: Path, *overrides: str, ranks: int = 1) -> list[str]:
-    launch = [sys.executable, "-m", "dapo"] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-        str(ranks), "-m", "dapo"]  # fmt: skip
-    return [*launch, "train", "logging.tensorboard=false", "evaluate=false",
-            f"model.name_or_path={tiny_path}", f"output_dir={out}", *overrides]
+    launch = (
+        [sys.executable, "-m", "dapo"]
+        if ranks == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(ranks),
+            "-m",
+            "dapo",
+        ]
+    )
+    return [
+        *launch,
+        "train",
+        "logging.tensorboard=false",
+        "evaluate=false",
+        f"model.name_or_path={tiny_path}",
+        f"output_dir={out}",
+        *overrides,
+    ]
 
 
-SERVER_RUN = ["rollout.engine=vllm-server", "train.prompts_per_step=4", "train.mini_batch_size=2",
-              "rollout.num_generations=4", "rollout.max_completion_length=32",
-              "algorithm.overlong_buffer=8", "algorithm.dynamic_sampling=false",
-              "checkpoint.save_every=1", "rollout.server_timeout_s=60"]
+SERVER_RUN = [
+    "rollout.engine=vllm-server",
+    "train.prompts_per_step=4",
+    "train.mini_batch_size=2",
+    "rollout.num_generations=4",
+    "rollout.max_completion_length=32",
+    "algorithm.overlong_buffer=8",
+    "algorithm.dynamic_sampling=false",
+    "checkpoint.save_every=1",
+    "rollout.server_timeout_s=60",
+]
 
 
 @needs_vllm
@@ -464,8 +533,13 @@ def test_train_against_a_rollout_server_that_dies_then_resume(tmp_path, tiny_pat
     try:
         # 1. Three steps, one process: the server samples with the weights just trained.
         out = tmp_path / "run"
-        proc = subprocess.run(dapo_cmd(tiny_path, out, *common, "train.steps=3"), env=env,
-                              capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            dapo_cmd(tiny_path, out, *common, "train.steps=3"),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         mismatch = [x["rollout/logprob_mismatch"] for x in lines if "actor/loss" in x]
@@ -474,15 +548,25 @@ def test_train_against_a_rollout_server_that_dies_then_resume(tmp_path, tiny_pat
         # 2. Two ranks against the same server: both send prompts, rank 0 pushes, and
         # neither samples with stale weights.
         two = tmp_path / "two"
-        proc = subprocess.run(dapo_cmd(tiny_path, two, *common, "train.steps=2", ranks=2),
-                              env=env, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            dapo_cmd(tiny_path, two, *common, "train.steps=2", ranks=2),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
         mismatch = [x["rollout/logprob_mismatch"] for x in lines if "actor/loss" in x]
         assert len(mismatch) == 2 and max(mismatch) < 1e-5, mismatch
         # 3. Continue the first run; the server dies (SIGKILL) after step 5's checkpoint.
-        trainer = subprocess.Popen(dapo_cmd(tiny_path, out, *common, "train.steps=40", "resume=true"),
-                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        trainer = subprocess.Popen(
+            dapo_cmd(tiny_path, out, *common, "train.steps=40", "resume=true"),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 600
         while not (out / "checkpoints" / "step_000005").exists():
             assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()
@@ -505,8 +589,13 @@ def test_train_against_a_rollout_server_that_dies_then_resume(tmp_path, tiny_pat
     server = start_server(tiny_path, port, tmp_path / "server2.log")
     try:
         steps = int(last.name.split("_")[1]) + 2
-        proc = subprocess.run(dapo_cmd(tiny_path, out, *common, f"train.steps={steps}", "resume=true"),
-                              env=env, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            dapo_cmd(tiny_path, out, *common, f"train.steps={steps}", "resume=true"),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     finally:
         server.terminate()
@@ -514,7 +603,9 @@ def test_train_against_a_rollout_server_that_dies_then_resume(tmp_path, tiny_pat
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from_step"] == steps - 2 and summary["steps"] == steps
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    resumed = [x["rollout/logprob_mismatch"] for x in lines if "actor/loss" in x and x["step"] > steps - 2]
+    resumed = [
+        x["rollout/logprob_mismatch"] for x in lines if "actor/loss" in x and x["step"] > steps - 2
+    ]
     assert len(resumed) == 2 and max(resumed) < 1e-5, resumed  # the new server got the weights
 
 
@@ -533,10 +624,22 @@ def test_lora_policy_reaches_the_rollout_server_merged(tmp_path, tiny_path):
     server = start_server(tiny_path, port, tmp_path / "server.log")
     try:
         out = tmp_path / "run"
-        overrides = [*SERVER_RUN, f"rollout.server_url={url}", "train.steps=3", "model.lora.rank=4",
-                     "train.lr=1e-2", "rollout.vllm_sync_every=2", "train.mini_batch_size=4"]
-        proc = subprocess.run(dapo_cmd(tiny_path, out, *overrides), env=env, capture_output=True,
-                              text=True, timeout=900)
+        overrides = [
+            *SERVER_RUN,
+            f"rollout.server_url={url}",
+            "train.steps=3",
+            "model.lora.rank=4",
+            "train.lr=1e-2",
+            "rollout.vllm_sync_every=2",
+            "train.mini_batch_size=4",
+        ]
+        proc = subprocess.run(
+            dapo_cmd(tiny_path, out, *overrides),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     finally:
         server.terminate()
@@ -557,7 +660,11 @@ def test_lora_policy_reaches_the_rollout_server_merged(tmp_path, tiny_path):
 def test_async_rollouts_learn_one_step_behind(tmp_path, tiny_path):
     out = tmp_path / "run"
     lines = train(
-        tiny_path, out, "rollout.async_steps=1", "train.steps=20", "data.max_eval_prompts=200",
+        tiny_path,
+        out,
+        "rollout.async_steps=1",
+        "train.steps=20",
+        "data.max_eval_prompts=200",
         "checkpoint.save_every=0",
     )
     summary = json.loads((out / "summary.json").read_text())
@@ -586,19 +693,36 @@ def test_two_rank_async_run_decides_globally_and_repeats_exactly(tmp_path, tiny_
     not match), every batch after the first was generated one policy version behind, and a
     second run with the same seed logs the same values."""
     env = dict(os.environ, DAPO_CACHE=str(tiny_path.parent), OMP_NUM_THREADS="1")
-    common = ["rollout.engine=vllm", "rollout.async_steps=1", "train.steps=3",
-              "train.prompts_per_step=4", "train.mini_batch_size=2", "rollout.num_generations=4",
-              "rollout.max_completion_length=32", "algorithm.overlong_buffer=8",
-              "checkpoint.save_every=0"]  # fmt: skip
+    common = [
+        "rollout.engine=vllm",
+        "rollout.async_steps=1",
+        "train.steps=3",
+        "train.prompts_per_step=4",
+        "train.mini_batch_size=2",
+        "rollout.num_generations=4",
+        "rollout.max_completion_length=32",
+        "algorithm.overlong_buffer=8",
+        "checkpoint.save_every=0",
+    ]
     runs = []
     for name in ("first", "again"):
         out = tmp_path / name
-        proc = subprocess.run(dapo_cmd(tiny_path, out, *common, ranks=2), env=env,
-                              capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            dapo_cmd(tiny_path, out, *common, ranks=2),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        runs.append([{k: v for k, v in x.items() if k != "time" and not k.startswith("perf/")}
-                     for x in lines if "actor/loss" in x])
+        runs.append(
+            [
+                {k: v for k, v in x.items() if k != "time" and not k.startswith("perf/")}
+                for x in lines
+                if "actor/loss" in x
+            ]
+        )
     steps = runs[0]
     assert [x["rollout/staleness"] for x in steps] == [0, 1, 1]
     assert [x["sampling/trained_groups"] for x in steps] == [4, 4, 4]
@@ -616,13 +740,26 @@ def test_async_run_resumes_where_it_stopped(tmp_path, tiny_path):
 
     from safetensors.torch import load_file
 
-    common = ["evaluate=false", "rollout.async_steps=1", "train.steps=4", "checkpoint.save_every=1",
-              "checkpoint.keep_last=10", "train.prompts_per_step=4", "train.mini_batch_size=2"]
+    common = [
+        "evaluate=false",
+        "rollout.async_steps=1",
+        "train.steps=4",
+        "checkpoint.save_every=1",
+        "checkpoint.keep_last=10",
+        "train.prompts_per_step=4",
+        "train.mini_batch_size=2",
+    ]
     whole = tmp_path / "whole"
     lines = train(tiny_path, whole, *common)
-    state = torch.load(whole / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)
+    state = torch.load(
+        whole / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False
+    )
     ahead = state["prefetch"]
-    assert ahead["step"] == 2 and ahead["version"] == 1 and len(ahead["groups"]) == len(ahead["indices"])
+    assert (
+        ahead["step"] == 2
+        and ahead["version"] == 1
+        and len(ahead["groups"]) == len(ahead["indices"])
+    )
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(whole / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
@@ -635,5 +772,8 @@ def test_async_run_resumes_where_it_stopped(tmp_path, tiny_path):
     for step in (3, 4):
         x = next(x for x in lines if x["step"] == step and "actor/loss" in x)
         y = next(y for y in again if y["step"] == step and "actor/loss" in y)
-        assert x["reward/mean"] == y["reward/mean"] and x["rollout/staleness"] == y["rollout/staleness"] == 1
+        assert (
+            x["reward/mean"] == y["reward/mean"]
+            and x["rollout/staleness"] == y["rollout/staleness"] == 1
+        )
         assert x["actor/pg_loss"] == pytest.approx(y["actor/pg_loss"], rel=1e-4, abs=1e-7), step

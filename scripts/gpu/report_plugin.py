@@ -29,7 +29,12 @@ def pytest_runtest_logreport(report: Any) -> None:
     path = os.environ.get(REPORT_ENV)
     if not path or (report.when != "call" and report.outcome == "passed"):
         return
-    line = {"test": report.nodeid, "when": report.when, "outcome": report.outcome,
-            "seconds": round(report.duration, 2), "message": _message(report)}  # fmt: skip
+    line = {
+        "test": report.nodeid,
+        "when": report.when,
+        "outcome": report.outcome,
+        "seconds": round(report.duration, 2),
+        "message": _message(report),
+    }
     with open(path, "a") as fh:
         fh.write(json.dumps(line) + "\n")

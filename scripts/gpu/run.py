@@ -71,14 +71,25 @@ print(json.dumps({
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="scripts/gpu/run.py", description=(__doc__ or "").splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="scripts/gpu/run.py", description=(__doc__ or "").splitlines()[0]
+    )
     ap.add_argument("command", choices=["test", "bench"])
-    ap.add_argument("--gpu-dir", type=Path, default=ROOT / ".gpu",
-                    help="the carried folder: wheels/ and cache/ (default .gpu)")  # fmt: skip
-    ap.add_argument("--out", type=Path, default=None,
-                    help="results folder (default: $OUT, else gpu-results/)")  # fmt: skip
-    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
-                    help=f"seconds for the whole command (default {BUDGET_S:g})")  # fmt: skip
+    ap.add_argument(
+        "--gpu-dir",
+        type=Path,
+        default=ROOT / ".gpu",
+        help="the carried folder: wheels/ and cache/ (default .gpu)",
+    )
+    ap.add_argument(
+        "--out", type=Path, default=None, help="results folder (default: $OUT, else gpu-results/)"
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=BUDGET_S,
+        help=f"seconds for the whole command (default {BUDGET_S:g})",
+    )
     ap.add_argument("--python", default=sys.executable, help="the Python that runs the checks")
     ap.add_argument("--quick", action="store_true", help="bench: tiny settings (a smoke run)")
     ap.add_argument("pytest_args", nargs="*", help="test: more pytest arguments, after --")
@@ -104,8 +115,16 @@ def run_bounded(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float
     with log.open("a") as fh:
         fh.write(f"$ {' '.join(cmd)}\n")
         fh.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace", start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
 
         def pump() -> None:
             for line in proc.stdout:  # type: ignore[union-attr]
@@ -131,15 +150,20 @@ def run_bounded(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float
         reader.join(10)
         if timed_out:
             fh.write(f"\n[stopped after {timeout_s:.0f} s: the command's time budget]\n")
-    return {"returncode": proc.returncode, "seconds": round(time.monotonic() - start, 1),
-            "timed_out": timed_out}  # fmt: skip
+    return {
+        "returncode": proc.returncode,
+        "seconds": round(time.monotonic() - start, 1),
+        "timed_out": timed_out,
+    }
 
 
 def prepare(gpu_dir: Path, python: str, log: Path) -> tuple[dict[str, str], dict[str, Any]]:
     """Install what the machine lacks from ``gpu_dir/wheels``; the environment of the checks
     and what was done."""
     wheels = gpu_dir / "wheels"
-    p = wheelhouse.plan(wheels, wheelhouse.read_requirements(), wheelhouse.installed_distributions())
+    p = wheelhouse.plan(
+        wheels, wheelhouse.read_requirements(), wheelhouse.installed_distributions()
+    )
     site = Path(tempfile.mkdtemp(prefix="dapo-gpu-site-"))
     error = None
     try:
@@ -147,14 +171,21 @@ def prepare(gpu_dir: Path, python: str, log: Path) -> tuple[dict[str, str], dict
     except subprocess.CalledProcessError as exc:
         error = f"pip install from {wheels} failed (exit {exc.returncode})"
     paths = [str(ROOT / "src"), str(site), str(HERE), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(x for x in paths if x),
-           "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(x for x in paths if x),
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     cache = gpu_dir / "cache"
     if cache.is_dir():
         env["DAPO_CACHE"] = str(cache.resolve())
-    setup = {"wheels_installed": p.install, "already_installed": p.present,
-             "problems": p.problems() + ([error] if error else []),
-             "dapo_cache": env.get("DAPO_CACHE", "default (~/.cache/dapo): builtin:tiny is built")}  # fmt: skip
+    setup = {
+        "wheels_installed": p.install,
+        "already_installed": p.present,
+        "problems": p.problems() + ([error] if error else []),
+        "dapo_cache": env.get("DAPO_CACHE", "default (~/.cache/dapo): builtin:tiny is built"),
+    }
     with log.open("a") as fh:
         fh.write(f"setup: {json.dumps(setup)}\n")
     return env, setup
@@ -163,8 +194,9 @@ def prepare(gpu_dir: Path, python: str, log: Path) -> tuple[dict[str, str], dict
 def environment(python: str, env: dict[str, str]) -> dict[str, Any]:
     """Python, torch, CUDA, the GPU and the packages' versions, as the checks see them."""
     try:
-        out = subprocess.run([python, "-c", _PROBE], env=env, capture_output=True, text=True,
-                             timeout=120, check=True)  # fmt: skip
+        out = subprocess.run(
+            [python, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120, check=True
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, OSError, ValueError, IndexError) as exc:
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
@@ -174,13 +206,22 @@ def source() -> dict[str, str]:
     """The git commit where there is one, and a hash of the sources (the copy on a GPU
     machine has no .git)."""
     digest = hashlib.sha256()
-    files = [*ROOT.glob("src/dapo/**/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/*.py"),
-             *HERE.glob("*")]  # fmt: skip
+    files = [
+        *ROOT.glob("src/dapo/**/*.py"),
+        *ROOT.glob("tests/*.py"),
+        *ROOT.glob("benchmarks/*.py"),
+        *HERE.glob("*"),
+    ]
     for f in sorted(p for p in files if p.is_file()):
         digest.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=True).stdout.strip()  # fmt: skip
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     return {"commit": commit or "unknown", "sources_sha256": digest.hexdigest()[:16]}
@@ -197,8 +238,9 @@ def collect_tests(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     teardown) over skipped over passed; the seconds of its phases added."""
     tests: dict[str, dict[str, Any]] = {}
     for line in lines:
-        row = tests.setdefault(line["test"], {"test": line["test"], "outcome": "passed",
-                                              "seconds": 0.0, "message": ""})  # fmt: skip
+        row = tests.setdefault(
+            line["test"], {"test": line["test"], "outcome": "passed", "seconds": 0.0, "message": ""}
+        )
         row["seconds"] = round(row["seconds"] + line["seconds"], 2)
         outcome = line["outcome"]
         if outcome == "failed" and line["when"] != "call":
@@ -211,13 +253,21 @@ def collect_tests(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def header(report: dict[str, Any]) -> list[str]:
     env, src = report["environment"], report["source"]
     device = ", ".join(env.get("devices") or []) or "no GPU"
-    lines = [f"- date: {report['date']}; source: commit {src['commit']}, sources "
-             f"{src['sources_sha256']}",
-             f"- device: {device}" + (f" ({env['memory_gib']} GiB, compute capability "
-                                      f"{'.'.join(map(str, env['capability']))})" if env.get("capability") else ""),
-             f"- python {env.get('python')}, torch {env.get('torch')} (CUDA {env.get('cuda')}, NCCL "
-             f"{env.get('nccl')}); " + ", ".join(f"{k} {v}" for k, v in (env.get("packages") or {}).items() if v),
-             f"- wheels installed: {', '.join(report['setup']['wheels_installed']) or 'none'}"]  # fmt: skip
+    lines = [
+        f"- date: {report['date']}; source: commit {src['commit']}, sources "
+        f"{src['sources_sha256']}",
+        f"- device: {device}"
+        + (
+            f" ({env['memory_gib']} GiB, compute capability "
+            f"{'.'.join(map(str, env['capability']))})"
+            if env.get("capability")
+            else ""
+        ),
+        f"- python {env.get('python')}, torch {env.get('torch')} (CUDA {env.get('cuda')}, NCCL "
+        f"{env.get('nccl')}); "
+        + ", ".join(f"{k} {v}" for k, v in (env.get("packages") or {}).items() if v),
+        f"- wheels installed: {', '.join(report['setup']['wheels_installed']) or 'none'}",
+    ]
     if env.get("error"):
         lines.append(f"- environment probe failed: {env['error']}")
     lines += [f"- problem: {x}" for x in report["setup"]["problems"]]
@@ -236,17 +286,29 @@ def table(head: list[str], rows: list[list[Any]]) -> list[str]:
 def test_markdown(report: dict[str, Any]) -> str:
     c = report["counts"]
     stopped = " (stopped at the time budget)" if report["timed_out"] else ""
-    lines = [f"# make test-gpu: {c['passed']} passed, {c['failed']} failed, {c['error']} errors, "
-             f"{c['skipped']} skipped{stopped}", "",
-             f"{report['seconds']:.0f} s of a {report['budget_s']:.0f} s budget; pytest exit "
-             f"{report['returncode']}.", "", *header(report), ""]  # fmt: skip
-    lines += table(["test", "outcome", "s", "note"],
-                   [[t["test"].split("::", 1)[-1], t["outcome"], f"{t['seconds']:.1f}", t["message"][:200]]
-                    for t in report["tests"]])  # fmt: skip
+    lines = [
+        f"# make test-gpu: {c['passed']} passed, {c['failed']} failed, {c['error']} errors, "
+        f"{c['skipped']} skipped{stopped}",
+        "",
+        f"{report['seconds']:.0f} s of a {report['budget_s']:.0f} s budget; pytest exit "
+        f"{report['returncode']}.",
+        "",
+        *header(report),
+        "",
+    ]
+    lines += table(
+        ["test", "outcome", "s", "note"],
+        [
+            [t["test"].split("::", 1)[-1], t["outcome"], f"{t['seconds']:.1f}", t["message"][:200]]
+            for t in report["tests"]
+        ],
+    )
     if report["figures"]:
         lines += ["", "Measured:", ""]
-        lines += table(["figure", "value", "note"],
-                       [[f["name"], f["value"], f.get("note", "")] for f in report["figures"]])  # fmt: skip
+        lines += table(
+            ["figure", "value", "note"],
+            [[f["name"], f["value"], f.get("note", "")] for f in report["figures"]],
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -255,16 +317,41 @@ def run_test(args: argparse.Namespace, out: Path, start: float) -> int:
     env, setup = prepare(args.gpu_dir, args.python, log)
     work = Path(tempfile.mkdtemp(prefix="dapo-test-gpu-"))
     env[REPORT_ENV], env[FIGURES_ENV] = str(work / "report.jsonl"), str(work / "figures.jsonl")
-    cmd = [args.python, "-m", "pytest", "tests/test_gpu.py", "-m", "gpu", "-q", "-rA",
-           "-p", "report_plugin", "-p", "no:cacheprovider", *args.pytest_args]  # fmt: skip
+    cmd = [
+        args.python,
+        "-m",
+        "pytest",
+        "tests/test_gpu.py",
+        "-m",
+        "gpu",
+        "-q",
+        "-rA",
+        "-p",
+        "report_plugin",
+        "-p",
+        "no:cacheprovider",
+        *args.pytest_args,
+    ]
     environ = environment(args.python, env)
     result = run_bounded(cmd, env, log, args.budget_s - (time.monotonic() - start))
     tests = collect_tests(read_jsonl(work / "report.jsonl"))
-    counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
-    report = {"command": "test-gpu", "date": time.strftime("%Y-%m-%d %H:%M"), "source": source(),
-              "environment": environ, "setup": setup, "budget_s": args.budget_s,
-              "seconds": round(time.monotonic() - start, 1), **result, "pytest": cmd[1:],
-              "counts": counts, "tests": tests, "figures": read_jsonl(work / "figures.jsonl")}  # fmt: skip
+    counts = {
+        k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")
+    }
+    report = {
+        "command": "test-gpu",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "source": source(),
+        "environment": environ,
+        "setup": setup,
+        "budget_s": args.budget_s,
+        "seconds": round(time.monotonic() - start, 1),
+        **result,
+        "pytest": cmd[1:],
+        "counts": counts,
+        "tests": tests,
+        "figures": read_jsonl(work / "figures.jsonl"),
+    }
     write(out, "test-gpu", report, test_markdown(report))
     return 0 if result["returncode"] == 0 and not result["timed_out"] else 1
 
@@ -274,26 +361,68 @@ def bench_steps(python: str, work: Path, quick: bool) -> list[tuple[str, list[st
     memory = ["--prompts", "32", "--generations", "8", "--max-completion-length", "256"]
     engines = ["--models", "tiny,100m"]
     if quick:  # a smoke run: a tiny model shape, a few tokens
-        memory = ["--prompts", "2", "--generations", "2", "--max-completion-length", "8", "--hidden",
-                  "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--mlp", "64", "--vocab", "4000"]  # fmt: skip
-        engines = ["--models", "tiny", "--prompts", "2", "--n", "2", "--max-tokens", "8", "--repeats", "1"]
+        memory = [
+            "--prompts",
+            "2",
+            "--generations",
+            "2",
+            "--max-completion-length",
+            "8",
+            "--hidden",
+            "32",
+            "--layers",
+            "2",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--mlp",
+            "64",
+            "--vocab",
+            "4000",
+        ]
+        engines = [
+            "--models",
+            "tiny",
+            "--prompts",
+            "2",
+            "--n",
+            "2",
+            "--max-tokens",
+            "8",
+            "--repeats",
+            "1",
+        ]
     return [
-        ("bench_memory", [python, "benchmarks/bench_memory.py", *memory, "--output",
-                          str(work / "memory.json")], work / "memory.json"),
-        ("bench_engines", [python, "benchmarks/bench_engines.py", *engines, "--json",
-                           str(work / "engines.json")], work / "engines.json"),
-    ]  # fmt: skip
+        (
+            "bench_memory",
+            [python, "benchmarks/bench_memory.py", *memory, "--output", str(work / "memory.json")],
+            work / "memory.json",
+        ),
+        (
+            "bench_engines",
+            [python, "benchmarks/bench_engines.py", *engines, "--json", str(work / "engines.json")],
+            work / "engines.json",
+        ),
+    ]
 
 
 def memory_markdown(r: dict[str, Any]) -> list[str]:
     s, m = r["settings"], r["settings"]["model"]
-    lines = [f"One rollout step (generation and one update) of a random Llama of hidden {m['hidden']}, "
-             f"{m['layers']} layers, vocabulary {m['vocab']} ({m['parameters'] / 1e6:.1f}M parameters; "
-             f"the default is Qwen2.5-0.5B's shape), {s['prompts']} prompts x {s['generations']} "
-             f"responses x up to {s['max_completion_length']} tokens; memory: {s['memory']}.", ""]  # fmt: skip
-    lines += table(["side", "before MB", "peak MB", "step s"],
-                   [[k, f"{v['before_mb']:.0f}", f"{v['peak_mb']:.0f}", f"{v['step_s']:.1f}"]
-                    for k, v in r["results"].items()])  # fmt: skip
+    lines = [
+        f"One rollout step (generation and one update) of a random Llama of hidden {m['hidden']}, "
+        f"{m['layers']} layers, vocabulary {m['vocab']} ({m['parameters'] / 1e6:.1f}M parameters; "
+        f"the default is Qwen2.5-0.5B's shape), {s['prompts']} prompts x {s['generations']} "
+        f"responses x up to {s['max_completion_length']} tokens; memory: {s['memory']}.",
+        "",
+    ]
+    lines += table(
+        ["side", "before MB", "peak MB", "step s"],
+        [
+            [k, f"{v['before_mb']:.0f}", f"{v['peak_mb']:.0f}", f"{v['step_s']:.1f}"]
+            for k, v in r["results"].items()
+        ],
+    )
     if r.get("ckpt_over_trl") is not None:
         lines += ["", f"bf16-mixed+ckpt peak / TRL peak: {r['ckpt_over_trl']:.2f}"]
     return lines
@@ -301,23 +430,42 @@ def memory_markdown(r: dict[str, Any]) -> list[str]:
 
 def engines_markdown(r: dict[str, Any]) -> list[str]:
     s = r["settings"]
-    lines = [f"{s['prompts']} prompts x {s['n']} responses x up to {s['max_tokens']} tokens, "
-             f"temperature {s['temperature']}, on {s.get('device', 'cpu')}, {s['repeats']} runs.", ""]  # fmt: skip
-    return lines + table(["model", "params (M)", "engine", "tokens/s (median)", "best", "start s"],
-                         [[x["model"], x["params_m"], x["engine"], x["tokens_per_s"],
-                           x["tokens_per_s_best"], x["startup_s"]] for x in r["results"]])  # fmt: skip
+    lines = [
+        f"{s['prompts']} prompts x {s['n']} responses x up to {s['max_tokens']} tokens, "
+        f"temperature {s['temperature']}, on {s.get('device', 'cpu')}, {s['repeats']} runs.",
+        "",
+    ]
+    return lines + table(
+        ["model", "params (M)", "engine", "tokens/s (median)", "best", "start s"],
+        [
+            [
+                x["model"],
+                x["params_m"],
+                x["engine"],
+                x["tokens_per_s"],
+                x["tokens_per_s_best"],
+                x["startup_s"],
+            ]
+            for x in r["results"]
+        ],
+    )
 
 
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "bench_memory": memory_markdown, "bench_engines": engines_markdown,
+    "bench_memory": memory_markdown,
+    "bench_engines": engines_markdown,
 }
 
 
 def bench_markdown(report: dict[str, Any]) -> str:
     done = sum(r["returncode"] == 0 and not r["timed_out"] for r in report["runs"])
-    lines = [f"# make bench-gpu: {done} of {len(report['runs'])} benchmarks done", "",
-             f"{report['seconds']:.0f} s of a {report['budget_s']:.0f} s budget.", "",
-             *header(report)]  # fmt: skip
+    lines = [
+        f"# make bench-gpu: {done} of {len(report['runs'])} benchmarks done",
+        "",
+        f"{report['seconds']:.0f} s of a {report['budget_s']:.0f} s budget.",
+        "",
+        *header(report),
+    ]
     for run in report["runs"]:
         lines += ["", f"## {run['name']}", ""]
         if run["report"] is not None:
@@ -339,16 +487,37 @@ def run_bench(args: argparse.Namespace, out: Path, start: float) -> int:
         left = args.budget_s - (time.monotonic() - start)
         reserve = ENGINES_RESERVE_S * (len(steps) - 1 - i) * (not args.quick)
         if left - reserve < 10:
-            runs.append({"name": name, "cmd": cmd[1:], "returncode": None, "seconds": 0.0,
-                         "timed_out": True, "report": None})  # fmt: skip
+            runs.append(
+                {
+                    "name": name,
+                    "cmd": cmd[1:],
+                    "returncode": None,
+                    "seconds": 0.0,
+                    "timed_out": True,
+                    "report": None,
+                }
+            )
             continue
         result = run_bounded(cmd, env, log, left - reserve)
         ok = result["returncode"] == 0 and result_file.is_file()
-        runs.append({"name": name, "cmd": cmd[1:], **result,
-                     "report": json.loads(result_file.read_text()) if ok else None})  # fmt: skip
-    report = {"command": "bench-gpu", "date": time.strftime("%Y-%m-%d %H:%M"), "source": source(),
-              "environment": environ, "setup": setup, "budget_s": args.budget_s,
-              "seconds": round(time.monotonic() - start, 1), "runs": runs}  # fmt: skip
+        runs.append(
+            {
+                "name": name,
+                "cmd": cmd[1:],
+                **result,
+                "report": json.loads(result_file.read_text()) if ok else None,
+            }
+        )
+    report = {
+        "command": "bench-gpu",
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "source": source(),
+        "environment": environ,
+        "setup": setup,
+        "budget_s": args.budget_s,
+        "seconds": round(time.monotonic() - start, 1),
+        "runs": runs,
+    }
     write(out, "bench-gpu", report, bench_markdown(report))
     return 0 if all(r["report"] is not None for r in runs) else 1
 

@@ -61,14 +61,19 @@ def wheel_name(path: Path) -> tuple[str, str]:
     """``(canonical name, version)`` from a wheel's file name."""
     parts = path.name.split("-")
     if not path.name.endswith(".whl") or len(parts) < 5:
-        raise ValueError(f"{path.name} is not a wheel file name (name-version-python-abi-platform.whl)")
+        raise ValueError(
+            f"{path.name} is not a wheel file name (name-version-python-abi-platform.whl)"
+        )
     return canonical(parts[0]), parts[1]
 
 
 def installed_distributions() -> dict[str, str]:
     """``{canonical name: version}`` of what this Python can import."""
-    return {canonical(d.metadata["Name"]): d.version for d in metadata.distributions()
-            if d.metadata["Name"]}  # fmt: skip
+    return {
+        canonical(d.metadata["Name"]): d.version
+        for d in metadata.distributions()
+        if d.metadata["Name"]
+    }
 
 
 def requires(wheel: Path) -> list[str]:
@@ -76,13 +81,17 @@ def requires(wheel: Path) -> list[str]:
     with zipfile.ZipFile(wheel) as z:
         name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         text = z.read(name).decode()
-    lines = [x.split(":", 1)[1].strip() for x in text.splitlines() if x.startswith("Requires-Dist:")]
+    lines = [
+        x.split(":", 1)[1].strip() for x in text.splitlines() if x.startswith("Requires-Dist:")
+    ]
     try:
         from packaging.requirements import Requirement
     except ImportError:  # no packaging: keep those without markers
         return [x for x in lines if ";" not in x]
     env = {"python_version": PYTHON_VERSION, "extra": ""}
-    return [x for x in lines if Requirement(x).marker is None or Requirement(x).marker.evaluate(env)]
+    return [
+        x for x in lines if Requirement(x).marker is None or Requirement(x).marker.evaluate(env)
+    ]
 
 
 def unmet(requirement: str, available: dict[str, str]) -> str | None:
@@ -120,9 +129,14 @@ class Plan:
         return not (self.missing or self.duplicates)
 
     def problems(self) -> list[str]:
-        out = [f"{n} is neither installed nor in the wheelhouse (make gpu-wheels, then carry "
-               "the folder)" for n in self.missing]  # fmt: skip
-        out += [f"{n} is in the wheelhouse more than once: keep one version" for n in self.duplicates]
+        out = [
+            f"{n} is neither installed nor in the wheelhouse (make gpu-wheels, then carry "
+            "the folder)"
+            for n in self.missing
+        ]
+        out += [
+            f"{n} is in the wheelhouse more than once: keep one version" for n in self.duplicates
+        ]
         return out + [f"needed by a wheel: {x}" for x in self.unmet]
 
 
@@ -144,7 +158,9 @@ def plan(wheel_dir: Path, required: dict[str, str], installed: dict[str, str]) -
     p.install = [w.name for w in chosen]
     available = {**installed, **{wheel_name(w)[0]: wheel_name(w)[1] for w in chosen}}
     for w in chosen:
-        p.unmet += [f"{wheel_name(w)[0]}: {why}" for r in requires(w) if (why := unmet(r, available))]
+        p.unmet += [
+            f"{wheel_name(w)[0]}: {why}" for r in requires(w) if (why := unmet(r, available))
+        ]
     return p
 
 
@@ -152,9 +168,21 @@ def install(wheel_dir: Path, p: Plan, target: Path, python: str = sys.executable
     """pip-install ``p.install`` into ``target`` (no index, no dependencies: the plan has them)."""
     if not p.install:
         return
-    cmd = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-           "--no-cache-dir", "--upgrade", "--target", str(target),
-           *(str(wheel_dir / w) for w in p.install)]  # fmt: skip
+    cmd = [
+        python,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--upgrade",
+        "--target",
+        str(target),
+        *(str(wheel_dir / w) for w in p.install),
+    ]
     subprocess.run(cmd, check=True)
 
 
@@ -162,8 +190,12 @@ def tree_bytes(root: Path = ROOT) -> int:
     """Bytes of the working tree that travels to the GPU machine (git's tracked and untracked,
     not ignored, files); 0 where git cannot tell."""
     try:
-        out = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=root,
-                             capture_output=True, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "-co", "--exclude-standard"],
+            cwd=root,
+            capture_output=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return 0
     files = [root / f for f in out.decode().split("\0") if f]
@@ -177,9 +209,23 @@ def folder_bytes(path: Path) -> int:
 def download(names: dict[str, str], dest: Path) -> None:
     """pip-download the pinned wheels (no dependencies) for CPython 3.12 on x86-64 Linux."""
     platforms = [a for p in PLATFORMS for a in ("--platform", p)]
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "--python-version", PYTHON_VERSION, "--implementation", "cp", *platforms, "-d", str(dest),
-           *(f"{n}=={v}" for n, v in names.items())]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        PYTHON_VERSION,
+        "--implementation",
+        "cp",
+        *platforms,
+        "-d",
+        str(dest),
+        *(f"{n}=={v}" for n, v in names.items()),
+    ]
     subprocess.run(cmd, check=True)
 
 
@@ -222,12 +268,16 @@ def fill(gpu_dir: Path, required: dict[str, str], *, model: bool = True) -> dict
     (gpu_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
     total = manifest["gpu_dir_bytes"] + manifest["tree_bytes"]
     mib = 2**20
-    print(f"{gpu_dir}: {len(manifest['wheels'])} wheels, {p.wheel_bytes / mib:.1f} MiB; the folder "
-          f"{manifest['gpu_dir_bytes'] / mib:.1f} MiB, with the working tree "
-          f"{total / mib:.1f} MiB of the {LIMIT_BYTES // mib} MiB a command may carry")  # fmt: skip
+    print(
+        f"{gpu_dir}: {len(manifest['wheels'])} wheels, {p.wheel_bytes / mib:.1f} MiB; the folder "
+        f"{manifest['gpu_dir_bytes'] / mib:.1f} MiB, with the working tree "
+        f"{total / mib:.1f} MiB of the {LIMIT_BYTES // mib} MiB a command may carry"
+    )
     if total >= LIMIT_BYTES:
-        raise SystemExit(f"make gpu-wheels: {total / mib:.1f} MiB would travel, over the limit of "
-                         f"{LIMIT_BYTES // mib} MiB: drop wheels from {REQUIREMENTS}")  # fmt: skip
+        raise SystemExit(
+            f"make gpu-wheels: {total / mib:.1f} MiB would travel, over the limit of "
+            f"{LIMIT_BYTES // mib} MiB: drop wheels from {REQUIREMENTS}"
+        )
     return manifest
 
 

@@ -55,7 +55,9 @@ def _print_summary(summary: dict, out: Path) -> None:
     print("\n== dapo run summary ==")
     before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
     if before is not None and after is not None:
-        print(f"held-out accuracy: {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points)")
+        print(
+            f"held-out accuracy: {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points)"
+        )
     print(f"rollout steps: {summary.get('steps')}   wall time: {summary.get('wall_seconds')} s")
     print(f"metrics: {out / 'metrics.jsonl'}   dashboard: {out / 'dashboard.png'}")
     print(f"final model (transformers format): {out / 'final_model'}")
@@ -170,44 +172,63 @@ def _vllm_serve(argv: list[str]) -> int:
         description=_SERVE_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", help="the model the trainer trains: a directory, hub id or builtin:tiny")
     parser.add_argument(
-        "--host", default="127.0.0.1",
-        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)",
-    )  # fmt: skip
-    parser.add_argument("--port", type=int, default=8000, help="default 8000")
-    parser.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over (default 1)"
+        "model", help="the model the trainer trains: a directory, hub id or builtin:tiny"
     )
     parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=0.9,
-        help="share of each GPU vLLM may take (default 0.9: the GPUs are the server's own)",
-    )  # fmt: skip
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface)",
+    )
+    parser.add_argument("--port", type=int, default=8000, help="default 8000")
     parser.add_argument(
-        "--max-model-len", type=int, default=None,
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="GPUs the model is split over (default 1)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of each GPU vLLM may take (default 0.9: the GPUs are the server's own)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
         help="longest prompt + response in tokens (default: the model's context)",
-    )  # fmt: skip
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences generated together")
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, help="sequences generated together"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--api-key", default=None,
+        "--api-key",
+        default=None,
         help="require `Authorization: Bearer KEY` on every endpoint but /health (default: the "
         "DAPO_SERVER_API_KEY environment variable; none if unset)",
-    )  # fmt: skip
-    parser.add_argument("--max-n", type=int, default=256, help="most responses per prompt (default 256)")
+    )
+    parser.add_argument(
+        "--max-n", type=int, default=256, help="most responses per prompt (default 256)"
+    )
     parser.add_argument(
         "--max-request-mb", type=float, default=64, help="largest request body in MiB (default 64)"
     )
     parser.add_argument(
-        "--job-timeout-s", type=float, default=1800,
+        "--job-timeout-s",
+        type=float,
+        default=1800,
         help="a generation or weight load running longer is taken as a stuck engine: the server "
         "turns unhealthy and exits (default 1800)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--quantization", choices=[q for q in VLLM_QUANTIZATIONS if q != "none"], default=None,
+        "--quantization",
+        choices=[q for q in VLLM_QUANTIZATIONS if q != "none"],
+        default=None,
         help="vLLM's weight quantization (fp8: FP8 weights on a GPU, quantized at every push; "
         "the trainer should set algorithm.is_cap)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     if args.tensor_parallel_size < 1 or not 0 < args.gpu_memory_utilization <= 1:
         parser.error("--tensor-parallel-size must be >= 1 and --gpu-memory-utilization in (0, 1]")
@@ -217,13 +238,20 @@ def _vllm_serve(argv: list[str]) -> int:
     from dapo.rollout.server import serve
 
     serve(  # ends the process
-        args.model, host=args.host, port=args.port, tensor_parallel_size=args.tensor_parallel_size,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, seed=args.seed,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, max_n=args.max_n,
-        max_request_mb=args.max_request_mb, job_timeout_s=args.job_timeout_s,
+        args.model,
+        host=args.host,
+        port=args.port,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_n=args.max_n,
+        max_request_mb=args.max_request_mb,
+        job_timeout_s=args.job_timeout_s,
         quantization=args.quantization,
-    )  # fmt: skip
+    )
     return 0
 
 
@@ -254,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(describe_presets()))
         return 0
     if cmd not in commands:
-        print(f"dapo: unknown command {cmd!r}; use train, eval, presets, plot or vllm-serve", file=sys.stderr)
+        print(
+            f"dapo: unknown command {cmd!r}; use train, eval, presets, plot or vllm-serve",
+            file=sys.stderr,
+        )
         return 2
     try:
         return commands[cmd](rest)

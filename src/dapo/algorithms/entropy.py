@@ -151,9 +151,14 @@ def clip_cov_token_loss(
     dual clip at ``clip_c`` when set, and ``0`` on the selected tokens, whose gradient is so
     dropped."""
     per_token, stats = ppo_token_loss(
-        logprobs, old_logprobs, advantages, mask,
-        clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
-    )  # fmt: skip
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        clip_c=clip_c,
+    )
     return per_token * (~selected.bool()).to(per_token), stats
 
 

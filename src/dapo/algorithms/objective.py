@@ -94,18 +94,29 @@ def compute_loss(
         chosen = torch.zeros_like(mask, dtype=torch.bool) if selected is None else selected
         if s.entropy_control == "clip_cov":
             per_token, stats = clip_cov_token_loss(
-                logprobs, old_logprobs, adv, mask, chosen,
-                clip_low=s.clip_low, clip_high=s.clip_high, clip_c=s.clip_c,
-            )  # fmt: skip
+                logprobs,
+                old_logprobs,
+                adv,
+                mask,
+                chosen,
+                clip_low=s.clip_low,
+                clip_high=s.clip_high,
+                clip_c=s.clip_c,
+            )
         else:
             per_token, stats = kl_cov_token_loss(
                 logprobs, old_logprobs, adv, mask, chosen, coef=s.kl_cov_coef
             )
     else:
         per_token, stats = REGISTRY[s.policy_loss](
-            logprobs, old_logprobs, adv, mask,
-            clip_low=s.clip_low, clip_high=s.clip_high, clip_c=s.clip_c,
-        )  # fmt: skip
+            logprobs,
+            old_logprobs,
+            adv,
+            mask,
+            clip_low=s.clip_low,
+            clip_high=s.clip_high,
+            clip_c=s.clip_c,
+        )
     if is_weights is not None:
         per_token = per_token * is_weights
     loss = aggregate_loss(per_token, mask, **agg)

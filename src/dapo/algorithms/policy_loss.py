@@ -209,9 +209,14 @@ def policy_loss(
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     per_token, stats = REGISTRY[kind](
-        logprobs, old_logprobs, advantages, mask,
-        clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
-    )  # fmt: skip
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        clip_c=clip_c,
+    )
     if weights is not None:
         per_token = per_token * weights
     loss = aggregate_loss(per_token, mask, agg, num_tokens=num_tokens, max_len=max_len)

@@ -101,8 +101,8 @@ class RolloutConfig:
     )
     tool_parser: str = opt(
         "hermes",
-        "How tool calls are read from a model turn: hermes (<tool_call>{\"name\": ..., "
-        "\"arguments\": {...}}</tool_call>, the format of Qwen, Hermes and SmolLM2 templates) "
+        'How tool calls are read from a model turn: hermes (<tool_call>{"name": ..., '
+        '"arguments": {...}}</tool_call>, the format of Qwen, Hermes and SmolLM2 templates) '
         "or module:function returning the calls of a text.",
         nonempty=True,
     )

@@ -40,8 +40,11 @@ def _check_rollout(cfg: Config) -> None:
         )
     q = r.vllm_quantization
     if q != "none":
-        fix = (f"start the server quantized instead (dapo vllm-serve MODEL --quantization {q})"
-               if r.engine == "vllm-server" else "use rollout.engine=vllm, or none")  # fmt: skip
+        fix = (
+            f"start the server quantized instead (dapo vllm-serve MODEL --quantization {q})"
+            if r.engine == "vllm-server"
+            else "use rollout.engine=vllm, or none"
+        )
         require(
             r.engine == "vllm",
             "rollout.vllm_quantization",

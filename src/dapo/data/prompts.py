@@ -174,7 +174,9 @@ class PromptStream:
     def take(self, k: int) -> list[int]:
         return [self._next() for _ in range(k)]
 
-    def take_skipping(self, k: int, skip: Callable[[int, int], bool]) -> tuple[list[int], list[int]]:
+    def take_skipping(
+        self, k: int, skip: Callable[[int, int], bool]
+    ) -> tuple[list[int], list[int]]:
         """The next ``k`` prompts for which ``skip(index, position)`` is false, and the ones
         passed over on the way (each draw is consumed either way)."""
         taken: list[int] = []

@@ -311,15 +311,11 @@ def build_records(
         stats.rows += 1
         raw_prompt = _get_field(row, prompt_key)
         if raw_prompt is _MISSING:
-            raise _missing_field_error(
-                where, index, row, prompt_key, f"{setting_prefix}prompt_key"
-            )
+            raise _missing_field_error(where, index, row, prompt_key, f"{setting_prefix}prompt_key")
         prompt = _normalize_prompt(raw_prompt, where, index, prompt_key)
         raw_answer = _get_field(row, answer_key)
         if raw_answer is _MISSING:
-            raise _missing_field_error(
-                where, index, row, answer_key, f"{setting_prefix}answer_key"
-            )
+            raise _missing_field_error(where, index, row, answer_key, f"{setting_prefix}answer_key")
         answer = _normalize_answer(raw_answer, where, index, answer_key)
 
         key = _dedupe_key(prompt)
@@ -340,7 +336,10 @@ def build_records(
                 data_source = str(raw_source)
             except ValueError:  # an integer of more than 4300 digits
                 raise _row_error(
-                    where, index, data_source_key, "data source is too large to be a name",
+                    where,
+                    index,
+                    data_source_key,
+                    "data source is too large to be a name",
                     "store the data source as a short string",
                 ) from None
         extra = {
@@ -375,9 +374,7 @@ def record_field(record: PromptRecord, key: str, setting: str) -> Any:
     return _to_plain(value)
 
 
-def located_rows(
-    rows: Iterable[Any], where: str
-) -> Iterator[tuple[str, int, Mapping[str, Any]]]:
+def located_rows(rows: Iterable[Any], where: str) -> Iterator[tuple[str, int, Mapping[str, Any]]]:
     """``(where, row index, row)`` for in-memory rows, each checked to be a mapping."""
     for index, row in enumerate(rows):
         if not isinstance(row, Mapping):

@@ -223,10 +223,14 @@ class EnvironmentPool:
             failure = f"{kind}: {detail}"
             self._warn_once(kind, self.spec.name, self._failure_text(kind, detail))
         for tool, error in result["raised"]:
-            self._warn_once("tool", tool, (
-                f"tool {tool!r} raised {error}; its error text went to the model as the tool's "
-                "reply (counted in the tool errors)"
-            ))  # fmt: skip
+            self._warn_once(
+                "tool",
+                tool,
+                (
+                    f"tool {tool!r} raised {error}; its error text went to the model as the tool's "
+                    "reply (counted in the tool errors)"
+                ),
+            )
         return Outcome(
             episode=episode,
             messages=result["messages"],

@@ -69,15 +69,18 @@ class ChatRenderer:
                 warnings.warn(
                     "the chat template ignores tools=; dapo describes the tools in a system "
                     "message instead (Hermes form: <tool_call>{...}</tool_call>)",
-                    EnvironmentWarning, stacklevel=2,
-                )  # fmt: skip
+                    EnvironmentWarning,
+                    stacklevel=2,
+                )
 
     def _render(self, messages: list[Message], tools: bool = True) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=self.tools if tools else None, add_generation_prompt=True,
+                messages,
+                tools=self.tools if tools else None,
+                add_generation_prompt=True,
                 tokenize=False,
-            )  # fmt: skip
+            )
         except Exception as exc:
             roles = ", ".join(str(m.get("role")) for m in messages)
             raise RenderError(

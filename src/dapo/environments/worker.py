@@ -36,9 +36,16 @@ def describe_exception(exc: BaseException) -> str:
 def new_result() -> dict[str, Any]:
     """One operation's result, as plain data (it crosses the process boundary)."""
     return {
-        "messages": [], "reward": None, "done": False, "failure": None, "bad_tool_call": None,
-        "tool_calls": 0, "tool_errors": 0, "raised": [], "seconds": 0.0,
-    }  # fmt: skip
+        "messages": [],
+        "reward": None,
+        "done": False,
+        "failure": None,
+        "bad_tool_call": None,
+        "tool_calls": 0,
+        "tool_errors": 0,
+        "raised": [],
+        "seconds": 0.0,
+    }
 
 
 class EpisodeHost:
@@ -160,6 +167,9 @@ def _worker_loop(conn: Connection) -> None:
             except Exception as exc:  # the messages could not be pickled
                 host.envs.pop(episode, None)
                 bad = new_result()
-                bad["failure"] = ("malformed", f"{op} returned messages that cannot be sent "
-                                  f"between processes ({type(exc).__name__}: {exc})")  # fmt: skip
+                bad["failure"] = (
+                    "malformed",
+                    f"{op} returned messages that cannot be sent "
+                    f"between processes ({type(exc).__name__}: {exc})",
+                )
                 conn.send(("result", pos, bad))

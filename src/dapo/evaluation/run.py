@@ -244,9 +244,14 @@ def default_output_path(model: str) -> Path:
 
 
 def _check_options(
-    k: int | None, temperature: float, top_p: float, max_tokens: int | None, batch_size: int,
-    max_prompt_length: int | None, engine: str,
-) -> None:  # fmt: skip
+    k: int | None,
+    temperature: float,
+    top_p: float,
+    max_tokens: int | None,
+    batch_size: int,
+    max_prompt_length: int | None,
+    engine: str,
+) -> None:
     """Reject out-of-range options before any data or model is loaded."""
     if k is not None and k < 1:
         raise EvalError(f"--k must be >= 1 (samples per problem), got {k}")

@@ -164,9 +164,15 @@ def _draw_panel(ax: Any, panel: _Panel, records: list[dict]) -> bool:
     if not handles:
         ax.set_title(panel.title, **_TITLE_FONT)
         ax.text(
-            0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center",
-            fontsize=12, color="0.5",
-        )  # fmt: skip
+            0.5,
+            0.5,
+            "no data",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=12,
+            color="0.5",
+        )
         ax.set_yticks([])
         return False
     if n_left:

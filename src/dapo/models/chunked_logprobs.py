@@ -63,8 +63,9 @@ def chunked_logprobs(
     if chunk_size < 1 or temperature <= 0:
         raise ValueError(f"chunk_size ({chunk_size}) and temperature ({temperature}) must be > 0")
     dtype = compute_dtype or weight.dtype
-    return _ChunkedLogprobs.apply(hidden, weight, bias, targets, float(temperature),
-                                  int(chunk_size), dtype)
+    return _ChunkedLogprobs.apply(
+        hidden, weight, bias, targets, float(temperature), int(chunk_size), dtype
+    )
 
 
 def _operand(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -142,7 +143,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[Any, ...]:
+    def backward(
+        ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None
+    ) -> tuple[Any, ...]:
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         none = (None,) * 7
@@ -150,8 +153,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
             return none
         t, k, dtype = ctx.temperature, ctx.chunk_size, ctx.dtype
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        )
+        grad_b = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        )
         head = Float32Linear(weight, bias, dtype)
         w = head.weight
         with torch.autocast(hidden.device.type, enabled=False):
@@ -181,5 +188,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_h,
             grad_w.to(weight.dtype) if grad_w is not None else None,
             grad_b.to(bias.dtype) if grad_b is not None else None,
-            None, None, None, None,
-        )  # fmt: skip
+            None,
+            None,
+            None,
+            None,
+        )

@@ -15,8 +15,13 @@ from torch import nn
 
 # Config fields of heads that scale or cap the logits after the output layer (Gemma 2's
 # soft-capping, Cohere's and Granite's scales): such models keep their own head.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
-                     "lm_head_multiplier", "output_multiplier_scale")  # fmt: skip
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "lm_head_multiplier",
+    "output_multiplier_scale",
+)
 
 
 def output_head(model: nn.Module) -> nn.Linear | None:

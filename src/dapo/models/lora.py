@@ -33,8 +33,13 @@ _ADAPTER = (".lora_A.", ".lora_B.")
 
 def linear_layer_names(model: torch.nn.Module) -> list[str]:
     """The distinct last names of the model's linear layers (``q_proj``, ``lm_head``...)."""
-    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and n})  # fmt: skip
+    return sorted(
+        {
+            n.rsplit(".", 1)[-1]
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n
+        }
+    )
 
 
 def check_targets(model: torch.nn.Module, targets: Sequence[str]) -> None:

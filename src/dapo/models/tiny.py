@@ -220,15 +220,18 @@ def warm_up(
     with staged_dir(out_dir) as tmp:  # another process may finish first: then its copy stays
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        meta = {"name": name, "version": recipe.version, "steps": steps, "seed": seed,
-                "seconds": time.time() - start}  # fmt: skip
+        meta = {
+            "name": name,
+            "version": recipe.version,
+            "steps": steps,
+            "seed": seed,
+            "seconds": time.time() - start,
+        }
         (tmp / "builtin.json").write_text(json.dumps(meta))
     return out_dir
 
 
-def ensure_builtin_model(
-    name: str = BUILTIN_MODEL, log: Callable[[str], None] = print
-) -> Path:
+def ensure_builtin_model(name: str = BUILTIN_MODEL, log: Callable[[str], None] = print) -> Path:
     """Path of the warmed-up built-in model ``name``, building it on first use."""
     path = cache_dir(name)
     if (path / "builtin.json").is_file():

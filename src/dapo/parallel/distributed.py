@@ -55,7 +55,9 @@ def current() -> DistInfo:
     if not (dist.is_available() and dist.is_initialized()):
         return DistInfo()
     backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), backend)
+    return DistInfo(
+        dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), backend
+    )
 
 
 def all_gather_objects(obj: Any) -> list[Any]:

@@ -65,10 +65,15 @@ class _Episode:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
-            "env_seconds": self.env_seconds, "env_tokens": self.env_tokens,
-            "tokens": len(self.ids), "end": self.end, "failure": self.failure,
-        }  # fmt: skip
+            "turns": self.turns,
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
+            "env_seconds": self.env_seconds,
+            "env_tokens": self.env_tokens,
+            "tokens": len(self.ids),
+            "end": self.end,
+            "failure": self.failure,
+        }
 
 
 def run_episodes(
@@ -153,10 +158,14 @@ def _open(
             if opening is None:
                 opening = ids
             elif ids != opening:
-                _end(e, "env_failure", failure=(
-                    "opening: reset gave this episode other messages than the first episode of "
-                    "its group; the n episodes of a prompt must open alike"
-                ))  # fmt: skip
+                _end(
+                    e,
+                    "env_failure",
+                    failure=(
+                        "opening: reset gave this episode other messages than the first episode of "
+                        "its group; the n episodes of a prompt must open alike"
+                    ),
+                )
                 pool.end([o.episode])
         if opening is None:  # no episode opened: the record's own prompt stands in
             try:

@@ -58,9 +58,13 @@ class Fingerprint:
     def describe(self) -> str:
         """One phrase for messages: ``vocabulary 99, EOS 1, 38 tensors (818,304 elements)``."""
         s = self.summary()
-        tensors = "" if s["num_tensors"] is None else (
-            f", {s['num_tensors']} tensors ({s['num_elements']:,} elements, hash {s['hash']})"
-        )  # fmt: skip
+        tensors = (
+            ""
+            if s["num_tensors"] is None
+            else (
+                f", {s['num_tensors']} tensors ({s['num_elements']:,} elements, hash {s['hash']})"
+            )
+        )
         return f"vocabulary {self.vocab_size}, EOS {self.eos_token_id}{tensors}"
 
     def difference(self, other: Fingerprint) -> str | None:

@@ -59,7 +59,9 @@ def sample_next(
     if params.temperature == 0:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
-    logp = torch.log_softmax(process_logits(logits, params.temperature, params.top_p, params.top_k), -1)
+    logp = torch.log_softmax(
+        process_logits(logits, params.temperature, params.top_p, params.top_k), -1
+    )
     cdf = logp.exp().double().cumsum_(-1)
     total = cdf[:, -1:]
     u = torch.rand(total.shape, generator=gen, device=cdf.device, dtype=cdf.dtype) * total
@@ -92,15 +94,27 @@ def _sdpa_gqa_attention(
 
     if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-            is_causal=is_causal, **kwargs,
-        )  # fmt: skip
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
         is_causal=bool(query.shape[2] > 1 and attention_mask is None and causal),
         enable_gqa=key.shape[1] != query.shape[1],
-    )  # fmt: skip
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -196,9 +210,13 @@ class HFEngine:
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = self.model(
-            input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-            use_cache=True, logits_to_keep=1,
-        )  # fmt: skip
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         # One prefill per prompt, shared by its n responses.
         cache = out.past_key_values
         cache.batch_repeat_interleave(n)

@@ -131,11 +131,24 @@ def parse_generate(body: dict[str, Any], limits: Limits) -> tuple[list[list[int]
         n=_int(body, "n", defaults.n, 1, limits.max_n, "max_n in /health; dapo vllm-serve --max-n"),
         temperature=_number(body, "temperature", defaults.temperature, 0.0, MAX_TEMPERATURE),
         top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0, lo_open=True),
-        top_k=_int(body, "top_k", defaults.top_k, 0, limits.vocab_size, "0 is off; at most the vocabulary size"),
-        max_tokens=_int(body, "max_tokens", defaults.max_tokens, 1, limits.max_tokens,
-                        f"max_tokens in /health: max_model_len {limits.max_model_len} - 1"),
+        top_k=_int(
+            body,
+            "top_k",
+            defaults.top_k,
+            0,
+            limits.vocab_size,
+            "0 is off; at most the vocabulary size",
+        ),
+        max_tokens=_int(
+            body,
+            "max_tokens",
+            defaults.max_tokens,
+            1,
+            limits.max_tokens,
+            f"max_tokens in /health: max_model_len {limits.max_model_len} - 1",
+        ),
         seed=_int(body, "seed", defaults.seed, 0, MAX_SEED),
-    )  # fmt: skip
+    )
     if "prompts" not in body:
         raise RequestError("`prompts` is missing: a list of token-id lists")
     prompts = body["prompts"]
@@ -182,8 +195,14 @@ def parse_init_weight_sync(
     if not isinstance(host, str) or not 0 < len(host) <= 255:
         raise RequestError(f"`host` must be the trainer's address (a string), got {_show(host)}")
     port = _int(body, "port", None, 1, 65535)
-    size = _int(body, "world_size", None, world_size, world_size,
-                f"1 trainer rank + {world_size - 1} tensor-parallel workers of this server")  # fmt: skip
+    size = _int(
+        body,
+        "world_size",
+        None,
+        world_size,
+        world_size,
+        f"1 trainer rank + {world_size - 1} tensor-parallel workers of this server",
+    )
     backend = body.get("backend", "gloo")
     allowed = ("gloo",) if device == "cpu" else ("gloo", "nccl")
     if backend not in allowed:
@@ -207,8 +226,13 @@ def parse_update_weights(body: dict[str, Any], model: Fingerprint) -> tuple[list
     shapes = None if model.parameters is None else dict(model.parameters)
     seen: set[str] = set()
     for i, spec in enumerate(specs):
-        if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
-                and isinstance(spec[2], list) and all(type(d) is int and d >= 0 for d in spec[2])):  # fmt: skip
+        if not (
+            isinstance(spec, list)
+            and len(spec) == 3
+            and isinstance(spec[0], str)
+            and isinstance(spec[2], list)
+            and all(type(d) is int and d >= 0 for d in spec[2])
+        ):
             raise RequestError(f"`specs[{i}]` must be [name, dtype, shape], got {_show(spec)}")
         name, dtype, shape = spec
         if dtype not in WEIGHT_DTYPES:

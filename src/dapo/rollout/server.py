@@ -79,54 +79,9 @@ from dapo.rollout.server_http import make_handler
 
 log = logging.getLogger("dapo.rollout.server")
 
-WORKER_EXTENSION = "dapo.rollout.server.WeightReceiver"
+WORKER_EXTENSION = "dapo.rollout.weight_channel.WeightReceiver"
 EXIT_AFTER_S = 5.0  # an unhealthy server answers 503 this long, then exits with status 1
 STOP_WAIT_S = 3.0  # SIGTERM / SIGINT: how long a running engine job may still finish
-
-
-class WeightReceiver:
-    """Mixed into every vLLM worker (``worker_extension_cls``): joins the trainer's weight
-    group as rank ``1 + worker rank`` and loads the tensors it receives. Runs in the worker
-    (this process with tensor parallel size 1)."""
-
-    def dapo_join_weights(
-        self, host: str, port: int, world_size: int, backend: str, timeout_s: float
-    ) -> None:
-        from dapo.rollout.weight_channel import WeightGroup
-
-        self.dapo_leave_weights()
-        device = "cpu" if backend == "gloo" else self.device  # type: ignore[attr-defined]
-        rank = 1 + int(self.rank)  # type: ignore[attr-defined]
-        self._dapo_group = WeightGroup(
-            host, port, rank, world_size, backend=backend, device=device, timeout_s=timeout_s
-        )
-
-    def dapo_receive_weights(self, specs: list) -> None:
-        from dapo.rollout.vllm_engine import quiet_log, refresh_tied_lm_head
-
-        group = getattr(self, "_dapo_group", None)
-        if group is None:
-            raise RuntimeError("no weight group: call /init_weight_sync first")
-        try:
-            with quiet_log(
-                "vllm.model_executor.model_loader.reload.layerwise", "Failed to load weights"
-            ):
-                self.reload_weights(  # type: ignore[attr-defined]
-                    weights_iterator=group.receive([tuple(s) for s in specs]),
-                    is_checkpoint_format=True,
-                )
-        except BaseException:
-            self.dapo_leave_weights()  # the trainer's pending broadcast fails instead of hanging
-            raise
-        config = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
-        if getattr(config, "tie_word_embeddings", False):
-            refresh_tied_lm_head(self.model_runner.get_model())  # type: ignore[attr-defined]
-
-    def dapo_leave_weights(self) -> None:
-        group = getattr(self, "_dapo_group", None)
-        if group is not None:
-            group.close()
-        self._dapo_group = None
 
 
 @dataclass
@@ -486,15 +441,33 @@ def serve(
     fingerprint = of_model_dir(path, eos)
     extra = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size > 1 else {}
     engine = VLLMEngine(
-        path, eos, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=False, seed=seed,
-        distributed=False, worker_extension_cls=WORKER_EXTENSION, quantization=quantization,
+        path,
+        eos,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enable_sleep_mode=False,
+        seed=seed,
+        distributed=False,
+        worker_extension_cls=WORKER_EXTENSION,
+        quantization=quantization,
         **extra,
-    )  # fmt: skip
-    limits = Limits(engine.max_model_len, fingerprint.vocab_size, max_n=max_n,
-                    max_request_bytes=int(max_request_mb * (1 << 20)), job_timeout_s=job_timeout_s)  # fmt: skip
-    server = RolloutServer(engine, model=path, fingerprint=fingerprint, limits=limits,
-                           api_key=api_key, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+    )
+    limits = Limits(
+        engine.max_model_len,
+        fingerprint.vocab_size,
+        max_n=max_n,
+        max_request_bytes=int(max_request_mb * (1 << 20)),
+        job_timeout_s=job_timeout_s,
+    )
+    server = RolloutServer(
+        engine,
+        model=path,
+        fingerprint=fingerprint,
+        limits=limits,
+        api_key=api_key,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     server.start(host, port, listener=listener)
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -546,15 +519,32 @@ def _exit(status: int, message: str) -> NoReturn:
 
 
 def launch(
-    model: str, port: int, *, log: Path, max_model_len: int, env: dict[str, str] | None = None,
-    timeout_s: float = 600.0, args: Sequence[str] = (), command: Sequence[str] | None = None,
-) -> subprocess.Popen:  # fmt: skip
+    model: str,
+    port: int,
+    *,
+    log: Path,
+    max_model_len: int,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600.0,
+    args: Sequence[str] = (),
+    command: Sequence[str] | None = None,
+) -> subprocess.Popen:
     """Start ``dapo vllm-serve MODEL`` on 127.0.0.1:``port`` in a subprocess (its output
     to ``log``) and return it once it answers ``/health`` (tests and benchmarks). ``args``:
     more options; ``command``: what runs instead of ``python -m dapo``. Raises
     ``RuntimeError`` with the end of its log if it exits or does not come up."""
-    cmd = [*(command or [sys.executable, "-m", "dapo"]), "vllm-serve", model, "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", str(max_model_len), *args]  # fmt: skip
+    cmd = [
+        *(command or [sys.executable, "-m", "dapo"]),
+        "vllm-serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        *args,
+    ]
     proc = subprocess.Popen(
         cmd,
         env=dict(os.environ) if env is None else env,

@@ -204,9 +204,14 @@ class ServerEngine:
             answer = pool.submit(self._request, "POST", "/init_weight_sync", body, retry=False)
             try:
                 self.group = WeightGroup(
-                    body["host"], body["port"], 0, body["world_size"], backend=backend,
-                    device=device, timeout_s=self.timeout_s,
-                )  # fmt: skip
+                    body["host"],
+                    body["port"],
+                    0,
+                    body["world_size"],
+                    backend=backend,
+                    device=device,
+                    timeout_s=self.timeout_s,
+                )
             except Exception as exc:
                 if answer.done() and answer.exception() is not None:
                     raise answer.exception() from exc  # type: ignore[misc]
@@ -242,9 +247,14 @@ class ServerEngine:
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
 
     def _request(
-        self, method: str, path: str, body: dict | None = None, *, retry: bool = True,
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        *,
+        retry: bool = True,
         timeout: float | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """One call, re-tried with back-off when the connection is refused or dropped."""
         delays = [self.backoff_s * 2**i for i in range(self.retries)] if retry else []
         for attempt in range(len(delays) + 1):

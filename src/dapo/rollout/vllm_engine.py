@@ -170,7 +170,9 @@ class VLLMEngine:
         from_dir = isinstance(model, (str, os.PathLike))
         config = _load_config(model) if from_dir else model.config
         self.tied_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        dtype = _config_dtype(config) if from_dir else compute_dtype(model)  # bf16-mixed: vLLM samples in bf16
+        dtype = (
+            _config_dtype(config) if from_dir else compute_dtype(model)
+        )  # bf16-mixed: vLLM samples in bf16
         if dtype not in _DTYPE_NAMES:
             raise VLLMEngineError(f"the policy's dtype {dtype} is not one vLLM runs")
         self.dtype = dtype
@@ -202,19 +204,21 @@ class VLLMEngine:
                 model_dir = self._dir
             if self.distributed:
                 kwargs["distributed_executor_backend"] = "external_launcher"
-            kwargs.update({
-                "model": model_dir,
-                "skip_tokenizer_init": True,  # token ids in, token ids out
-                "generation_config": "vllm",  # no defaults from generation_config.json
-                "dtype": _DTYPE_NAMES[dtype],
-                "seed": seed,
-                "max_model_len": self.max_model_len,
-                "max_num_seqs": max_num_seqs,
-                "enforce_eager": enforce_eager,
-                "enable_prefix_caching": True,  # the n responses of a prompt share its prefill
-                "logprobs_mode": "processed_logprobs",
-                "enable_sleep_mode": self.sleep_enabled,
-            })
+            kwargs.update(
+                {
+                    "model": model_dir,
+                    "skip_tokenizer_init": True,  # token ids in, token ids out
+                    "generation_config": "vllm",  # no defaults from generation_config.json
+                    "dtype": _DTYPE_NAMES[dtype],
+                    "seed": seed,
+                    "max_model_len": self.max_model_len,
+                    "max_num_seqs": max_num_seqs,
+                    "enforce_eager": enforce_eager,
+                    "enable_prefix_caching": True,  # the n responses of a prompt share its prefill
+                    "logprobs_mode": "processed_logprobs",
+                    "enable_sleep_mode": self.sleep_enabled,
+                }
+            )
             if quantization is not None:
                 kwargs["quantization"] = quantization
             if self.on_cpu:
@@ -232,7 +236,10 @@ class VLLMEngine:
                 if kv_cache_memory_bytes is not None:
                     kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
             kwargs.update(llm_kwargs)
-            with _preserve_torch_settings(), quiet_log("vllm.renderers.base", "Chat template warmup"):
+            with (
+                _preserve_torch_settings(),
+                quiet_log("vllm.renderers.base", "Chat template warmup"),
+            ):
                 self.llm = vllm.LLM(**kwargs)
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -250,7 +257,9 @@ class VLLMEngine:
             from dapo.parallel.sharding import full_named_parameters
 
             # every rank; gathering FSDP shards is a collective
-            self.load_weights(state_dict.items() if state_dict is not None else full_named_parameters(model))
+            self.load_weights(
+                state_dict.items() if state_dict is not None else full_named_parameters(model)
+            )
 
     # --- weights --------------------------------------------------------------------------
 
@@ -263,7 +272,9 @@ class VLLMEngine:
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
-        with quiet_log("vllm.model_executor.model_loader.reload.layerwise", "Failed to load weights"):
+        with quiet_log(
+            "vllm.model_executor.model_loader.reload.layerwise", "Failed to load weights"
+        ):
             # Layers without checkpoint tensors (rotary caches; a tied lm_head) keep theirs.
             self.llm.collective_rpc(
                 "reload_weights",
@@ -569,4 +580,3 @@ def quiet_log(logger_name: str, text: str) -> Iterator[None]:
         yield
     finally:
         log.removeFilter(flt)
-

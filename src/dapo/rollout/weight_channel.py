@@ -6,7 +6,8 @@ process group and from vLLM's: on CPU a gloo group (``torch.distributed.ProcessG
 built on a ``TCPStore`` that rank 0 hosts; on GPUs an NCCL communicator built the way vLLM
 builds its own weight-transfer group (``StatelessProcessGroup`` + ``PyNcclCommunicator``,
 which needs vLLM on the trainer's side too). Tensors go as they are, one broadcast each,
-in the order of the specs the trainer announced over HTTP.
+in the order of the specs the trainer announced over HTTP. :class:`WeightReceiver` is the
+server's side, mixed into every vLLM worker.
 """
 
 from __future__ import annotations
@@ -74,12 +75,16 @@ class WeightGroup:
             store = dist.TCPStore(
                 host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
             )
-            self._pg = dist.ProcessGroupGloo(dist.PrefixStore("dapo-weights", store), rank, world_size, timeout)
+            self._pg = dist.ProcessGroupGloo(
+                dist.PrefixStore("dapo-weights", store), rank, world_size, timeout
+            )
         elif backend == "nccl":  # GPUs: vLLM's own way of joining trainers and workers
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
             from vllm.distributed.utils import StatelessProcessGroup
 
-            group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
+            group = StatelessProcessGroup.create(
+                host=host, port=port, rank=rank, world_size=world_size
+            )
             self._comm = PyNcclCommunicator(group, device=self.device)
         else:
             raise ValueError(f"weight channel backend must be gloo or nccl, not {backend!r}")
@@ -115,3 +120,46 @@ class WeightGroup:
             with contextlib.suppress(Exception):
                 pg.abort()
         self._comm = None
+
+
+class WeightReceiver:
+    """Mixed into every vLLM worker (``worker_extension_cls``): joins the trainer's weight
+    group as rank ``1 + worker rank`` and loads the tensors it receives. Runs in the worker
+    (this process with tensor parallel size 1)."""
+
+    def dapo_join_weights(
+        self, host: str, port: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        self.dapo_leave_weights()
+        device = "cpu" if backend == "gloo" else self.device  # type: ignore[attr-defined]
+        rank = 1 + int(self.rank)  # type: ignore[attr-defined]
+        self._dapo_group = WeightGroup(
+            host, port, rank, world_size, backend=backend, device=device, timeout_s=timeout_s
+        )
+
+    def dapo_receive_weights(self, specs: list) -> None:
+        from dapo.rollout.vllm_engine import quiet_log, refresh_tied_lm_head
+
+        group = getattr(self, "_dapo_group", None)
+        if group is None:
+            raise RuntimeError("no weight group: call /init_weight_sync first")
+        try:
+            with quiet_log(
+                "vllm.model_executor.model_loader.reload.layerwise", "Failed to load weights"
+            ):
+                self.reload_weights(  # type: ignore[attr-defined]
+                    weights_iterator=group.receive([tuple(s) for s in specs]),
+                    is_checkpoint_format=True,
+                )
+        except BaseException:
+            self.dapo_leave_weights()  # the trainer's pending broadcast fails instead of hanging
+            raise
+        config = self.vllm_config.model_config.hf_config  # type: ignore[attr-defined]
+        if getattr(config, "tie_word_embeddings", False):
+            refresh_tied_lm_head(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+    def dapo_leave_weights(self) -> None:
+        group = getattr(self, "_dapo_group", None)
+        if group is not None:
+            group.close()
+        self._dapo_group = None

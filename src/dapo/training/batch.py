@@ -83,12 +83,16 @@ def build_samples(
     samples, k = [], 0
     for g in groups:
         masks = g.model_mask or [None] * g.size
-        for j, (resp, lp, model) in enumerate(zip(g.response_ids, g.sample_logprobs, masks, strict=True)):
+        for j, (resp, lp, model) in enumerate(
+            zip(g.response_ids, g.sample_logprobs, masks, strict=True)
+        ):
             if model is None:
                 s = Sample(g.prompt_ids, resp, adv[k], [keep_list[k]] * len(resp))
             else:  # environment tokens are in no loss, nor is an episode its environment failed
                 keep_k = 0.0 if g.episode_stats[j]["end"] == "env_failure" else keep_list[k]
-                s = Sample(g.prompt_ids, resp, adv[k], [keep_k * m for m in model], model_mask=model)
+                s = Sample(
+                    g.prompt_ids, resp, adv[k], [keep_k * m for m in model], model_mask=model
+                )
             if keep_engine_logprobs:
                 s.sampling_logprobs = torch.tensor(lp)
             if g.step < step and exact_sampling_logprobs:

@@ -150,8 +150,9 @@ class FullState:
 def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> FullState:
     """The state to checkpoint. For an FSDP model every rank must call this (it gathers the
     shards); rank 0 gets the state, the others empty dicts."""
-    return FullState(_trainable_only(model, full_model_state(model)),
-                     full_optimizer_state(model, optimizer))
+    return FullState(
+        _trainable_only(model, full_model_state(model)), full_optimizer_state(model, optimizer)
+    )
 
 
 def trainable_names(model: torch.nn.Module) -> set[str] | None:
@@ -308,9 +309,15 @@ def _save_sharded(
             ) from failure
 
     stage(lambda: _start(root, step, pid))
-    stage(lambda: dcp.save({"model": model_state, "optim": optim_state},
-                           checkpoint_id=tmp / _SHARDED), everywhere=True)  # fmt: skip
-    stage(lambda: (torch.save(state, tmp / "trainer_state.pt"), _finish(root, step, tmp, keep_last)))
+    stage(
+        lambda: dcp.save(
+            {"model": model_state, "optim": optim_state}, checkpoint_id=tmp / _SHARDED
+        ),
+        everywhere=True,
+    )
+    stage(
+        lambda: (torch.save(state, tmp / "trainer_state.pt"), _finish(root, step, tmp, keep_last))
+    )
     return step_dir(root, step)
 
 
@@ -377,9 +384,11 @@ def load_checkpoint(
         )
     # The optimizer state carries the kernel flags of the optimizer that wrote it (before
     # dapo used the fused AdamW: none); they say how to compute, not what, so keep this one's.
-    kernels = [] if optimizer is None else [
-        {k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups
-    ]  # fmt: skip
+    kernels = (
+        []
+        if optimizer is None
+        else [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
+    )
     if sharded:
         _load_sharded(path, model, optimizer)
     else:
@@ -396,7 +405,9 @@ def read_trainer_state(path: str | Path) -> dict[str, Any]:
     return _read(Path(path) / "trainer_state.pt", lambda p: torch.load(p, weights_only=False))
 
 
-def _load_whole(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def _load_whole(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
     """model.safetensors and optimizer.pt into ``model`` (sharded or not) and ``optimizer``."""
     weights = _read(path / "model.safetensors", lambda p: load_file(str(p)))
     sharded = is_fsdp(model)
@@ -432,7 +443,9 @@ def _load_whole(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
             ) from exc
 
 
-def _load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def _load_sharded(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
     """A ``torch.distributed.checkpoint`` directory into ``model`` and ``optimizer``: FSDP
     shards of any world size (every rank calls this; DCP reads the pieces each rank needs)
     or a plain model, in one process without a process group too."""

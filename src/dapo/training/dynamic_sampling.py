@@ -149,7 +149,9 @@ class DynamicSampler:
         self.max_empty_steps = max_empty_steps
         self.empty_in_a_row = 0  # steps in a row without any qualifying group
 
-    def fill(self, produce: Callable[[int], list[ScoredGroup]]) -> tuple[list[ScoredGroup], FillStats]:
+    def fill(
+        self, produce: Callable[[int], list[ScoredGroup]]
+    ) -> tuple[list[ScoredGroup], FillStats]:
         stats = FillStats()
         if not self.enabled:
             groups = produce(self.target)
@@ -204,7 +206,9 @@ class DynamicSampler:
 
     def _round_size(self, need: int) -> int:
         """Prompts to generate for ``need`` more groups: over-sampled by the keep rate."""
-        return min(self.max_prompts_per_round, max(need, math.ceil(need / max(self.keep_rate, 0.05) * 1.1)))
+        return min(
+            self.max_prompts_per_round, max(need, math.ceil(need / max(self.keep_rate, 0.05) * 1.1))
+        )
 
     def _at_cap(
         self, batch: list[ScoredGroup], stats: FillStats

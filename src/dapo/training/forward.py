@@ -112,14 +112,24 @@ def response_states(
             attn = torch.cat([batch.prompt_mask, batch.response_mask], 1).to(device)
             pos = (attn.cumsum(-1) - 1).clamp(min=0)
             ids = torch.cat([batch.prompt_ids, batch.response_ids], 1).to(device)
-            out = first_pass(input_ids=ids, attention_mask=attn, position_ids=pos,
-                             logits_to_keep=r + 1, use_cache=False)  # fmt: skip
+            out = first_pass(
+                input_ids=ids,
+                attention_mask=attn,
+                position_ids=pos,
+                logits_to_keep=r + 1,
+                use_cache=False,
+            )
             return out.logits[:, :-1]
         prompt_mask = batch.prompt_mask[distinct].to(device)
         prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        out = first_pass(input_ids=batch.prompt_ids[distinct].to(device), attention_mask=prompt_mask,
-                         position_ids=prompt_pos, past_key_values=cache, use_cache=True,
-                         logits_to_keep=1)  # fmt: skip
+        out = first_pass(
+            input_ids=batch.prompt_ids[distinct].to(device),
+            attention_mask=prompt_mask,
+            position_ids=prompt_pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         rows = torch.tensor(batch.owner, device=device)
         first = out.logits[:, -1:].index_select(0, rows)  # predicts response token 0
         if r == 1:
@@ -127,15 +137,24 @@ def response_states(
         # Tokens 1..R-1, from response positions 0..R-2 (the last token is no input).
         attn = torch.cat([batch.prompt_mask, batch.response_mask[:, : r - 1]], 1).to(device)
         pos = batch.prompt_mask.sum(-1)[:, None].to(device) + torch.arange(r - 1, device=device)
-        rest = model(input_ids=batch.response_ids[:, : r - 1].to(device), attention_mask=attn,
-                     position_ids=pos, past_key_values=cache.expand(rows), use_cache=True)  # fmt: skip
+        rest = model(
+            input_ids=batch.response_ids[:, : r - 1].to(device),
+            attention_mask=attn,
+            position_ids=pos,
+            past_key_values=cache.expand(rows),
+            use_cache=True,
+        )
         return torch.cat([first, rest.logits], 1)
 
 
 def token_logprobs(
-    model: torch.nn.Module, states: torch.Tensor, batch: MicroBatch, *, temperature: float,
+    model: torch.nn.Module,
+    states: torch.Tensor,
+    batch: MicroBatch,
+    *,
+    temperature: float,
     chunk_size: int = 1024,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the sampled response tokens and the entropies of the distributions they
     were drawn from (softmax of logits / temperature), from :func:`response_states`: two
     float32 ``[b, R]`` tensors, 0 on padding, both differentiable.
@@ -151,9 +170,14 @@ def token_logprobs(
     targets = batch.response_ids.to(device)[valid]
     if head is not None:
         logp, entropy = chunked_logprobs(
-            states[valid], head.weight, targets, bias=head.bias, temperature=temperature,
-            chunk_size=chunk_size, compute_dtype=compute_dtype(model),
-        )  # fmt: skip
+            states[valid],
+            head.weight,
+            targets,
+            bias=head.bias,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            compute_dtype=compute_dtype(model),
+        )
     else:
         logits = states[valid].float()
         logits = logits / temperature if temperature != 1.0 else logits
@@ -163,13 +187,16 @@ def token_logprobs(
 
 
 def response_logprobs(
-    model: torch.nn.Module, batch: MicroBatch, options: ForwardOptions,
+    model: torch.nn.Module,
+    batch: MicroBatch,
+    options: ForwardOptions,
     ddp: torch.nn.Module | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`response_states` then :func:`token_logprobs`: ``(logp, entropy)``, ``[b, R]``."""
     states = response_states(model, batch, shared_prompt=options.shared_prompt, ddp=ddp)
-    return token_logprobs(model, states, batch, temperature=options.temperature,
-                          chunk_size=options.logits_chunk_size)  # fmt: skip
+    return token_logprobs(
+        model, states, batch, temperature=options.temperature, chunk_size=options.logits_chunk_size
+    )
 
 
 def response_logits(
@@ -206,8 +233,13 @@ def compute_logprobs(
         for idx in micro_batches(samples, options.token_budget):
             batch = collate([samples[i] for i in idx], options.pad_id)
             states = response_states(model, batch, shared_prompt=options.shared_prompt)
-            logp, _ = token_logprobs(model, states, batch, temperature=options.temperature,
-                                     chunk_size=options.logits_chunk_size)  # fmt: skip
+            logp, _ = token_logprobs(
+                model,
+                states,
+                batch,
+                temperature=options.temperature,
+                chunk_size=options.logits_chunk_size,
+            )
             for j, i in enumerate(idx):
                 out[i] = logp[j, : len(samples[i].response_ids)].clone()
     return out

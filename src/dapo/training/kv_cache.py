@@ -62,7 +62,9 @@ class SharedPromptCache(DynamicCache):
     def expand(self, rows: torch.Tensor) -> SharedPromptCache:
         """The cache of the response pass: prompt ``rows[i]``'s keys and values for response
         ``i`` (an ``index_select``, so each response's gradient flows back into its prompt)."""
-        return SharedPromptCache([
-            _PrefixLayer(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
-            for layer in self.layers
-        ])  # fmt: skip
+        return SharedPromptCache(
+            [
+                _PrefixLayer(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
+                for layer in self.layers
+            ]
+        )

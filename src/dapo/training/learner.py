@@ -149,7 +149,12 @@ class Learner:
         peft: Any = None,
         seed: int = 0,
     ) -> None:
-        self.model, self.optimizer, self.settings, self.forward = model, optimizer, settings, forward
+        self.model, self.optimizer, self.settings, self.forward = (
+            model,
+            optimizer,
+            settings,
+            forward,
+        )
         self.train = train or TrainConfig()
         self.ddp, self.ref_model, self.peft, self.seed = ddp, ref_model, peft, seed
         self.dist = D.current()
@@ -164,9 +169,13 @@ class Learner:
 
     @classmethod
     def from_config(
-        cls, cfg: Config, model_path: str, pad_id: int, log: Callable[[str], None],
+        cls,
+        cfg: Config,
+        model_path: str,
+        pad_id: int,
+        log: Callable[[str], None],
         model: torch.nn.Module | None = None,
-    ) -> Learner:  # fmt: skip
+    ) -> Learner:
         """The policy of ``cfg`` (loaded from ``model_path``, unless ``model`` is given) with
         its precision, LoRA adapters, reference copy, data-parallel wrapping and optimizer."""
         t = cfg.train
@@ -177,20 +186,26 @@ class Learner:
         if precision == "bf16":
             log(bf16_rounding_warning(t.lr))
         if model is None:
-            model = load_policy(model_path, dtype=load_dtype(precision),
-                                trust_remote_code=cfg.model.trust_remote_code,
-                                gradient_checkpointing=cfg.model.gradient_checkpointing)  # fmt: skip
+            model = load_policy(
+                model_path,
+                dtype=load_dtype(precision),
+                trust_remote_code=cfg.model.trust_remote_code,
+                gradient_checkpointing=cfg.model.gradient_checkpointing,
+            )
         else:  # given as an object (dapo.train(model=...)): made what load_policy makes
-            model = prepare_given_model(model, load_dtype(precision),
-                                        cfg.model.gradient_checkpointing, log)  # fmt: skip
+            model = prepare_given_model(
+                model, load_dtype(precision), cfg.model.gradient_checkpointing, log
+            )
         set_precision(model, precision)
         peft = lora.apply_lora(model, cfg.model.lora) if cfg.model.lora.rank > 0 else None
         counts = lora.parameter_counts(model)  # before sharding
         if peft is not None:
             trainable, total = counts
-            log(f"LoRA: rank {cfg.model.lora.rank}, alpha {cfg.model.lora.alpha:g}, layers "
+            log(
+                f"LoRA: rank {cfg.model.lora.rank}, alpha {cfg.model.lora.alpha:g}, layers "
                 f"{', '.join(cfg.model.lora.target_modules)}: {trainable:,} of {total:,} "
-                f"parameters trained ({trainable / total:.2%})")  # fmt: skip
+                f"parameters trained ({trainable / total:.2%})"
+            )
         model.train()
         dist = D.current()
         if torch.cuda.is_available():  # one GPU per rank; the CPU path is the tested one
@@ -200,8 +215,10 @@ class Learner:
         ref_model = reference_copy(model) if cfg.algorithm.beta > 0 and peft is None else None
         ddp = wrap_data_parallel(model, dist, t.data_parallel, log)[1] if dist.enabled else None
         if not dist.enabled and t.data_parallel == "fsdp":
-            log("train.data_parallel=fsdp: one process, nothing to shard; the model trains whole "
-                "(launch with torchrun --nproc_per_node N to shard it over N ranks)")  # fmt: skip
+            log(
+                "train.data_parallel=fsdp: one process, nothing to shard; the model trains whole "
+                "(launch with torchrun --nproc_per_node N to shard it over N ranks)"
+            )
         ctx = context_length(model)
         need = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
         if ctx is not None and need > ctx:
@@ -210,10 +227,24 @@ class Learner:
                 f"rollout.max_completion_length ({cfg.rollout.max_completion_length}) = {need} "
                 f"exceeds the model's context of {ctx} positions; lower one of them"
             )
-        forward = ForwardOptions(pad_id, cfg.rollout.temperature, t.micro_batch_tokens,
-                                 t.logits_chunk_size, t.shared_prompt_forward)  # fmt: skip
-        learner = cls(model, make_optimizer(model, t), loss_settings(cfg), forward,
-                      train=t, ddp=ddp, ref_model=ref_model, peft=peft, seed=cfg.seed)  # fmt: skip
+        forward = ForwardOptions(
+            pad_id,
+            cfg.rollout.temperature,
+            t.micro_batch_tokens,
+            t.logits_chunk_size,
+            t.shared_prompt_forward,
+        )
+        learner = cls(
+            model,
+            make_optimizer(model, t),
+            loss_settings(cfg),
+            forward,
+            train=t,
+            ddp=ddp,
+            ref_model=ref_model,
+            peft=peft,
+            seed=cfg.seed,
+        )
         learner.parameter_counts = counts
         return learner
 
@@ -231,8 +262,14 @@ class Learner:
         lr = lr_at(step, t)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        plan = plan_updates(len(samples), group_size, t.prompts_per_step, t.mini_batch_size,
-                            t.epochs, seed=stream_seed(self.seed, Stream.UPDATE_PLAN, step))  # fmt: skip
+        plan = plan_updates(
+            len(samples),
+            group_size,
+            t.prompts_per_step,
+            t.mini_batch_size,
+            t.epochs,
+            seed=stream_seed(self.seed, Stream.UPDATE_PLAN, step),
+        )
         # This rank's share of each mini-batch (positions in it): token-balanced over ranks.
         shares = [D.token_share([samples[i].length for i in idx], self.dist) for _, idx in plan]
         mine = sorted({idx[j] for (_, idx), share in zip(plan, shares, strict=True) for j in share})
@@ -256,17 +293,26 @@ class Learner:
         fresh: list[tuple[Sample, torch.Tensor]] = []
         skipped = 0
         for n, ((epoch, idx), share) in enumerate(zip(plan, shares, strict=True)):
-            result = self.optimizer_step([samples[i] for i in idx], share=share, with_entropy=epoch == 0,
-                                         seed=stream_seed(self.seed, Stream.COV_DRAW, step, n))  # fmt: skip
+            result = self.optimizer_step(
+                [samples[i] for i in idx],
+                share=share,
+                with_entropy=epoch == 0,
+                seed=stream_seed(self.seed, Stream.COV_DRAW, step, n),
+            )
             if not result.applied:  # skipped: the weights stay at the last good state
                 skipped += 1
                 self.nonfinite_in_a_row += 1
                 if self.nonfinite_in_a_row >= t.max_nonfinite_updates:
-                    raise NonFiniteUpdates(self.nonfinite_in_a_row, result, bool(per_update["loss"]))
+                    raise NonFiniteUpdates(
+                        self.nonfinite_in_a_row, result, bool(per_update["loss"])
+                    )
                 continue
             self.nonfinite_in_a_row = 0
-            for key, value in {**result.stats.parts, **result.selection,
-                               "grad_norm": result.grad_norm}.items():  # fmt: skip
+            for key, value in {
+                **result.stats.parts,
+                **result.selection,
+                "grad_norm": result.grad_norm,
+            }.items():
                 per_update.setdefault(key.removeprefix("actor/"), []).append(value)
             for key, value in result.stats.sums.items():
                 totals.sums[key] = totals.sums.get(key, 0.0) + value
@@ -284,9 +330,13 @@ class Learner:
         return metrics
 
     def optimizer_step(
-        self, batch: Sequence[Sample], *, share: list[int] | None = None, with_entropy: bool = True,
+        self,
+        batch: Sequence[Sample],
+        *,
+        share: list[int] | None = None,
+        with_entropy: bool = True,
         seed: int = 0,
-    ) -> StepResult:  # fmt: skip
+    ) -> StepResult:
         """One exact optimizer step on a mini-batch, on one process or across data-parallel ranks.
 
         Every rank passes the whole mini-batch and trains ``share`` of it (positions; default:
@@ -319,22 +369,37 @@ class Learner:
             if n >= len(chunks):
                 zero_backward(self.model, opts.pad_id)
                 continue
-            mb = collate([mine[i] for i in chunks[n]], opts.pad_id, [selected[i] for i in chunks[n]])
+            mb = collate(
+                [mine[i] for i in chunks[n]], opts.pad_id, [selected[i] for i in chunks[n]]
+            )
             mb = mb.to(device_of(self.model))
             sync = ddp is None or n == len(chunks) - 1
             with contextlib.nullcontext() if sync else ddp.no_sync():
-                states = response_states(self.model, mb, shared_prompt=opts.shared_prompt and not fsdp,
-                                         ddp=ddp)  # fmt: skip
-                logp, entropy = token_logprobs(self.model, states, mb, temperature=opts.temperature,
-                                               chunk_size=opts.logits_chunk_size)  # fmt: skip
+                states = response_states(
+                    self.model, mb, shared_prompt=opts.shared_prompt and not fsdp, ddp=ddp
+                )
+                logp, entropy = token_logprobs(
+                    self.model,
+                    states,
+                    mb,
+                    temperature=opts.temperature,
+                    chunk_size=opts.logits_chunk_size,
+                )
                 old = logp.detach()  # ratio 1 for rows without old log-probs: this forward's
                 if mb.old_logprobs is not None:
                     old = torch.where(mb.has_old[:, None], mb.old_logprobs, old)
                 loss, terms = alg.compute_loss(
-                    logp, old, mb.advantages, mb.loss_mask, s, denominator=denominator,
-                    is_weights=mb.is_weights, selected=mb.selected, ref_logprobs=mb.ref_logprobs,
+                    logp,
+                    old,
+                    mb.advantages,
+                    mb.loss_mask,
+                    s,
+                    denominator=denominator,
+                    is_weights=mb.is_weights,
+                    selected=mb.selected,
+                    ref_logprobs=mb.ref_logprobs,
                     entropy=entropy if s.entropy_coef > 0 else None,
-                )  # fmt: skip
+                )
                 (loss * float(info.world_size)).backward()
             terms["gen_prob"] = alg.gen_prob(logp.detach(), mb.loss_mask)
             if with_entropy:

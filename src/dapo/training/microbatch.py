@@ -22,9 +22,14 @@ from dapo.training.batch import Sample
 
 
 def plan_updates(
-    n_samples: int, group_size: int, prompts_per_step: int, mini_batch_size: int, epochs: int,
-    *, seed: int,
-) -> list[tuple[int, list[int]]]:  # fmt: skip
+    n_samples: int,
+    group_size: int,
+    prompts_per_step: int,
+    mini_batch_size: int,
+    epochs: int,
+    *,
+    seed: int,
+) -> list[tuple[int, list[int]]]:
     """``(epoch, sample indices)`` of every optimizer update of a rollout step: whole groups,
     shuffled per epoch (seeded), cut into mini-batches of ``mini_batch_size`` prompts.
 
@@ -152,9 +157,10 @@ class MicroBatch:
             return self
         moved = {
             f.name: getattr(self, f.name).to(device)
-            if isinstance(getattr(self, f.name), torch.Tensor) else getattr(self, f.name)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+            else getattr(self, f.name)
             for f in fields(self)
-        }  # fmt: skip
+        }
         return MicroBatch(**moved)
 
 
@@ -183,9 +189,12 @@ def collate(
         if all(v is None for v in values):
             return None
         return pad_rows(
-            [v if v is not None else torch.full((len(s.response_ids),), fill)
-             for v, s in zip(values, samples, strict=True)], width,
-        )  # fmt: skip
+            [
+                v if v is not None else torch.full((len(s.response_ids),), fill)
+                for v, s in zip(values, samples, strict=True)
+            ],
+            width,
+        )
 
     chosen = None
     if selected is not None and any(x is not None for x in selected):

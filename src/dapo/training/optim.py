@@ -24,7 +24,10 @@ def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimi
         if p.requires_grad:
             (no_decay if p.dim() < 2 or "norm" in name else decay).append(p)
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": t.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=t.lr,
         betas=(t.adam_beta1, t.adam_beta2),
         fused=_fused_supported([*decay, *no_decay]),
@@ -34,7 +37,9 @@ def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimi
 def _fused_supported(params: list[torch.Tensor]) -> bool:
     """Whether torch's fused AdamW kernel takes every parameter: floating point, on CPU or CUDA."""
     supported = ("cpu", "cuda")
-    return bool(params) and all(p.is_floating_point() and p.device.type in supported for p in params)
+    return bool(params) and all(
+        p.is_floating_point() and p.device.type in supported for p in params
+    )
 
 
 def lr_at(step: int, t: TrainConfig) -> float:

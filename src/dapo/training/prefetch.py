@@ -63,7 +63,11 @@ class RolloutPrefetcher:
         return self.ahead is not None and self.ahead.future is not None
 
     def submit(
-        self, step: int, indices: list[int], version: int, generate: Callable[[], list[Group]],
+        self,
+        step: int,
+        indices: list[int],
+        version: int,
+        generate: Callable[[], list[Group]],
         skipped: list[int] | None = None,
     ) -> None:
         """Start generating the first round of ``step`` (``generate`` runs in a thread)."""
@@ -134,9 +138,12 @@ class RolloutPrefetcher:
             return
         info = D.current()
         self.ahead = Prefetched(
-            state["step"], list(state["indices"]), int(state["version"]),
-            groups=D.shard([_group(g) for g in state["groups"]], info), skipped=list(state["skipped"]),
-        )  # fmt: skip
+            state["step"],
+            list(state["indices"]),
+            int(state["version"]),
+            groups=D.shard([_group(g) for g in state["groups"]], info),
+            skipped=list(state["skipped"]),
+        )
 
     def close(self) -> None:
         """Wait for a round in flight (the engine is still in use) and stop the thread."""

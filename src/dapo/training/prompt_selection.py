@@ -27,9 +27,13 @@ class PromptSelector:
         self.stream = PromptStream(len(records), cfg.seed, d.shuffle)
         self.curriculum = None
         if d.curriculum != "none":
-            difficulty = None if d.difficulty_key is None else field_difficulties(records, d.difficulty_key)
+            difficulty = (
+                None if d.difficulty_key is None else field_difficulties(records, d.difficulty_key)
+            )
             steps = d.curriculum_steps or cfg.train.steps // 2
-            self.curriculum = Curriculum(len(records), cfg.seed, d.curriculum_start, steps, difficulty)
+            self.curriculum = Curriculum(
+                len(records), cfg.seed, d.curriculum_start, steps, difficulty
+            )
         # Each prompt's group outcomes: for the skip rule and a curriculum by measured difficulty.
         self.history: PromptHistory | None = None
         self.keys: list[str] = []

@@ -14,7 +14,12 @@ from typing import Any
 from dapo.errors import TrainingError
 
 # The keys that fix what the checkpointed weights are: changing one cannot resume.
-SAME_MODEL = ("model.name_or_path", "model.tokenizer", "model.lora.rank", "model.lora.target_modules")
+SAME_MODEL = (
+    "model.name_or_path",
+    "model.tokenizer",
+    "model.lora.rank",
+    "model.lora.target_modules",
+)
 # Keys whose change is the act of resuming itself, not a different run.
 IGNORED = ("resume",)
 
@@ -40,7 +45,9 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple
     ]
 
 
-def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], checkpoint: Path) -> str | None:
+def check_resume(
+    saved: dict[str, Any] | None, current: dict[str, Any], checkpoint: Path
+) -> str | None:
     """Raise :class:`TrainingError` when ``checkpoint`` (whose run config is ``saved``) was
     written for another model; else the warning that lists the other changed keys (None:
     nothing changed, or a checkpoint without a config)."""

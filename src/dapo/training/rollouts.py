@@ -37,9 +37,13 @@ class Rollouts:
     """Produces each rollout step's batch of scored groups with a learning signal."""
 
     def __init__(
-        self, cfg: Config, tokenizer: Any, learner: Learner, inputs: RunInputs,
+        self,
+        cfg: Config,
+        tokenizer: Any,
+        learner: Learner,
+        inputs: RunInputs,
         log: Callable[[str], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.cfg, self.tokenizer, self.dist = cfg, tokenizer, D.current()
         self._load_prompts(inputs, log)
         r, a = cfg.rollout, cfg.algorithm
@@ -50,27 +54,40 @@ class Rollouts:
         merged = learner.peft is not None and r.engine == "vllm"
         try:
             self.engine: RolloutEngine = make_engine(
-                r, learner.model, tokenizer, seed=cfg.seed,
+                r,
+                learner.model,
+                tokenizer,
+                seed=cfg.seed,
                 max_model_len=cfg.data.max_prompt_length + r.max_completion_length,
                 state_dict=dict(learner.engine_weights(True)) if merged else None,
-            )  # fmt: skip
+            )
         except (VLLMUnavailableError, VLLMEngineError) as exc:
             raise TrainingError(str(exc)) from exc
         self.sync = EngineSync(
-            self.engine, lambda: learner.engine_weights(separate), separate=separate,
-            sync_every=r.vllm_sync_every, sleep=r.vllm_sleep,
-        )  # fmt: skip
+            self.engine,
+            lambda: learner.engine_weights(separate),
+            separate=separate,
+            sync_every=r.vllm_sync_every,
+            sleep=r.vllm_sleep,
+        )
         self.scorer = GroupScorer(cfg, tokenizer, inputs.reward_funcs)
         # Multi-turn episodes: an environment and/or tools (None: one response per prompt).
-        spec = load_environment(inputs.environment or r.environment, [*r.tools, *inputs.tools],
-                                r.tool_parser)  # fmt: skip
-        self.environments = None if spec is None else EnvironmentPool(
-            spec, num_workers=r.env_workers, timeout_s=r.env_timeout_s
-        )  # fmt: skip
+        spec = load_environment(
+            inputs.environment or r.environment, [*r.tools, *inputs.tools], r.tool_parser
+        )
+        self.environments = (
+            None
+            if spec is None
+            else EnvironmentPool(spec, num_workers=r.env_workers, timeout_s=r.env_timeout_s)
+        )
         self.sampler = DynamicSampler(
-            cfg.train.prompts_per_step, enabled=a.dynamic_sampling, metric=a.dynamic_sampling_metric,
-            max_rounds=a.max_gen_rounds, round_cap=a.round_cap, max_empty_steps=a.max_empty_steps,
-        )  # fmt: skip
+            cfg.train.prompts_per_step,
+            enabled=a.dynamic_sampling,
+            metric=a.dynamic_sampling_metric,
+            max_rounds=a.max_gen_rounds,
+            round_cap=a.round_cap,
+            max_empty_steps=a.max_empty_steps,
+        )
         self.prompts = PromptSelector(cfg, self.train_records)  # skipping and curriculum
         self.prefetcher = RolloutPrefetcher()  # rollout.async_steps=1: the next round, ahead
         self.samples_generated = 0  # every response generated, trained on or not
@@ -113,8 +130,9 @@ class Rollouts:
             t1 = time.perf_counter()
             # Its log-probs are the behaviour policy's: the groups count as generated at
             # `version` when made ahead, else at this step.
-            scored = self.scorer.score(groups, [self.train_records[i] for i in idx],
-                                       step if ahead is None else version)  # fmt: skip
+            scored = self.scorer.score(
+                groups, [self.train_records[i] for i in idx], step if ahead is None else version
+            )
             timing["gen"] += t1 - t0
             timing["score"] += time.perf_counter() - t1
             # Every rank sees every group, in prompt order, so that dynamic-sampling
@@ -129,10 +147,14 @@ class Rollouts:
             warnings.warn(f"rollout step {step}: {fill.note}", DynamicSamplingWarning, stacklevel=3)
         self.samples_generated += sum(g.size for g in generated)
         tokens = sum(len(x) for g in generated for x in g.response_ids)
-        skips = {} if not self.prompts.skip else {
-            "sampling/skipped_prompts": float(len(skipped)),
-            "sampling/skip_rate": len(skipped) / max(1, len(skipped) + len(generated)),
-        }  # fmt: skip
+        skips = (
+            {}
+            if not self.prompts.skip
+            else {
+                "sampling/skipped_prompts": float(len(skipped)),
+                "sampling/skip_rate": len(skipped) / max(1, len(skipped) + len(generated)),
+            }
+        )
         return batch, {
             **skips,
             **group_metrics(generated),
@@ -166,25 +188,41 @@ class Rollouts:
         ``indices``, seeded per step, round and rank."""
         r = self.cfg.rollout
         params = SamplingParams(
-            n=r.num_generations, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            max_tokens=r.max_completion_length, seed=mix_seed(self.cfg.seed, step, round_no, self.dist.rank),
-        )  # fmt: skip
+            n=r.num_generations,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_completion_length,
+            seed=mix_seed(self.cfg.seed, step, round_no, self.dist.rank),
+        )
         records = [self.train_records[i] for i in indices]
         return self.sample(records, [self.train_ids[i] for i in indices], params)
 
-    def sample(self, records: list[Any], ids: list[list[int]], params: SamplingParams) -> list[Group]:
+    def sample(
+        self, records: list[Any], ids: list[list[int]], params: SamplingParams
+    ) -> list[Group]:
         """Responses from the engine, or episodes of turns with the environment (token-in,
         token-out: :func:`dapo.rollout.episodes.run_episodes`)."""
         if self.environments is None:
             return self.engine.generate(ids, params)
-        return run_episodes(self.engine, self.tokenizer, records, params, self.environments,
-                            max_turns=self.cfg.rollout.max_turns)  # fmt: skip
+        return run_episodes(
+            self.engine,
+            self.tokenizer,
+            records,
+            params,
+            self.environments,
+            max_turns=self.cfg.rollout.max_turns,
+        )
 
-    def accuracy(self, records: list[Any], ids: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+    def accuracy(
+        self, records: list[Any], ids: list[list[int]], params: SamplingParams
+    ) -> dict[str, Any]:
         """This rank's avg@n accuracy on ``records``: responses scored by the reward
         functions, or held-out episode success."""
         if self.environments is None:
-            return engine_accuracy(self.engine, self.tokenizer, records, ids, self.scorer.rewards, params)
+            return engine_accuracy(
+                self.engine, self.tokenizer, records, ids, self.scorer.rewards, params
+            )
         scored = self.scorer.score(self.sample(records, ids, params), records, 0) if records else []
         correct = [float(c) for g in scored for c in g.correct]
         return {"acc": sum(correct) / max(len(correct), 1), "n": len(correct)}

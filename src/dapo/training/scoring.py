@@ -72,14 +72,19 @@ class GroupScorer:
         """Each response's reward and correctness: the reward functions' on its text, or for
         a multi-turn episode the environment's reward when it gave one (correct: > 0), and
         ``FAILED`` for an episode whose environment failed."""
-        ends = [[e["end"] for e in g.episode_stats] if g.episode_stats else [None] * len(g.response_ids)
-                for g in groups]  # fmt: skip
+        ends = [
+            [e["end"] for e in g.episode_stats] if g.episode_stats else [None] * len(g.response_ids)
+            for g in groups
+        ]
         env = [g.env_rewards or [None] * len(g.response_ids) for g in groups]
         texts = [
-            [t for t, r, end in zip(g.decode(self.tokenizer), e, x, strict=True)
-             if r is None and end != "env_failure"]
+            [
+                t
+                for t, r, end in zip(g.decode(self.tokenizer), e, x, strict=True)
+                if r is None and end != "env_failure"
+            ]
             for g, e, x in zip(groups, env, ends, strict=True)
-        ]  # fmt: skip
+        ]
         scored, right, result = self.rewards.score_groups(
             texts, [(rec.ground_truth, rec.data_source) for rec in records]
         )

@@ -51,9 +51,13 @@ def attach_is_weights(samples: Sequence[Sample], settings: LossSettings) -> dict
         if s.sampling_logprobs is None or s.old_logprobs is None:
             continue
         w, keep, above = alg.is_weights(
-            s.old_logprobs[None].double(), s.sampling_logprobs[None], s.sampled()[None],
-            cap=settings.is_cap, level=settings.is_level, mode=settings.is_mode,
-        )  # fmt: skip
+            s.old_logprobs[None].double(),
+            s.sampling_logprobs[None],
+            s.sampled()[None],
+            cap=settings.is_cap,
+            level=settings.is_level,
+            mode=settings.is_mode,
+        )
         s.is_weight, s.is_keep = w[0].to(s.old_logprobs.dtype), keep[0]
         loss = torch.tensor(s.loss_mask, dtype=torch.float64)
         weight_sum += float((w[0] * keep[0] * loss).sum())
@@ -67,11 +71,15 @@ def attach_is_weights(samples: Sequence[Sample], settings: LossSettings) -> dict
     weight_sum, kept, over, total = all_reduce_sum([weight_sum, kept, over, total])
     if not total:
         return {}
-    share = "rollout/is_truncated_frac" if settings.is_mode == "truncate" else "rollout/is_masked_frac"
+    share = (
+        "rollout/is_truncated_frac" if settings.is_mode == "truncate" else "rollout/is_masked_frac"
+    )
     return {"rollout/is_weight_mean": weight_sum / max(kept, 1.0), share: over / total}
 
 
-def logprob_mismatch(samples: Sequence[Sample], trainer: Sequence[torch.Tensor]) -> dict[str, float]:
+def logprob_mismatch(
+    samples: Sequence[Sample], trainer: Sequence[torch.Tensor]
+) -> dict[str, float]:
     """How far the engine's sampling log-probs are from the trainer's, over the response
     tokens the model sampled (an environment's tokens were not sampled: they do not count),
     all ranks together (``trainer``: each sample's log-probs under the trainer's forward):
@@ -113,8 +121,15 @@ def cov_selection(
         )
     masks = [s.train_mask().double() for s in samples]
     # Global means, summed exactly in mini-batch order: the same bits on any number of ranks.
-    parts = [(i, float(m.sum()), float((s.old_logprobs.double() * m).sum()), s.advantage * float(m.sum()))
-             for i, s, m in zip(ids, samples, masks, strict=True)]  # fmt: skip
+    parts = [
+        (
+            i,
+            float(m.sum()),
+            float((s.old_logprobs.double() * m).sum()),
+            s.advantage * float(m.sum()),
+        )
+        for i, s, m in zip(ids, samples, masks, strict=True)
+    ]
     everything = sorted(p for rank in all_gather_objects(parts) for p in rank)
     n_tokens = math.fsum(p[1] for p in everything)
     if n_tokens == 0:
@@ -128,13 +143,21 @@ def cov_selection(
     keys = []
     for i, s, m in zip(ids, samples, masks, strict=True):
         adv = torch.full((1,), s.advantage, dtype=torch.float64)
-        cov = alg.token_covariance(s.old_logprobs[None].double(), adv, m[None],
-                                   mean_logprob=mean_lp, mean_advantage=mean_adv)[0]
+        cov = alg.token_covariance(
+            s.old_logprobs[None].double(),
+            adv,
+            m[None],
+            mean_logprob=mean_lp,
+            mean_advantage=mean_adv,
+        )[0]
         if settings.entropy_control == "clip_cov":
             gen = torch.Generator().manual_seed(mix_seed(seed, i))
             priority = torch.rand(len(s.response_ids), generator=gen, dtype=torch.float64)
-            keys.append(alg.clip_cov_keys(cov, m, priority, low=settings.clip_cov_low,
-                                          high=settings.clip_cov_high))
+            keys.append(
+                alg.clip_cov_keys(
+                    cov, m, priority, low=settings.clip_cov_low, high=settings.clip_cov_high
+                )
+            )
         else:
             keys.append(alg.kl_cov_keys(cov, m))
     chosen = _global_top_k(keys, ids, k)

@@ -71,8 +71,9 @@ class Trainer:
         # (its incremental decoding rounds differently).
         separate = cfg.rollout.engine != "hf"
         self.learner.needs_old_logprobs |= separate
-        self.learner.compare_engine = (separate or cfg.algorithm.is_cap is not None
-                                       or precision_of(self.model) != "fp32")  # fmt: skip
+        self.learner.compare_engine = (
+            separate or cfg.algorithm.is_cap is not None or precision_of(self.model) != "fp32"
+        )
         self.rollouts = Rollouts(cfg, self.tokenizer, self.learner, inputs, self.log)
         self.callbacks = list(inputs.callbacks)
         self.step = 0
@@ -114,10 +115,13 @@ class Trainer:
         """Advantages (group-normalised) and loss masks (overlong filtering) of a batch."""
         a, r = self.cfg.algorithm, self.cfg.rollout
         return build_samples(
-            groups, step=self.step, advantage_scale=a.advantage_scale,
-            overlong_filter=a.overlong_filter, keep_engine_logprobs=self.learner.compare_engine,
+            groups,
+            step=self.step,
+            advantage_scale=a.advantage_scale,
+            overlong_filter=a.overlong_filter,
+            keep_engine_logprobs=self.learner.compare_engine,
             exact_sampling_logprobs=r.top_p == 1.0 and r.top_k == 0,
-        )  # fmt: skip
+        )
 
     def stop_nonfinite(self, exc: NonFiniteUpdates) -> TrainingError:
         """Too many non-finite updates in a row: save the last good state; the error to stop with.
@@ -138,9 +142,13 @@ class Trainer:
         """Held-out accuracy (avg@``rollout.eval_num_generations``) over all ranks."""
         r = self.cfg.rollout
         params = SamplingParams(
-            n=r.eval_num_generations, temperature=r.eval_temperature, top_p=r.eval_top_p, top_k=0,
-            max_tokens=r.max_completion_length, seed=stream_seed(self.cfg.seed, Stream.EVALUATION),
-        )  # fmt: skip
+            n=r.eval_num_generations,
+            temperature=r.eval_temperature,
+            top_p=r.eval_top_p,
+            top_k=0,
+            max_tokens=r.max_completion_length,
+            seed=stream_seed(self.cfg.seed, Stream.EVALUATION),
+        )
         records = D.shard(self.rollouts.eval_records, self.dist)
         ids = D.shard(self.rollouts.eval_ids, self.dist)
         # Gathered here, not only in generate: a rank without eval prompts never generates.
@@ -171,9 +179,13 @@ class Trainer:
     def save(self) -> Path:
         """Every rank saves: with FSDP each writes its shards, else rank 0 writes it all."""
         path = save_checkpoint(
-            self.out / "checkpoints", self.step, self.model, self.learner.optimizer,
-            self.state_dict(), keep_last=self.cfg.checkpoint.keep_last,
-        )  # fmt: skip
+            self.out / "checkpoints",
+            self.step,
+            self.model,
+            self.learner.optimizer,
+            self.state_dict(),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
         D.barrier()
         return path
 
@@ -199,18 +211,25 @@ class Trainer:
             self.close()  # run() owns the reward workers and engine: release them on every exit
             raise
         logger = MetricsLogger(
-            self.out, total_steps=cfg.train.steps, console=cfg.logging.console,
-            tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-            wandb_project=cfg.logging.wandb_project, wandb_run_name=cfg.logging.run_name,
-            verbose=cfg.logging.verbose, config=cfg.to_dict(),
+            self.out,
+            total_steps=cfg.train.steps,
+            console=cfg.logging.console,
+            tensorboard=cfg.logging.tensorboard,
+            wandb=cfg.logging.wandb,
+            wandb_project=cfg.logging.wandb_project,
+            wandb_run_name=cfg.logging.run_name,
+            verbose=cfg.logging.verbose,
+            config=cfg.to_dict(),
             resume_step=resumed_from,  # drop lines a crash left after it; None: a new run
             enabled=self.dist.is_main,  # only rank 0 writes logs
-        )  # fmt: skip
+        )
         try:
             if self.rollouts.eval_records and "accuracy_before" not in self.summary:
                 ev = self.evaluate()
                 self.summary["accuracy_before"] = ev["acc"]
-                logger.message(f"held-out accuracy before training: {ev['acc']:.1%} ({ev['n']} samples)")
+                logger.message(
+                    f"held-out accuracy before training: {ev['acc']:.1%} ({ev['n']} samples)"
+                )
                 logger.log(self.step, {"val/acc": ev["acc"]})
                 callbacks.on_evaluate(self.step, ev)
             while self.step < cfg.train.steps and not self.budget_spent():
@@ -290,15 +309,22 @@ class Trainer:
 
     def _write_summary(self, start: float, resumed_from: int | None) -> None:
         trainable, total = self.learner.parameter_counts
-        self.summary.update({
-            "steps": self.step, "samples_generated": self.rollouts.samples_generated,
-            "wall_seconds": round(time.time() - start, 1), "preset": self.cfg.preset,
-            "resumed_from_step": resumed_from, "trainable_parameters": trainable,
-            "parameters": total,
-        })  # fmt: skip
+        self.summary.update(
+            {
+                "steps": self.step,
+                "samples_generated": self.rollouts.samples_generated,
+                "wall_seconds": round(time.time() - start, 1),
+                "preset": self.cfg.preset,
+                "resumed_from_step": resumed_from,
+                "trainable_parameters": trainable,
+                "parameters": total,
+            }
+        )
         if not self.dist.is_main:
             return
-        write_text_atomic(self.out / "summary.json", json.dumps(self.summary, indent=2, default=str))
+        write_text_atomic(
+            self.out / "summary.json", json.dumps(self.summary, indent=2, default=str)
+        )
         try:
             plot_dashboard(self.out)
         except (ValueError, FileNotFoundError) as exc:
