@@ -16,17 +16,19 @@ def record_outcomes(overrides: list[str], class_key: str | None) -> list[dict[st
     cfg = load_config(None, overrides)
     rows: list[dict[str, Any]] = []
 
-    class Recording(Trainer):
-        def score(self, groups, records, step):  # type: ignore[no-untyped-def]
-            scored = super().score(groups, records, step)
-            for g in scored:
-                rows.append({
-                    "step": step, "uid": g.record.uid, "size": g.size, "correct": sum(g.correct),
-                    "class": g.record.extra.get(class_key) if class_key else None,
-                })  # fmt: skip
-            return scored
+    trainer = Trainer(cfg, log=lambda _: None)
+    score = trainer.rollouts.scorer.score
 
-    trainer = Recording(cfg, log=lambda _: None)
+    def recording(groups, records, step):  # type: ignore[no-untyped-def]
+        scored = score(groups, records, step)
+        for g in scored:
+            rows.append({
+                "step": step, "uid": g.record.uid, "size": g.size, "correct": sum(g.correct),
+                "class": g.record.extra.get(class_key) if class_key else None,
+            })  # fmt: skip
+        return scored
+
+    trainer.rollouts.scorer.score = recording  # every generated group passes here
     try:
         while trainer.step < cfg.train.steps:
             trainer.train_step()

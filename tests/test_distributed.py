@@ -173,7 +173,9 @@ def test_lora_step_on_two_ranks_equals_one_process(mode: str, tmp_path: Path) ->
     for name, value in single["params"].items():
         torch.testing.assert_close(two_ranks["params"][name], value, atol=1e-6, rtol=0)
     assert max(float((v - initial[n]).abs().max()) for n, v in single["params"].items()) > 1e-4
-    assert two_ranks["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-9)
+    assert two_ranks["grad_norm"] == pytest.approx(
+        single["grad_norm"], rel=1e-6
+    )  # float32 gradients: the norm's last bits follow the reduction order
     assert len(single["optimizer"]["state"]) == len(single["params"])
     for i, state in single["optimizer"]["state"].items():
         for key, value in state.items():

@@ -524,13 +524,13 @@ def test_raising_hanging_and_bad_reward_functions_do_not_stop_training(
     )
     trainer = Trainer(cfg, log=quiet)
     responses: list[str] = []
-    real_score = trainer.rollouts.scorer.score
+    real_score = trainer.rollouts.scorer.rewards.score
 
     def score(requests):
         responses.extend(r.response for r in requests)
         return real_score(requests)
 
-    trainer.rollouts.scorer.score = score
+    trainer.rollouts.scorer.rewards.score = score
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         summary = trainer.run()
