@@ -57,11 +57,13 @@ train-real: setup $(REALMODEL_STAMP)
 	$(VENV)/bin/dapo train examples/chat_addition.yaml $(ARGS)
 
 test: setup $(VLLM_STAMP) $(REALMODEL_STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks scripts examples
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts examples
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks scripts examples
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts examples
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -22,10 +22,15 @@ def record_outcomes(overrides: list[str], class_key: str | None) -> list[dict[st
     def recording(groups, records, step):  # type: ignore[no-untyped-def]
         scored = score(groups, records, step)
         for g in scored:
-            rows.append({
-                "step": step, "uid": g.record.uid, "size": g.size, "correct": sum(g.correct),
-                "class": g.record.extra.get(class_key) if class_key else None,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "step": step,
+                    "uid": g.record.uid,
+                    "size": g.size,
+                    "correct": sum(g.correct),
+                    "class": g.record.extra.get(class_key) if class_key else None,
+                }
+            )
         return scored
 
     trainer.rollouts.scorer.score = recording  # every generated group passes here
@@ -41,7 +46,9 @@ def _uniform(row: dict[str, Any]) -> bool:
     return row["correct"] in (0, row["size"])
 
 
-def mixture_of_pass_rates(counts: list[int], size: int, grid: int = 101, iters: int = 3000) -> list[float]:
+def mixture_of_pass_rates(
+    counts: list[int], size: int, grid: int = 101, iters: int = 3000
+) -> list[float]:
     """Weights on p = 0, 1/(grid-1), ..., 1 of the per-prompt pass rates that best explain
     the histogram of correct responses per group (binomial mixture, nonparametric maximum
     likelihood by EM)."""
@@ -51,7 +58,10 @@ def mixture_of_pass_rates(counts: list[int], size: int, grid: int = 101, iters: 
     w = [1 / grid] * grid
     for _ in range(iters):
         mix = [sum(lk[j] * w[j] for j in range(grid)) for lk in lik]
-        w = [w[j] * sum(hist[k] * lik[k][j] / mix[k] for k in range(size + 1) if mix[k] > 0) for j in range(grid)]
+        w = [
+            w[j] * sum(hist[k] * lik[k][j] / mix[k] for k in range(size + 1) if mix[k] > 0)
+            for j in range(grid)
+        ]
     return w
 
 
@@ -74,7 +84,9 @@ def oracle_skip_bound(weights: list[float], size: int, cap: float) -> dict[str, 
     return best
 
 
-def outcome_analysis(rows: list[dict[str, Any]], caps: tuple[float, ...] = (0.5, 0.8, 0.9, 0.95)) -> dict[str, Any]:
+def outcome_analysis(
+    rows: list[dict[str, Any]], caps: tuple[float, ...] = (0.5, 0.8, 0.9, 0.95)
+) -> dict[str, Any]:
     """Over the whole run and its last third: how often a prompt comes back, whether its last
     group predicts the next, the uniform shares by class, and the oracle bound."""
     last = max(r["step"] for r in rows) + 1
@@ -118,14 +130,23 @@ def outcome_analysis(rows: list[dict[str, Any]], caps: tuple[float, ...] = (0.5,
         "revisits_late": {k: v[0] for k, v in after.items()},
         "correct_histogram_late": [counts.count(k) / len(counts) for k in range(size + 1)],
         "by_class_late": classes,
-        "pass_rate_mixture_late": {f"{j / (len(weights) - 1):.2f}": w for j, w in enumerate(weights) if w > 1e-4},
+        "pass_rate_mixture_late": {
+            f"{j / (len(weights) - 1):.2f}": w for j, w in enumerate(weights) if w > 1e-4
+        },
         "oracle": {str(cap): oracle_skip_bound(weights, size, cap) for cap in caps},
     }
 
 
 def _bins(mixture: dict[str, float]) -> dict[str, float]:
-    edges = [("< 0.1", 0.0, 0.1), ("0.1-0.7", 0.1, 0.7), ("0.7-0.95", 0.7, 0.95), (">= 0.95", 0.95, 1.01)]
-    return {name: sum(w for p, w in mixture.items() if lo <= float(p) < hi) for name, lo, hi in edges}
+    edges = [
+        ("< 0.1", 0.0, 0.1),
+        ("0.1-0.7", 0.1, 0.7),
+        ("0.7-0.95", 0.7, 0.95),
+        (">= 0.95", 0.95, 1.01),
+    ]
+    return {
+        name: sum(w for p, w in mixture.items() if lo <= float(p) < hi) for name, lo, hi in edges
+    }
 
 
 def outcome_report(a: dict[str, Any]) -> str:
@@ -146,7 +167,11 @@ def outcome_report(a: dict[str, Any]) -> str:
     ]
     for c, v in a["by_class_late"].items():
         lines.append(f"| {c} | {v['share']:.1%} | {v['all_correct']:.1%} | {v['all_wrong']:.1%} |")
-    lines += ["", "| skip cap | oracle: uniform share | generated / trained | prompts skipped |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "| skip cap | oracle: uniform share | generated / trained | prompts skipped |",
+        "|---|---|---|---|",
+    ]
     for cap, o in a["oracle"].items():
         lines.append(
             f"| {cap} | {o['uniform_share']:.1%} | {o['generated_per_trained']:.2f} | {o['skipped']:.0%} |"
@@ -155,8 +180,16 @@ def outcome_report(a: dict[str, Any]) -> str:
 
 
 def simulate(
-    *, solved: float, impossible: float, skip: bool, prompts: int = 1700, per_step: int = 50,
-    size: int = 16, steps: int = 340, cap: float = 0.9, seed: int = 0,
+    *,
+    solved: float,
+    impossible: float,
+    skip: bool,
+    prompts: int = 1700,
+    per_step: int = 50,
+    size: int = 16,
+    steps: int = 340,
+    cap: float = 0.9,
+    seed: int = 0,
 ) -> dict[str, float]:
     """Dynamic sampling, with or without the skip rule, on prompts of fixed pass rates: a
     share ``solved`` always right, ``impossible`` never, the rest with pass rates uniform
@@ -209,7 +242,8 @@ def simulate(
         "generated_per_trained_late": sum(late) / (len(late) * per_step),
         # Exploration: the share of the persistent prompts' draws still generated, last third.
         "persistent_generated_share_late": sum(g for _, g in persistent[2 * steps // 3 :]) / drawn
-        if drawn else math.nan,
+        if drawn
+        else math.nan,
     }
 
 
@@ -234,7 +268,8 @@ def simulation_report(rows: list[dict[str, Any]]) -> str:
         "| prompts always solved or never (half each) | generated / trained, last third: no skipping | "
         + " | ".join(f"skipping, {c}" for c in caps)
         + " | their draws still generated, last third: "
-        + " / ".join(caps) + " |",
+        + " / ".join(caps)
+        + " |",
         "|---" * (3 + len(caps)) + "|",
     ]
     for r in rows:
@@ -242,6 +277,8 @@ def simulation_report(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['persistent_share']:.0%} | {r['off']['generated_per_trained_late']:.2f} | "
             + " | ".join(f"{r[c]['generated_per_trained_late']:.2f}" for c in caps)
-            + " | " + " / ".join("-" if math.isnan(x) else f"{x:.0%}" for x in explored) + " |"
+            + " | "
+            + " / ".join("-" if math.isnan(x) else f"{x:.0%}" for x in explored)
+            + " |"
         )
     return "\n".join(lines)

@@ -98,21 +98,34 @@ def train_run(preset: str, seed: int, mode: str, args: argparse.Namespace, threa
     budget = args.steps * args.prompts * args.generations
     budget = budget if mode == "budget" and uses_dynamic_sampling(preset) else 0
     cmd = [
-        sys.executable, "-m", "dapo", "train", f"preset={preset}", f"seed={seed}",
-        f"output_dir={out}", f"model.name_or_path={args.model}",
-        f"data.train={args.task}", f"data.eval={args.task}",
-        f"train.steps={args.steps}", f"train.sample_budget={budget}",
+        sys.executable,
+        "-m",
+        "dapo",
+        "train",
+        f"preset={preset}",
+        f"seed={seed}",
+        f"output_dir={out}",
+        f"model.name_or_path={args.model}",
+        f"data.train={args.task}",
+        f"data.eval={args.task}",
+        f"train.steps={args.steps}",
+        f"train.sample_budget={budget}",
         f"train.prompts_per_step={args.prompts}",
-        f"train.lr={args.lr}", f"rollout.temperature={args.temperature}",
+        f"train.lr={args.lr}",
+        f"rollout.temperature={args.temperature}",
         f"train.mini_batch_size={args.prompts // args.updates_per_step}",
         f"rollout.num_generations={args.generations}",
         f"rollout.max_completion_length={args.max_length}",
         f"algorithm.overlong_buffer={args.overlong_buffer}",
-        f"logging.eval_every={args.eval_every}", f"data.max_eval_prompts={args.eval_prompts}",
+        f"logging.eval_every={args.eval_every}",
+        f"data.max_eval_prompts={args.eval_prompts}",
         f"rollout.eval_num_generations={args.eval_k}",
-        "logging.console=false", "logging.tensorboard=false",
-        "checkpoint.save_every=0", "checkpoint.save_final_model=false", *args.extra,
-    ]  # fmt: skip
+        "logging.console=false",
+        "logging.tensorboard=false",
+        "checkpoint.save_every=0",
+        "checkpoint.save_final_model=false",
+        *args.extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     log = out.parent / f"{out.name}.log"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -361,28 +374,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--presets", default=",".join(ABLATION_LADDER))
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument(
-        "--modes", default="steps,budget",
+        "--modes",
+        default="steps,budget",
         help="steps (equal gradient steps), budget (equal generation budget), or both",
     )
     parser.add_argument(
-        "--steps", type=int, default=60,
+        "--steps",
+        type=int,
+        default=60,
         help="rollout steps per run; the budget is steps x prompts x generations responses",
     )
     parser.add_argument("--prompts", type=int, default=16, help="prompts per rollout step")
     parser.add_argument("--generations", type=int, default=8, help="responses per prompt")
     parser.add_argument(
-        "--updates-per-step", type=int, default=4,
+        "--updates-per-step",
+        type=int,
+        default=4,
         help="optimizer updates per rollout step (the paper: 16); with 1 the ratio is always 1 "
         "and clip-higher has nothing to clip",
     )
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate")
     parser.add_argument(
-        "--temperature", type=float, default=1.0,
+        "--temperature",
+        type=float,
+        default=1.0,
         help="rollout.temperature of the training rollouts (the loss uses it too); held-out "
         "avg@k samples at rollout.eval_temperature",
     )
     parser.add_argument(
-        "--max-length", type=int, default=84,
+        "--max-length",
+        type=int,
+        default=84,
         help="response limit L_max in tokens; every clean long_addition solution fits, "
         "rambling ones do not",
     )
@@ -397,7 +419,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--runs-dir", default="runs/ablation_long")
     parser.add_argument("--output", default="benchmarks/results/ablation_long.json")
     parser.add_argument(
-        "--plot", default="docs/benchmarks/ablation_long",
+        "--plot",
+        default="docs/benchmarks/ablation_long",
         help="plot path prefix: PREFIX_steps.png and PREFIX_budget.png",
     )
     parser.add_argument("extra", nargs="*", help="more key.path=value overrides for every run")
@@ -410,7 +433,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not modes or any(m not in MODES for m in modes):
         parser.error(f"--modes {args.modes!r}: choose from {', '.join(MODES)} (comma-separated)")
     if args.updates_per_step < 1 or args.prompts % args.updates_per_step:
-        parser.error(f"--updates-per-step {args.updates_per_step} must divide --prompts {args.prompts}")
+        parser.error(
+            f"--updates-per-step {args.updates_per_step} must divide --prompts {args.prompts}"
+        )
     seeds = [int(s) for s in args.seeds.split(",")]
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
 
@@ -418,7 +443,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     jobs = {(p, s, m): run_dir(args, p, s, m) for m in modes for p in presets for s in seeds}
     unique = list({d: job for job, d in jobs.items()}.values())  # a shared run trains once
     done = sum((run_dir(args, *job) / "summary.json").exists() for job in unique)
-    print(f"{len(unique)} runs ({done} already done), {args.jobs} at a time, {threads} thread(s) each")
+    print(
+        f"{len(unique)} runs ({done} already done), {args.jobs} at a time, {threads} thread(s) each"
+    )
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(lambda job: train_run(*job, args, threads), unique))
 
@@ -432,7 +459,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         plot(curves, mode, png)
         print(f"\n## {MODES[mode]}\n")
         print(table(rows, found, len(seeds), args.eval_k))
-    result["settings"] = {k: v for k, v in vars(args).items() if k != "extra"} | {"extra": args.extra}
+    result["settings"] = {k: v for k, v in vars(args).items() if k != "extra"} | {
+        "extra": args.extra
+    }
     result["wall_s"] = time.time() - t0
     result["runs"] = len(unique)
     write_report(args.output, result, *(f"{args.plot}_{m}.png" for m in modes))

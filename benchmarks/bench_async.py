@@ -43,9 +43,12 @@ MODES = {
     "server-async": ["rollout.engine=vllm-server", "rollout.async_steps=1"],
 }
 DEFAULTS = [
-    "train.prompts_per_step=8", "train.mini_batch_size=8", "rollout.num_generations=8",
-    "rollout.max_completion_length=64", "algorithm.dynamic_sampling=false",
-]  # fmt: skip
+    "train.prompts_per_step=8",
+    "train.mini_batch_size=8",
+    "rollout.num_generations=8",
+    "rollout.max_completion_length=64",
+    "algorithm.dynamic_sampling=false",
+]
 
 
 def model_path(name: str, tmp: Path) -> str:
@@ -67,7 +70,9 @@ def start_server(model: str, port: int, env: dict[str, str], log: Path) -> subpr
     return launch(model, port, log=log, max_model_len=1024, env=env)
 
 
-def run(mode: str, model: str, steps: int, out: Path, env: dict[str, str], extra: list[str]) -> dict:
+def run(
+    mode: str, model: str, steps: int, out: Path, env: dict[str, str], extra: list[str]
+) -> dict:
     """One training run; the per-step figures of steps 3.."""
     server = None
     overrides = [*DEFAULTS, *MODES[mode], *extra]
@@ -79,11 +84,20 @@ def run(mode: str, model: str, steps: int, out: Path, env: dict[str, str], extra
             server = start_server(model, port, env, out.parent / f"{mode}-server.log")
             overrides.append(f"rollout.server_url=http://127.0.0.1:{port}")
         cmd = [
-            sys.executable, "-m", "dapo", "train", f"model.name_or_path={model}",
-            f"output_dir={out}", f"train.steps={steps}", "evaluate=false",
-            "logging.tensorboard=false", "logging.console=false", "checkpoint.save_every=0",
-            "checkpoint.save_final_model=false", *overrides,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "dapo",
+            "train",
+            f"model.name_or_path={model}",
+            f"output_dir={out}",
+            f"train.steps={steps}",
+            "evaluate=false",
+            "logging.tensorboard=false",
+            "logging.console=false",
+            "checkpoint.save_every=0",
+            "checkpoint.save_final_model=false",
+            *overrides,
+        ]
         t0 = time.time()
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
         wall = time.time() - t0
@@ -129,15 +143,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for mode in modes:
             results[mode] = run(mode, model, args.steps, Path(tmp) / mode, env, args.extra)
     base = results.get("sync")
-    print(f"{'mode':>12} {'s/step':>8} {'gen s':>7} {'train s':>8} {'ahead s':>8} {'wait s':>7} {'vs sync':>8}")
+    print(
+        f"{'mode':>12} {'s/step':>8} {'gen s':>7} {'train s':>8} {'ahead s':>8} {'wait s':>7} {'vs sync':>8}"
+    )
     for mode, r in results.items():
         ratio = base["median_step_s"] / r["median_step_s"] if base else float("nan")
         r["speedup_vs_sync"] = ratio
-        print(f"{mode:>12} {r['median_step_s']:>8.2f} {r['median_gen_s']:>7.2f} "
-              f"{r['median_train_s']:>8.2f} {r['median_async_gen_s']:>8.2f} "
-              f"{r['median_async_wait_s']:>7.2f} {ratio:>7.2f}x")  # fmt: skip
-    print(f"({os.cpu_count()} cores; trainer and engine/server 1 torch thread each; medians of "
-          f"steps 3-{args.steps})")  # fmt: skip
+        print(
+            f"{mode:>12} {r['median_step_s']:>8.2f} {r['median_gen_s']:>7.2f} "
+            f"{r['median_train_s']:>8.2f} {r['median_async_gen_s']:>8.2f} "
+            f"{r['median_async_wait_s']:>7.2f} {ratio:>7.2f}x"
+        )
+    print(
+        f"({os.cpu_count()} cores; trainer and engine/server 1 torch thread each; medians of "
+        f"steps 3-{args.steps})"
+    )
     report = {
         **provenance(),
         "model": args.model,

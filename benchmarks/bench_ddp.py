@@ -28,17 +28,32 @@ def run(
     ranks: int, steps: int, out: Path, threads: int, data_parallel: str, extra: list[str]
 ) -> list[float]:
     args = [
-        "-m", "dapo", "train", f"output_dir={out}", f"train.steps={steps}",
+        "-m",
+        "dapo",
+        "train",
+        f"output_dir={out}",
+        f"train.steps={steps}",
         f"train.data_parallel={data_parallel}",
-        "algorithm.dynamic_sampling=false", "evaluate=false", "logging.tensorboard=false",
-        "logging.console=false", "checkpoint.save_every=0", "checkpoint.save_final_model=false",
+        "algorithm.dynamic_sampling=false",
+        "evaluate=false",
+        "logging.tensorboard=false",
+        "logging.console=false",
+        "checkpoint.save_every=0",
+        "checkpoint.save_final_model=false",
         *extra,
     ]
     if ranks == 1:
         cmd = [sys.executable, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(ranks), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(ranks),
+            *args,
+        ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -58,8 +73,9 @@ def main(argv: list[str] | None = None) -> dict:
         for ranks in (1, 2):
             t0 = time.time()
             threads = max(1, cores // ranks)
-            times = run(ranks, args.steps, Path(tmp) / f"r{ranks}", threads, args.data_parallel,
-                        args.extra)
+            times = run(
+                ranks, args.steps, Path(tmp) / f"r{ranks}", threads, args.data_parallel, args.extra
+            )
             results[ranks] = {
                 "median_step_s": statistics.median(times),
                 "steps_s": times,

@@ -49,10 +49,20 @@ def train(args: argparse.Namespace) -> Path:
     out = Path(args.runs_dir) / "dapo"
     if not (out / "summary.json").exists():
         cmd = [
-            sys.executable, "-m", "dapo", "train", "preset=dapo", f"output_dir={out}",
-            f"model.name_or_path={args.model}", f"train.steps={args.steps}",
-            "evaluate=false", "logging.console=false", "logging.tensorboard=false",
-            "checkpoint.save_every=0", "checkpoint.save_final_model=false", *args.extra,
+            sys.executable,
+            "-m",
+            "dapo",
+            "train",
+            "preset=dapo",
+            f"output_dir={out}",
+            f"model.name_or_path={args.model}",
+            f"train.steps={args.steps}",
+            "evaluate=false",
+            "logging.console=false",
+            "logging.tensorboard=false",
+            "checkpoint.save_every=0",
+            "checkpoint.save_final_model=false",
+            *args.extra,
         ]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
@@ -127,7 +137,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         share = [s["uniform"] / s["generated"] if s["generated"] else math.nan for s in steps]
         (line,) = axes[0].plot(x, share, lw=1.2, label=f"{name}: dropped (uniform groups)")
         acc = [s["train_acc"] for s in steps]
-        axes[0].plot(x, acc, lw=0.8, ls=":", color=line.get_color(), label=f"{name}: sampled accuracy")
+        axes[0].plot(
+            x, acc, lw=0.8, ls=":", color=line.get_color(), label=f"{name}: sampled accuracy"
+        )
         cum_gen, cum_waste, cum_discard, ys, yd = 0.0, 0.0, 0.0, [], []
         for s in steps:
             cum_gen += s["generated"]
@@ -181,11 +193,21 @@ def train_variant(args: argparse.Namespace, variant: str, seed: int) -> Path:
     out = Path(args.runs_dir) / variant / f"seed{seed}"
     if not (out / "summary.json").exists():
         cmd = [
-            sys.executable, "-m", "dapo", "train", f"output_dir={out}", f"seed={seed}",
-            f"model.name_or_path={args.model}", f"train.steps={args.steps}",
-            "logging.console=false", "logging.tensorboard=false", "checkpoint.save_every=0",
-            "checkpoint.save_final_model=false", *VARIANTS[variant], *args.extra,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "dapo",
+            "train",
+            f"output_dir={out}",
+            f"seed={seed}",
+            f"model.name_or_path={args.model}",
+            f"train.steps={args.steps}",
+            "logging.console=false",
+            "logging.tensorboard=false",
+            "checkpoint.save_every=0",
+            "checkpoint.save_final_model=false",
+            *VARIANTS[variant],
+            *args.extra,
+        ]
         start = time.perf_counter()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         (out / "process_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
@@ -233,7 +255,10 @@ def compare_table(result: dict[str, Any]) -> str:
         ("train_seconds", "training s", "{:.0f}"),
         ("process_seconds", "whole `dapo train` s", "{:.0f}"),
     ]
-    lines = ["| variant | seeds | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    lines = [
+        "| variant | seeds | " + " | ".join(c[1] for c in cols) + " |",
+        "|---" * (len(cols) + 2) + "|",
+    ]
     for variant, runs in result["variants"].items():
         cells = []
         for key, _, fmt in cols:
@@ -270,21 +295,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--output", default="benchmarks/results/ds_waste.json")
     parser.add_argument("--plot", default="docs/benchmarks/ds_waste.png")
     parser.add_argument(
-        "--outcomes", action="store_true",
+        "--outcomes",
+        action="store_true",
         help="train in this process, record every group's outcome and report how predictable "
         "uniform groups were (revisits, persistence, classes, the oracle bound of any skip rule)",
-    )  # fmt: skip
-    parser.add_argument("--class-key", default="carries", help="--outcomes: record field that classes prompts")
+    )
     parser.add_argument(
-        "--compare", default=None,
+        "--class-key", default="carries", help="--outcomes: record field that classes prompts"
+    )
+    parser.add_argument(
+        "--compare",
+        default=None,
         help=f"train whole runs of these variants (comma-separated: {', '.join(VARIANTS)}) for "
         "each of --seeds and compare generation per trained response, accuracy and time",
-    )  # fmt: skip
+    )
     parser.add_argument("--seeds", default="0,1,2", help="--compare: seeds, comma-separated")
     parser.add_argument(
-        "--simulate", action="store_true",
+        "--simulate",
+        action="store_true",
         help="simulate the skip rule on prompts whose pass rates never change (seconds, no model)",
-    )  # fmt: skip
+    )
     parser.add_argument("extra", nargs="*", help="key.path=value overrides for the run it trains")
     args = parser.parse_args(argv)
     if args.outcomes:
@@ -312,10 +342,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def outcomes_main(args: argparse.Namespace) -> dict[str, Any]:
     overrides = [
-        f"model.name_or_path={args.model}", f"train.steps={args.steps}", f"output_dir={args.runs_dir}/outcomes",
-        "evaluate=false", "logging.console=false", "logging.tensorboard=false",
-        "checkpoint.save_every=0", "checkpoint.save_final_model=false", *args.extra,
-    ]  # fmt: skip
+        f"model.name_or_path={args.model}",
+        f"train.steps={args.steps}",
+        f"output_dir={args.runs_dir}/outcomes",
+        "evaluate=false",
+        "logging.console=false",
+        "logging.tensorboard=false",
+        "checkpoint.save_every=0",
+        "checkpoint.save_final_model=false",
+        *args.extra,
+    ]
     rows = record_outcomes(overrides, args.class_key)
     result = {"outcomes": outcome_analysis(rows), "overrides": overrides, **provenance()}
     print(outcome_report(result["outcomes"]))

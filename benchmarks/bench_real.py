@@ -68,12 +68,23 @@ def train_run(name: str, seed: int, args: argparse.Namespace) -> Path:
             p.unlink() if p.is_file() else p.rmdir()
     _, preset, overrides = VARIANTS[name]
     cmd = [
-        sys.executable, "-m", "dapo", "train", str(args.config), f"preset={preset}",
-        f"seed={seed}", f"output_dir={out}", f"train.steps={args.steps}",
-        f"data.max_eval_prompts={args.eval_prompts}", "logging.console=false",
-        "logging.tensorboard=false", "checkpoint.save_every=0",
-        "checkpoint.save_final_model=false", *overrides, *args.extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "dapo",
+        "train",
+        str(args.config),
+        f"preset={preset}",
+        f"seed={seed}",
+        f"output_dir={out}",
+        f"train.steps={args.steps}",
+        f"data.max_eval_prompts={args.eval_prompts}",
+        "logging.console=false",
+        "logging.tensorboard=false",
+        "checkpoint.save_every=0",
+        "checkpoint.save_final_model=false",
+        *overrides,
+        *args.extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}.log"
@@ -217,10 +228,11 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     print(compare_table(rows, len(seeds)))
     png = Path(args.plot)
     plot(
-        curves, png,
+        curves,
+        png,
         f"SmolLM2-135M-Instruct on builtin:chat_addition, {args.steps} rollout steps, mean "
         f"over {len(seeds)} seeds (signals: 3-step moving average)",
-    )  # fmt: skip
+    )
     result = {
         **provenance(),
         "rows": rows,

@@ -309,10 +309,22 @@ def spawn(side: str, args: argparse.Namespace, tmp: Path, run_no: int) -> dict[s
     result = tmp / f"{side}-{run_no}.json"
     log = tmp / f"{side}-{run_no}.log"
     cmd = [
-        sys.executable, str(Path(__file__).resolve()), "--worker", side, "--result", str(result),
-        "--steps", str(args.steps), "--threads", str(args.threads),
-        "--prompts", str(args.prompts), "--generations", str(args.generations),
-        "--max-completion-length", str(args.max_completion_length),
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        side,
+        "--result",
+        str(result),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+        "--prompts",
+        str(args.prompts),
+        "--generations",
+        str(args.generations),
+        "--max-completion-length",
+        str(args.max_completion_length),
     ]
     threads = str(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
@@ -361,7 +373,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             for side in SIDES:  # alternate, so that drifting machine load hits both sides
                 t0 = time.perf_counter()
                 runs[side].append(spawn(side, args, Path(tmp), round_no))
-                print(f"round {round_no + 1}/{args.rounds} {side}: {time.perf_counter() - t0:.0f} s")
+                print(
+                    f"round {round_no + 1}/{args.rounds} {side}: {time.perf_counter() - t0:.0f} s"
+                )
     results = {side: summarise(runs[side]) for side in SIDES}
     ratio = results["trl"]["median_step_s"] / results["ours"]["median_step_s"]
     return {

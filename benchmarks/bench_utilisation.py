@@ -197,8 +197,11 @@ def run_steps(args: argparse.Namespace, work: Path, shape_kw: dict[str, int]) ->
     old_logprobs = recomputes_old_logprobs(cfg)
     trainer = Trainer(cfg, log=lambda _: None)
     # The update forwards each prompt once per group when it can (dapo.training.forward.response_logits).
-    shared = (cfg.train.shared_prompt_forward and args.generations > 1
-              and prompt_cache(trainer.model) is not None)
+    shared = (
+        cfg.train.shared_prompt_forward
+        and args.generations > 1
+        and prompt_cache(trainer.model) is not None
+    )
     steps = []
     try:
         for _ in range(args.steps):
@@ -231,8 +234,13 @@ def run_steps(args: argparse.Namespace, work: Path, shape_kw: dict[str, int]) ->
             )
     finally:
         trainer.close()
-    return {"shape": shape, "params": n_params, "old_logprobs": old_logprobs,
-            "shared_prompt": shared, "steps": steps}
+    return {
+        "shape": shape,
+        "params": n_params,
+        "old_logprobs": old_logprobs,
+        "shared_prompt": shared,
+        "steps": steps,
+    }
 
 
 def add_mfu(steps: list[dict[str, Any]], peak_gflops: float) -> dict[str, float]:
@@ -243,8 +251,17 @@ def add_mfu(steps: list[dict[str, Any]], peak_gflops: float) -> dict[str, float]
         s["mfu_train"] = s["train_flops"] / s["train_s"] / peak
         s["mfu_total"] = s["total_flops"] / s["step_s"] / peak
     measured = steps[1:] or steps
-    keys = ("gen_s", "train_s", "step_s", "gen_flops", "train_flops", "total_flops",
-            "mfu_gen", "mfu_train", "mfu_total")
+    keys = (
+        "gen_s",
+        "train_s",
+        "step_s",
+        "gen_flops",
+        "train_flops",
+        "total_flops",
+        "mfu_gen",
+        "mfu_train",
+        "mfu_total",
+    )
     summary = {k: statistics.median(s[k] for s in measured) for k in keys}
     summary["steps_measured"] = len(measured)
     return summary
@@ -252,20 +269,38 @@ def add_mfu(steps: list[dict[str, Any]], peak_gflops: float) -> dict[str, float]
 
 def format_table(steps: list[dict[str, Any]], summary: dict[str, float]) -> str:
     """One row per step and one for the median over the steps after the first."""
-    head = ["step", "gen s", "gen GFLOP", "gen MFU", "train s", "train GFLOP", "train MFU",
-            "step s", "GFLOP", "MFU"]
+    head = [
+        "step",
+        "gen s",
+        "gen GFLOP",
+        "gen MFU",
+        "train s",
+        "train GFLOP",
+        "train MFU",
+        "step s",
+        "GFLOP",
+        "MFU",
+    ]
 
     def row(name: str, s: dict[str, Any]) -> list[str]:
         return [
-            name, f"{s['gen_s']:.2f}", _g(s["gen_flops"]), f"{s['mfu_gen']:.1%}",
-            f"{s['train_s']:.2f}", _g(s["train_flops"]), f"{s['mfu_train']:.1%}",
-            f"{s['step_s']:.2f}", _g(s["total_flops"]), f"{s['mfu_total']:.1%}",
+            name,
+            f"{s['gen_s']:.2f}",
+            _g(s["gen_flops"]),
+            f"{s['mfu_gen']:.1%}",
+            f"{s['train_s']:.2f}",
+            _g(s["train_flops"]),
+            f"{s['mfu_train']:.1%}",
+            f"{s['step_s']:.2f}",
+            _g(s["total_flops"]),
+            f"{s['mfu_total']:.1%}",
         ]
 
     lines = [head] + [row(str(s["step"]), s) for s in steps] + [row("median", summary)]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True))
-                     for line in lines)
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines
+    )
 
 
 def _g(flops: float) -> str:
@@ -295,8 +330,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     shape_kw = {
-        "hidden_size": args.hidden, "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads, "intermediate_size": args.intermediate,
+        "hidden_size": args.hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "intermediate_size": args.intermediate,
         "vocab_size": args.vocab,
     }
     peak_before = matmul_peak(args.peak_size, args.peak_repeats)
@@ -312,21 +349,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     shape: Shape = run["shape"]
     print()
-    print(f"model: {run['params'] / 1e6:.1f}M parameters ({shape.body_params / 1e6:.1f}M "
-          f"non-embedding matmul weights), {args.prompts} prompts x {args.generations} "
-          f"responses x up to {args.max_tokens} tokens per step, {args.threads} threads")
+    print(
+        f"model: {run['params'] / 1e6:.1f}M parameters ({shape.body_params / 1e6:.1f}M "
+        f"non-embedding matmul weights), {args.prompts} prompts x {args.generations} "
+        f"responses x up to {args.max_tokens} tokens per step, {args.threads} threads"
+    )
     print(f"fp32 matmul peak: {peak:.1f} GFLOP/s ({args.peak_size}^3)")
     print(format_table(steps, summary))
     which = f"steps 2-{len(steps)}" if len(steps) > 2 else f"step {len(steps)}"
-    print(f"MFU (median of {which}): generation {summary['mfu_gen']:.1%}, "
-          f"training {summary['mfu_train']:.1%}, whole step {summary['mfu_total']:.1%}; "
-          f"{summary['step_s']:.1f} s per step")
+    print(
+        f"MFU (median of {which}): generation {summary['mfu_gen']:.1%}, "
+        f"training {summary['mfu_train']:.1%}, whole step {summary['mfu_total']:.1%}; "
+        f"{summary['step_s']:.1f} s per step"
+    )
 
     report = {
         **provenance(),
-        "settings": {k: getattr(args, k) for k in (
-            "prompts", "generations", "max_tokens", "steps", "peak_size", "peak_repeats",
-            "threads", "seed")},
+        "settings": {
+            k: getattr(args, k)
+            for k in (
+                "prompts",
+                "generations",
+                "max_tokens",
+                "steps",
+                "peak_size",
+                "peak_repeats",
+                "threads",
+                "seed",
+            )
+        },
         "model": {"params": run["params"], "body_params": shape.body_params, **asdict(shape)},
         "old_logprob_forward": run["old_logprobs"],
         "shared_prompt_forward": run["shared_prompt"],
