@@ -42,22 +42,40 @@ def test_compare_trains_each_variant_and_reports_its_runs(
 ):
     config = tmp_path / "tiny.yaml"
     config.write_text(
-        yaml.safe_dump({
-            "model": {"name_or_path": str(random_tiny_model)},
-            "data": {"train": "builtin:addition", "eval": "builtin:addition"},
-            "rollout": {"num_generations": 4, "max_completion_length": 10},
-            "algorithm": {"overlong_buffer": 4},
-            "train": {"prompts_per_step": 2, "mini_batch_size": 1, "lr": 1e-3},
-            # Mixed groups whatever the (random) model answers: dynamic sampling fills its batch.
-            "reward": {"num_workers": 0, "functions": [{"name": f"{REWARDS}:by_answer_class"}]},
-        })
-    )  # fmt: skip
+        yaml.safe_dump(
+            {
+                "model": {"name_or_path": str(random_tiny_model)},
+                "data": {"train": "builtin:addition", "eval": "builtin:addition"},
+                "rollout": {"num_generations": 4, "max_completion_length": 10},
+                "algorithm": {"overlong_buffer": 4},
+                "train": {"prompts_per_step": 2, "mini_batch_size": 1, "lr": 1e-3},
+                # Mixed groups whatever the (random) model answers: dynamic sampling fills its batch.
+                "reward": {"num_workers": 0, "functions": [{"name": f"{REWARDS}:by_answer_class"}]},
+            }
+        )
+    )
     runs, out, png = tmp_path / "runs", tmp_path / "cmp.json", tmp_path / "cmp.png"
-    result = bench.main([
-        "compare", "--seeds", "0,1", "--steps", "2", "--eval-prompts", "4", "--config",
-        str(config), "--threads", "1", "--runs-dir", str(runs), "--output", str(out),
-        "--plot", str(png),
-    ])  # fmt: skip
+    result = bench.main(
+        [
+            "compare",
+            "--seeds",
+            "0,1",
+            "--steps",
+            "2",
+            "--eval-prompts",
+            "4",
+            "--config",
+            str(config),
+            "--threads",
+            "1",
+            "--runs-dir",
+            str(runs),
+            "--output",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     printed = capsys.readouterr().out
     written = json.loads(out.read_text())["rows"]  # NaN (no clip in a step) != NaN: compare parts
     assert png.stat().st_size > 0 and written.keys() == result["rows"].keys()
@@ -95,10 +113,25 @@ def test_compare_trains_each_variant_and_reports_its_runs(
     assert seed0["clip_high"] == [r["actor/clip_frac_high"] for r in logged]
 
     # A finished comparison is not trained again.
-    again = bench.main([
-        "compare", "--seeds", "0", "--steps", "2", "--eval-prompts", "4", "--config",
-        str(config), "--runs-dir", str(runs), "--output", str(out), "--plot", str(png),
-    ])  # fmt: skip
+    again = bench.main(
+        [
+            "compare",
+            "--seeds",
+            "0",
+            "--steps",
+            "2",
+            "--eval-prompts",
+            "4",
+            "--config",
+            str(config),
+            "--runs-dir",
+            str(runs),
+            "--output",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert again["rows"]["grpo"]["final_acc"] == rows["grpo"]["final_acc"][:1]
     assert "seed 0:" not in capsys.readouterr().out
 
