@@ -814,3 +814,36 @@ def test_config_imports_neither_torch_nor_the_algorithms():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("file_data", "overrides", "expected"),
+    [
+        (None, [], "builtin:addition"),  # the default run: the default task's held-out split
+        (None, ["data.train=builtin:long_addition"], "builtin:long_addition"),
+        ({"data": {"train": "builtin:calculator"}}, [], "builtin:calculator"),
+        (None, ["data.train=/data/math.parquet"], None),  # a file has no held-out split
+        ({"data": {"train": "/data/math.parquet"}}, [], None),
+        # Named data.eval always wins, from any layer, null included.
+        (
+            None,
+            ["data.train=/data/math.parquet", "data.eval=/data/aime.parquet"],
+            "/data/aime.parquet",
+        ),
+        (
+            {"data": {"eval": "builtin:addition"}},
+            ["data.train=builtin:long_addition"],
+            "builtin:addition",
+        ),
+        ({"data": {"train": "builtin:long_addition", "eval": None}}, [], None),
+        (
+            {"data": {"train": "/data/math.parquet"}},
+            ["data.eval=builtin:addition"],
+            "builtin:addition",
+        ),
+    ],
+)
+def test_eval_follows_train_unless_a_layer_names_it(file_data, overrides, expected):
+    # Evaluating data.train=builtin:long_addition on builtin:addition (the old default)
+    # measured a task that was not trained.
+    assert load_config(file_data, overrides).data.eval == expected

@@ -449,3 +449,26 @@ def test_loss_variants_train_and_log_their_metrics(random_tiny_model, tmp_path, 
             assert r["actor/loss"] == pytest.approx(r["actor/pg_loss"] - r["actor/entropy_bonus"])
         else:
             assert "actor/entropy_bonus" not in r
+
+
+def test_a_training_file_without_data_eval_is_not_evaluated_on_another_task(
+    random_tiny_model, tmp_path
+):
+    """data.eval left unset with a file in data.train: no evaluation, and the run says so
+    (the default task's held-out split would measure a task that is not trained)."""
+    data = tmp_path / "train.jsonl"
+    data.write_text(
+        "\n".join(
+            f'{{"prompt": "{i}+1", "reward_model": {{"ground_truth": "{i + 1}"}}}}'
+            for i in range(8)
+        )
+    )
+    heard: list[str] = []
+    cfg = small_config(random_tiny_model, tmp_path / "run", f"data.train={data}", "evaluate=true")
+    assert cfg.data.eval is None
+    trainer = Trainer(cfg, log=heard.append)
+    try:
+        assert trainer.rollouts.eval_records == [] and len(trainer.rollouts.train_records) == 8
+    finally:
+        trainer.close()
+    assert any("no held-out evaluation" in m and "data.eval=FILE" in m for m in heard)

@@ -71,10 +71,6 @@ def make_trainer(
         overrides["model.name_or_path"], model = str(model), None
     if isinstance(tokenizer, str | Path):
         overrides["model.tokenizer"], tokenizer = str(tokenizer), None
-    held_out = eval_dataset is not None or _given("data.eval", file_data, overrides)
-    if train_dataset is not None and not held_out:
-        # data.eval's default is the built-in task's held-out set, not this data's.
-        overrides["data.eval"] = None
     # config.yaml (and the resume check) say what was trained on: data.train names a file.
     for key, data in (("data.train", train_dataset), ("data.eval", eval_dataset)):
         if data is not None and not isinstance(data, str | Path):

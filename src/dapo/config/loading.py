@@ -301,9 +301,24 @@ def load_config(
     data = _merge(_nest(PRESETS[preset][1]), file_data)
     data = _merge(data, cli_data)
     data["preset"] = preset
+    _eval_follows_train(data, file_data, cli_data)
     cfg = _build(Config, data)
     validate(cfg)
     return cfg
+
+
+def _eval_follows_train(data: dict[str, Any], *layers: dict[str, Any]) -> None:
+    """``data.eval``'s default is the held-out split of the default task. When a layer names
+    other training data and none names ``data.eval``, that default would measure a task that
+    is not trained: evaluate on the same built-in task's held-out split instead, and on
+    nothing for a file or data set (it has no held-out split: set ``data.eval``)."""
+    sections = [layer.get("data") for layer in layers]
+    sections = [d for d in sections if isinstance(d, dict)]
+    if not any("train" in d for d in sections) or any("eval" in d for d in sections):
+        return
+    train = data["data"]["train"]
+    builtin = isinstance(train, str) and train.startswith("builtin:")
+    data["data"]["eval"] = train if builtin else None
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

@@ -111,7 +111,8 @@ class DataConfig:
     eval: str | None = opt(
         "builtin:addition",
         "Held-out prompts for the accuracy before and after training (and every "
-        "logging.eval_every steps), in the same forms as data.train; null disables evaluation.",
+        "logging.eval_every steps), in the same forms as data.train; null disables evaluation. "
+        "Unset with data.train set: the held-out split of that built-in task, none for a file.",
     )
     train_split: str = opt(
         "train", "Split of data.train to read when it is a datasets directory or name."

@@ -105,6 +105,12 @@ class Rollouts:
             self.eval_records, self.eval_ids, _ = encode_prompts(
                 load_prompt_set(d, "eval", inputs.eval_dataset), self.tokenizer, d.max_prompt_length
             )
+        elif self.cfg.evaluate:
+            log(
+                "no held-out evaluation: data.eval is null (the training data is not a built-in "
+                "task, so there is no held-out split to default to); set data.eval=FILE to "
+                "measure held-out accuracy before and after training"
+            )
 
     def fill_batch(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
         """Generate and score rounds of prompts until the batch is full (dynamic sampling);
