@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from benchmark_modules import import_benchmark  # tests/benchmark_modules.py
 
-ROOT = Path(__file__).resolve().parents[1]
 REWARDS = Path(__file__).with_name("trainer_rewards.py")
 pytestmark = pytest.mark.slow
 
@@ -18,11 +17,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def bench(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_ablation
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench_ablation = import_benchmark("bench_ablation")
     return bench_ablation
 
 

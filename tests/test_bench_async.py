@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_modules import import_benchmark  # tests/benchmark_modules.py
 from vllm_check import needs_vllm  # tests/vllm_check.py
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
 @needs_vllm
 def test_bench_async_times_each_mode(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_async
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench_async = import_benchmark("bench_async")
     out = tmp_path / "async.json"
     report = bench_async.main(
         [

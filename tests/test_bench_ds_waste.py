@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+from benchmark_modules import import_benchmark  # tests/benchmark_modules.py
 
-ROOT = Path(__file__).resolve().parents[1]
 REWARDS = Path(__file__).with_name("trainer_rewards.py")
 pytestmark = pytest.mark.slow
 
 
 def test_waste_of_a_dapo_run(random_tiny_model, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_ds_waste
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench_ds_waste = import_benchmark("bench_ds_waste")
     out, png = tmp_path / "waste.json", tmp_path / "waste.png"
     result = bench_ds_waste.main(
         [
@@ -67,11 +62,7 @@ def test_waste_of_a_dapo_run(random_tiny_model, tmp_path, monkeypatch, capsys):
 def test_a_step_served_from_the_surplus_alone(tmp_path):
     """A rollout step can train only on groups carried over, generating nothing: the plot
     and the totals must take it (the 5-seed ladder's DAPO runs have such steps)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_ds_waste
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench_ds_waste = import_benchmark("bench_ds_waste")
     step = {"all_correct": 0, "all_wrong": 0, "train_acc": 0.5}
     steps = [
         {**step, "step": 1, "generated": 32, "uniform": 8, "all_correct": 8, "carried_over": 8},
@@ -88,12 +79,8 @@ def test_a_step_served_from_the_surplus_alone(tmp_path):
 
 
 def _bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import _prompt_outcomes
-        import bench_ds_waste
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    _prompt_outcomes = import_benchmark("_prompt_outcomes")
+    bench_ds_waste = import_benchmark("bench_ds_waste")
     return bench_ds_waste, _prompt_outcomes
 
 

