@@ -107,9 +107,9 @@ class Rollouts:
             )
         elif self.cfg.evaluate:
             log(
-                "no held-out evaluation: data.eval is null (the training data is not a built-in "
-                "task, so there is no held-out split to default to); set data.eval=FILE to "
-                "measure held-out accuracy before and after training"
+                "no held-out evaluation: data.eval is null (left unset, it is null when "
+                "data.train is not a built-in task: a file has no held-out split); set "
+                "data.eval=FILE to measure held-out accuracy before and after training"
             )
 
     def fill_batch(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
