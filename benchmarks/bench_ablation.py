@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -86,22 +87,33 @@ def run_dir(args: argparse.Namespace, preset: str, seed: int, mode: str) -> Path
     return Path(args.runs_dir) / preset / name
 
 
+def dapo_train(out: Path, argv: list[str], threads: int, what: str) -> bool:
+    """``dapo train *argv`` writing to ``out`` (``output_dir=out`` must be in ``argv``), its
+    console output in ``out``'s sibling ``<name>.log``; skipped when ``out`` holds a finished
+    run (``summary.json``), an interrupted run there is started again from scratch. Returns
+    whether it trained; a failed run raises, naming ``what`` and the log."""
+    if (out / "summary.json").exists():
+        return False
+    if out.exists():
+        shutil.rmtree(out)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    log = out.parent / f"{out.name}.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as fh:
+        cmd = [sys.executable, "-m", "dapo", "train", *argv]
+        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed ({proc.returncode}); see {log}")
+    return True
+
+
 def train_run(preset: str, seed: int, mode: str, args: argparse.Namespace, threads: int) -> Path:
     """One training run (skipped when it already finished); returns its directory."""
     out = run_dir(args, preset, seed, mode)
-    if (out / "summary.json").exists():
-        return out
-    if out.exists():  # an interrupted run: start it again from scratch
-        for p in sorted(out.rglob("*"), reverse=True):
-            p.unlink() if p.is_file() else p.rmdir()
     # A run without dynamic sampling serves both comparisons: no budget, its steps end it.
     budget = args.steps * args.prompts * args.generations
     budget = budget if mode == "budget" and uses_dynamic_sampling(preset) else 0
-    cmd = [
-        sys.executable,
-        "-m",
-        "dapo",
-        "train",
+    argv = [
         f"preset={preset}",
         f"seed={seed}",
         f"output_dir={out}",
@@ -126,13 +138,7 @@ def train_run(preset: str, seed: int, mode: str, args: argparse.Namespace, threa
         "checkpoint.save_final_model=false",
         *args.extra,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    log = out.parent / f"{out.name}.log"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as fh:
-        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{preset} seed {seed} ({mode}) failed ({proc.returncode}); see {log}")
+    dapo_train(out, argv, threads, f"{preset} seed {seed} ({mode})")
     return out
 
 

@@ -29,17 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 from _report import ROOT, provenance, write_report  # benchmarks/_report.py (run as a script)
-from bench_ablation import _mean, _mean_curve, _smooth, curve, separated
+from bench_ablation import _mean, _mean_curve, _smooth, curve, dapo_train, separated
 
 CONFIG = ROOT / "examples" / "chat_addition.yaml"
 # name -> (label, preset, overrides)
@@ -61,17 +58,8 @@ SIGNALS = {  # per rollout step: metric -> name in the curves (bench_ablation.cu
 def train_run(name: str, seed: int, args: argparse.Namespace) -> Path:
     """One run of ``name`` (skipped when it already finished); returns its directory."""
     out = Path(args.runs_dir) / name / f"seed{seed}"
-    if (out / "summary.json").exists():
-        return out
-    if out.exists():  # an interrupted run: start again
-        for p in sorted(out.rglob("*"), reverse=True):
-            p.unlink() if p.is_file() else p.rmdir()
     _, preset, overrides = VARIANTS[name]
-    cmd = [
-        sys.executable,
-        "-m",
-        "dapo",
-        "train",
+    argv = [
         str(args.config),
         f"preset={preset}",
         f"seed={seed}",
@@ -85,15 +73,9 @@ def train_run(name: str, seed: int, args: argparse.Namespace) -> Path:
         *overrides,
         *args.extra,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log = out.parent / f"{out.name}.log"
     t0 = time.time()
-    with log.open("w") as fh:
-        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} seed {seed} failed ({proc.returncode}); see {log}")
-    print(f"{name} seed {seed}: {time.time() - t0:.0f} s")
+    if dapo_train(out, argv, args.threads, f"{name} seed {seed}"):
+        print(f"{name} seed {seed}: {time.time() - t0:.0f} s")
     return out
 
 

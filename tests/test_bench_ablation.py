@@ -175,3 +175,21 @@ def test_bad_arguments_are_refused(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--modes", "steps,samples"])
     assert "choose from steps, budget" in capsys.readouterr().err
+
+
+def test_dapo_train_skips_finished_runs_and_restarts_interrupted_ones(tmp_path):
+    bench = import_benchmark("bench_ablation")
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "summary.json").write_text("{}")
+    assert bench.dapo_train(done, ["no.such_key=1"], 1, "finished") is False
+    assert not (tmp_path / "done.log").exists()  # not run at all
+
+    interrupted = tmp_path / "interrupted"
+    (interrupted / "checkpoints").mkdir(parents=True)
+    (interrupted / "checkpoints" / "stale.pt").write_text("x")
+    argv = ["no.such_key=1", f"output_dir={interrupted}"]  # a config error: dapo exits at once
+    with pytest.raises(RuntimeError, match=r"bad run failed \(2\); see .*interrupted\.log"):
+        bench.dapo_train(interrupted, argv, 1, "bad run")
+    assert not (interrupted / "checkpoints" / "stale.pt").exists()  # started from scratch
+    assert "unknown config key" in (tmp_path / "interrupted.log").read_text()
