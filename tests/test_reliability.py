@@ -542,7 +542,8 @@ def test_raising_hanging_and_bad_reward_functions_do_not_stop_training(
     expected = sum(k != "ok" for k in kinds) + (reliability_rewards.flaky_kind(hung) == "ok")
     assert expected > 1
     rows = metric_rows(out)
-    assert rows[-1]["reward/failures"] == expected
+    assert rows[-1]["reward/failures_total"] == expected
+    assert sum(r.get("reward/failures", 0) for r in rows) == expected  # per-step counts
     texts = " ".join(
         str(w.message) for w in caught if issubclass(w.category, RewardFunctionWarning)
     )

@@ -320,6 +320,13 @@ class TrainConfig:
         "positions x vocabulary at a time, never for the whole micro-batch.",
         ge=1,
     )
+    max_failed_steps: int = opt(
+        3,
+        "Rollout steps in a row whose every sample failed (every reward call raised, timed out "
+        "or returned a non-number, or every episode's environment failed) stop the run with the "
+        "first error; a failure costs its sample, a run of them means the component is broken.",
+        ge=1,
+    )
     max_nonfinite_updates: int = opt(
         3,
         "Updates with a NaN or inf loss or gradient are skipped; this many in a row stop the run.",

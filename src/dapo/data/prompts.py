@@ -49,22 +49,28 @@ def encode_prompts(
     max_prompt_length: int,
     *,
     stats: LoadStats | None = None,
+    ids_of: Callable[[PromptRecord], list[int]] | None = None,
 ) -> tuple[list[PromptRecord], list[list[int]], int]:
     """Render and tokenize prompts; drop (never truncate) those over ``max_prompt_length``.
 
-    Returns the kept records, their token ids and the number dropped. If ``stats`` is
-    given, its ``too_long`` and ``kept`` are updated.
+    ``ids_of`` renders one record as the model will see it when that is more than its chat
+    template (a multi-turn run's opening, with the tools' schemas); the length limit applies
+    to what it returns. Returns the kept records, their token ids and the number dropped. If
+    ``stats`` is given, its ``too_long`` and ``kept`` are updated.
     """
     if max_prompt_length <= 0:
         raise DataError(
             f"data.max_prompt_length must be positive, got {max_prompt_length}. "
             "Fix: set data.max_prompt_length to the prompt token budget."
         )
-    texts = [render_prompt(r, tokenizer) for r in records]
     all_ids: list[list[int]] = []
-    for start in range(0, len(texts), _TOKENIZE_BATCH):
-        enc = tokenizer(texts[start : start + _TOKENIZE_BATCH], add_special_tokens=False)
-        all_ids.extend(list(ids) for ids in enc["input_ids"])
+    if ids_of is not None:
+        all_ids = [list(ids_of(r)) for r in records]
+    else:
+        texts = [render_prompt(r, tokenizer) for r in records]
+        for start in range(0, len(texts), _TOKENIZE_BATCH):
+            enc = tokenizer(texts[start : start + _TOKENIZE_BATCH], add_special_tokens=False)
+            all_ids.extend(list(ids) for ids in enc["input_ids"])
 
     kept: list[PromptRecord] = []
     kept_ids: list[list[int]] = []
@@ -75,11 +81,18 @@ def encode_prompts(
     dropped = len(records) - len(kept)
     if records and not kept:
         lengths = [len(ids) for ids in all_ids]
+        seen = (
+            " as the model sees them (chat template, the tools' schemas)"
+            if ids_of is not None
+            else ""
+        )
         raise DataError(
             f"all {len(records)} prompts are longer than data.max_prompt_length="
-            f"{max_prompt_length} tokens (shortest {min(lengths)}, longest {max(lengths)}). "
-            f"Fix: raise data.max_prompt_length to at least {min(lengths)} "
-            f"({max(lengths)} keeps every prompt), or check the tokenizer/chat template."
+            f"{max_prompt_length} tokens{seen} (shortest {min(lengths)}, longest "
+            f"{max(lengths)}). Fix: raise data.max_prompt_length to at least {min(lengths)} "
+            f"({max(lengths)} keeps every prompt; data.max_prompt_length + "
+            "rollout.max_completion_length must fit the model's context), shorten the tools' "
+            "docstrings, or check the tokenizer/chat template."
         )
     if stats is not None:
         stats.too_long = dropped

@@ -19,7 +19,7 @@ from dapo.environments.base import (
 )
 from dapo.environments.loading import BUILTIN_ENVIRONMENTS, EnvironmentSpec, load_environment
 from dapo.environments.pool import EnvironmentPool, Outcome
-from dapo.environments.rendering import ChatRenderer, RenderError
+from dapo.environments.rendering import ChatRenderer, RenderError, no_template_error
 from dapo.environments.tools import PARSERS, ToolCall, ToolCallParseError, parse_hermes
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "ToolCallParseError",
     "ToolEnvironment",
     "load_environment",
+    "no_template_error",
     "parse_hermes",
     "prompt_messages",
 ]

@@ -44,17 +44,29 @@ class RenderError(ValueError):
     """The chat template could not render an environment's messages (the episode ends)."""
 
 
+NO_TEMPLATE_FIX = (
+    "Fix: use a chat model (the built-in one for multi-turn episodes is "
+    "model.name_or_path=builtin:tiny-tool; builtin:tiny and builtin:tiny-long have no template), "
+    "or set the tokenizer's chat_template (tokenizer_config.json) to one that renders the roles "
+    "your environment uses"
+)
+
+
+def no_template_error(model: str) -> ConfigError:
+    """The error for multi-turn episodes on a model whose tokenizer has no chat template."""
+    return ConfigError(
+        "multi-turn episodes (rollout.environment, rollout.tools) need a chat template, and the "
+        f"tokenizer of `model.name_or_path` = {model!r} has none. {NO_TEMPLATE_FIX}"
+    )
+
+
 class ChatRenderer:
     """Renders an episode's non-model parts as token ids for one tokenizer and tool set."""
 
     def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(
-                "multi-turn episodes (rollout.environment, rollout.tools) need a chat template, "
-                "and this tokenizer has none. Fix: use a chat model, or set the tokenizer's "
-                "chat_template (tokenizer_config.json) to one that renders the roles your "
-                "environment uses"
-            )
+            name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            raise no_template_error(name)
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
         self.eos_token_id = tokenizer.eos_token_id

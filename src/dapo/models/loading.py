@@ -78,6 +78,18 @@ def resolve_model_path(name_or_path: str, log: Callable[[str], None] = print) ->
     return name_or_path
 
 
+def builtin_chat_template(name: str) -> bool | None:
+    """Whether the built-in model ``name`` has a chat template, known without building it
+    (multi-turn episodes need one); None when ``name`` is not a built-in model."""
+    if name in BUILTIN_MODELS:
+        from dapo.models import tiny
+
+        return tiny.RECIPES[name].chat_template is not None
+    if name in WHEEL_MODELS:
+        return True  # SmolLM2-135M-Instruct's ChatML template
+    return None
+
+
 def wheel_model_file(name: str) -> Path:
     """The GGUF file of the wheel model ``name`` (``builtin:smollm2``) in its installed
     package, found without importing the package (its ``__init__`` needs ``llm``)."""

@@ -134,6 +134,8 @@ class RewardScorer:
         self._in_process = self._plan.in_process
         self._source_ids: dict[str, int] = {}
         self._warned: set[tuple[int | None, str]] = set()
+        # The first failed call's function and reason, for a run stopped by failures.
+        self.first_error: str | None = None
         self._lock = threading.Lock()
         self._closed = False
         # (runner, whether it runs the in-process functions); none for num_workers=0
@@ -325,6 +327,13 @@ class RewardScorer:
                 result.correct.append(reward > 0)
                 continue
             kind, fid, detail = outcome
+            if self.first_error is None:
+                name = self._plan.names[fid] if fid is not None else "<reward worker>"
+                said = {
+                    TIMEOUT: f"took longer than {self.timeout_s:g} s",
+                    ERROR: f"raised {detail}",
+                }.get(kind, f"returned {detail}, not a finite number")
+                self.first_error = f"reward function {name!r} {said}"
             result.rewards.append(-1.0)
             result.correct.append(False)
             result.failures += 1

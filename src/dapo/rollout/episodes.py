@@ -32,11 +32,18 @@ hung, died or returned malformed output; ``failure`` says which) and ``bad_tool_
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dapo.environments import ChatRenderer, EnvironmentPool, RenderError, prompt_messages
+from dapo.environments import (
+    ChatRenderer,
+    EnvironmentPool,
+    EnvironmentWarning,
+    RenderError,
+    prompt_messages,
+)
 from dapo.rollout.base import Group, RolloutEngine, SamplingParams
 from dapo.seeding import mix_seed
 
@@ -85,6 +92,7 @@ def run_episodes(
     *,
     max_turns: int,
     renderer: ChatRenderer | None = None,
+    max_prompt_length: int | None = None,
 ) -> list[Group]:
     """Play ``params.n`` episodes per record; one :class:`Group` per record, in order.
 
@@ -93,13 +101,15 @@ def run_episodes(
     engine's on sampled tokens and 0.0 on environment tokens, ``model_mask`` 1 on sampled
     tokens; ``final_texts`` the last assistant turns (what reward functions score),
     ``env_rewards`` the environment's rewards (``None``: score the text) and
-    ``episode_stats`` per-episode counts and the end reason.
+    ``episode_stats`` per-episode counts and the end reason. An opening longer than
+    ``max_prompt_length`` tokens (reset's messages rendered with the tools) ends its episodes
+    as ``env_failure``: the prompt limit holds for what the model sees.
     """
     if max_turns < 1:
         raise ValueError(f"`rollout.max_turns` must be at least 1, got {max_turns}")
     renderer = renderer or ChatRenderer(tokenizer, pool.tool_schemas)
     n, budget = params.n, params.max_tokens
-    openings, episodes = _open(renderer, records, n, pool)
+    openings, episodes = _open(renderer, records, n, pool, max_prompt_length)
     live = [e for e in episodes if e.end is None]
     turn = 1
     while live:
@@ -133,7 +143,11 @@ def run_episodes(
 
 
 def _open(
-    renderer: ChatRenderer, records: Sequence[Any], n: int, pool: EnvironmentPool
+    renderer: ChatRenderer,
+    records: Sequence[Any],
+    n: int,
+    pool: EnvironmentPool,
+    max_prompt_length: int | None = None,
 ) -> tuple[list[list[int]], list[_Episode]]:
     """Reset ``n`` environments per record; each record's opening ids (its first good
     episode's) and the episodes (those whose reset failed, or opened differently, end)."""
@@ -153,6 +167,16 @@ def _open(
                 ids = renderer.opening(o.messages)
             except RenderError as exc:
                 _end(e, "env_failure", failure=f"render: reset's messages: {exc}")
+                pool.end([o.episode])
+                continue
+            if max_prompt_length is not None and len(ids) > max_prompt_length:
+                text = (
+                    f"prompt: reset's opening is {len(ids)} tokens with the chat template and the "
+                    f"tools, over data.max_prompt_length={max_prompt_length}; raise the limit or "
+                    "shorten the opening"
+                )
+                warnings.warn(text, EnvironmentWarning, stacklevel=3)
+                _end(e, "env_failure", failure=text)
                 pool.end([o.episode])
                 continue
             if opening is None:

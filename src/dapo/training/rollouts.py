@@ -16,8 +16,14 @@ from typing import Any
 
 from dapo.config import Config
 from dapo.data.prompts import encode_prompts, load_prompt_set
-from dapo.environments import EnvironmentPool, load_environment
-from dapo.errors import DynamicSamplingWarning, TrainingError, VLLMEngineError, VLLMUnavailableError
+from dapo.environments import ChatRenderer, EnvironmentPool, EnvironmentSpec, prompt_messages
+from dapo.errors import (
+    DynamicSamplingError,
+    DynamicSamplingWarning,
+    TrainingError,
+    VLLMEngineError,
+    VLLMUnavailableError,
+)
 from dapo.evaluation.run import engine_accuracy
 from dapo.parallel import distributed as D
 from dapo.rollout import Group, RolloutEngine, SamplingParams, close_engine, make_engine
@@ -43,10 +49,14 @@ class Rollouts:
         learner: Learner,
         inputs: RunInputs,
         log: Callable[[str], None],
+        spec: EnvironmentSpec | None = None,
     ) -> None:
         self.cfg, self.tokenizer, self.dist = cfg, tokenizer, D.current()
-        self._load_prompts(inputs, log)
         r, a = cfg.rollout, cfg.algorithm
+        # Multi-turn episodes: an environment and/or tools (None: one response per prompt).
+        # Their prompts are measured as the model sees them: rendered with the tools.
+        self.renderer = None if spec is None else ChatRenderer(tokenizer, spec.schemas)
+        self._load_prompts(inputs, log)
         # A separate engine (vLLM, the rollout server) holds its own copy of the weights,
         # pushed every `rollout.vllm_sync_every` updates; it starts from the base model's
         # weights (LoRA's merged ones).
@@ -71,10 +81,6 @@ class Rollouts:
             sleep=r.vllm_sleep,
         )
         self.scorer = GroupScorer(cfg, tokenizer, inputs.reward_funcs)
-        # Multi-turn episodes: an environment and/or tools (None: one response per prompt).
-        spec = load_environment(
-            inputs.environment or r.environment, [*r.tools, *inputs.tools], r.tool_parser
-        )
         self.environments = (
             None
             if spec is None
@@ -91,19 +97,29 @@ class Rollouts:
         self.prompts = PromptSelector(cfg, self.train_records)  # skipping and curriculum
         self.prefetcher = RolloutPrefetcher()  # rollout.async_steps=1: the next round, ahead
         self.samples_generated = 0  # every response generated, trained on or not
+        self.env_failures = 0  # episodes whose environment failed, over the run
+        self.failed_in_a_row = 0  # rollout steps in a row with no sample that did not fail
 
     def _load_prompts(self, inputs: RunInputs, log: Callable[[str], None]) -> None:
         """Training and held-out prompts, rendered and tokenized; over-long ones dropped."""
         d = self.cfg.data
+        renderer = self.renderer
+        opening = None if renderer is None else (lambda r: renderer.opening(prompt_messages(r)))
         self.train_records, self.train_ids, dropped = encode_prompts(
-            load_prompt_set(d, "train", inputs.train_dataset), self.tokenizer, d.max_prompt_length
+            load_prompt_set(d, "train", inputs.train_dataset),
+            self.tokenizer,
+            d.max_prompt_length,
+            ids_of=opening,
         )
         if dropped:
             log(f"dropped {dropped} training prompts longer than data.max_prompt_length")
         self.eval_records, self.eval_ids = [], []
         if self.cfg.evaluate and (d.eval is not None or inputs.eval_dataset is not None):
             self.eval_records, self.eval_ids, _ = encode_prompts(
-                load_prompt_set(d, "eval", inputs.eval_dataset), self.tokenizer, d.max_prompt_length
+                load_prompt_set(d, "eval", inputs.eval_dataset),
+                self.tokenizer,
+                d.max_prompt_length,
+                ids_of=opening,
             )
         elif self.cfg.evaluate:
             log(
@@ -148,7 +164,13 @@ class Rollouts:
             self.prompts.record(taken, [g.correct for g in scored])
             return scored
 
-        batch, fill = self.sampler.fill(produce)
+        reward_failures = self.scorer.failures
+        try:
+            batch, fill = self.sampler.fill(produce)
+        except DynamicSamplingError as exc:  # a step of failures says why it found nothing
+            self._check_failures(step, generated, reward_failures, exc)
+            raise
+        failed = self._check_failures(step, generated, reward_failures)
         if fill.note and self.dist.is_main:  # the round cap: a short batch or no update
             warnings.warn(f"rollout step {step}: {fill.note}", DynamicSamplingWarning, stacklevel=3)
         self.samples_generated += sum(g.size for g in generated)
@@ -164,13 +186,49 @@ class Rollouts:
         return batch, {
             **skips,
             **group_metrics(generated),
-            "reward/failures": float(self.scorer.failures),
+            **failed,
             "perf/gen_s": timing["gen"],
             "perf/score_s": timing["score"],
             "perf/rollout_tokens_per_s": tokens / max(timing["gen"], 1e-9),
             "sampling/generated_samples_total": float(self.samples_generated),
             "rollout/staleness": float(max(staleness, default=0)),
             **fill.as_metrics(),
+        }
+
+    def _check_failures(
+        self,
+        step: int,
+        generated: list[ScoredGroup],
+        reward_failures_before: int,
+        cause: Exception | None = None,
+    ) -> dict[str, float]:
+        """This step's failed samples (reward calls, environments), counted; stop the run after
+        ``train.max_failed_steps`` steps in a row in which every sample failed."""
+        episodes = [e for g in generated for e in g.episode_stats or []]
+        env = [e for e in episodes if e["end"] == "env_failure"]
+        rewards = self.scorer.failures - reward_failures_before
+        self.env_failures += len(env)
+        samples = sum(g.size for g in generated)
+        all_failed = samples > 0 and rewards + len(env) >= samples
+        self.failed_in_a_row = self.failed_in_a_row + 1 if all_failed else 0
+        limit = self.cfg.train.max_failed_steps
+        if all_failed and self.failed_in_a_row >= limit:
+            first = (
+                f"the environment: {env[0]['failure']}"
+                if env
+                else (self.scorer.rewards.first_error or "a reward function")
+            )
+            raise TrainingError(
+                f"every sample of the last {self.failed_in_a_row} rollout steps failed "
+                f"(train.max_failed_steps={limit}; step {step}: {rewards} reward failures, "
+                f"{len(env)} environment failures of {samples} samples); the first error: "
+                f"{first}. Fix that component; the last checkpoint is intact (continue with "
+                "resume=true)."
+            ) from cause
+        return {
+            "reward/failures": float(rewards),
+            "reward/failures_total": float(self.scorer.failures),
+            **({"env/failures_total": float(self.env_failures)} if episodes else {}),
         }
 
     def generate_ahead(self, step: int) -> None:
@@ -218,6 +276,8 @@ class Rollouts:
             params,
             self.environments,
             max_turns=self.cfg.rollout.max_turns,
+            renderer=self.renderer,
+            max_prompt_length=self.cfg.data.max_prompt_length,
         )
 
     def accuracy(
@@ -240,6 +300,8 @@ class Rollouts:
             **self.prompts.state_dict(),  # "stream" and "history"
             "sampler": self.sampler.state_dict(),
             "reward_failures": self.scorer.failures,
+            "env_failures": self.env_failures,
+            "failed_in_a_row": self.failed_in_a_row,
             "samples_generated": self.samples_generated,
             "prefetch": self.prefetcher.state_dict(),
         }
@@ -249,6 +311,8 @@ class Rollouts:
         self.sampler.load_state_dict(state["sampler"])
         self.prefetcher.load_state_dict(state["prefetch"], step)
         self.scorer.failures = state["reward_failures"]
+        self.env_failures = state.get("env_failures", 0)  # absent before they were counted
+        self.failed_in_a_row = state.get("failed_in_a_row", 0)
         self.samples_generated = state["samples_generated"]
 
     def close(self) -> None:

@@ -22,9 +22,11 @@ import torch
 
 from dapo.atomic import write_text_atomic
 from dapo.config import Config
+from dapo.environments import load_environment, no_template_error
 from dapo.errors import TrainingError
 from dapo.metrics import MetricsLogger, plot_dashboard
 from dapo.models import load_tokenizer, resolve_model_path
+from dapo.models.loading import builtin_chat_template
 from dapo.models.precision import precision_of
 from dapo.parallel import distributed as D
 from dapo.parallel import sharding
@@ -57,12 +59,24 @@ class Trainer:
         self.cfg, self.out, inputs = cfg, Path(cfg.output_dir), inputs or RunInputs()
         _check_output_dir(self.out)
         seed_everything(cfg.seed)
+        # Multi-turn episodes: the environment, tools and parser are loaded (a bad spec is an
+        # error) and the chat template they need is checked before any model is built.
+        r = cfg.rollout
+        spec = load_environment(
+            inputs.environment or r.environment, [*r.tools, *inputs.tools], r.tool_parser
+        )
+        tokenizer_name = cfg.model.tokenizer or cfg.model.name_or_path
+        builtin_without = builtin_chat_template(tokenizer_name) is False
+        if spec is not None and inputs.tokenizer is None and builtin_without:
+            raise no_template_error(tokenizer_name)
         model_path = ""
         if inputs.model is None or inputs.tokenizer is None:
             model_path = resolve_model_path(cfg.model.name_or_path, log=self.log)
         self.tokenizer = inputs.tokenizer or load_tokenizer(
             cfg.model.tokenizer or model_path, trust_remote_code=cfg.model.trust_remote_code
         )
+        if spec is not None and not getattr(self.tokenizer, "chat_template", None):
+            raise no_template_error(tokenizer_name)
         self.learner = Learner.from_config(
             cfg, model_path, self.tokenizer.pad_token_id, self.log, model=inputs.model
         )
@@ -74,7 +88,7 @@ class Trainer:
         self.learner.compare_engine = (
             separate or cfg.algorithm.is_cap is not None or precision_of(self.model) != "fp32"
         )
-        self.rollouts = Rollouts(cfg, self.tokenizer, self.learner, inputs, self.log)
+        self.rollouts = Rollouts(cfg, self.tokenizer, self.learner, inputs, self.log, spec)
         self.callbacks = list(inputs.callbacks)
         self.step = 0
         self.summary: dict[str, Any] = {}
@@ -318,6 +332,10 @@ class Trainer:
                 "resumed_from_step": resumed_from,
                 "trainable_parameters": trainable,
                 "parameters": total,
+                "failures": {
+                    "reward": self.rollouts.scorer.failures,
+                    "env": self.rollouts.env_failures,
+                },
             }
         )
         if not self.dist.is_main:
