@@ -601,7 +601,8 @@ OLD_BOUNDS = {
     "data.curriculum_steps": ">= 0",
     "data.max_prompt_length": ">= 1",
     "rollout.server_timeout_s": "> 0",
-    "rollout.async_steps": "in [0, 1]",
+    "rollout.max_staleness": "in [0, 64]",
+    "rollout.partial_chunk_tokens": ">= 1",
     "rollout.num_generations": ">= 2",
     "rollout.temperature": "> 0",
     "rollout.top_p": "in (0, 1]",
@@ -737,7 +738,7 @@ def test_every_enumerated_field_refuses_a_typo_with_its_choices(path, cls, f):
 
 SECTION_RULE_CASES = {
     "data": (["data.difficulty_key=level"], "data.difficulty_key", "data.curriculum"),
-    "rollout": (["rollout.async_steps=1"], "rollout.async_steps", "hf engine"),
+    "rollout": (["rollout.partial_rollouts=true"], "rollout.partial_rollouts", "max_staleness"),
     "algorithm": (["algorithm.policy_loss=gspo"], "algorithm.loss_agg", "seq-mean-token-mean"),
     "train": (["train.mini_batch_size=5"], "train.mini_batch_size", "divisor"),
 }

@@ -579,10 +579,10 @@ def test_vllm_fp8_rollouts_load_the_trainers_weights(tiny_path):
 
 
 @gpu_test(vllm=True)
-@pytest.mark.parametrize("async_steps", [0, 1], ids=["sync", "async"])
-def test_vllm_server_two_steps_on_the_gpu(async_steps, tmp_path, tiny_path):
+@pytest.mark.parametrize("max_staleness", [0, 1], ids=["sync", "async"])
+def test_vllm_server_two_steps_on_the_gpu(max_staleness, tmp_path, tiny_path):
     """``dapo vllm-serve`` on the GPU and a 2-step ``rollout.engine=vllm-server`` run, with
-    and without ``rollout.async_steps=1``: the server gets the weights at the start and after
+    and without ``rollout.max_staleness=1``: the server gets the weights at the start and after
     each step, and samples with them (float32 on both sides; mean log-prob mismatch below
     1e-2, GPU attention kernels may round in TF32). With one GPU the trainer runs on
     the CPU and the weights go over gloo (NCCL refuses two ranks on one GPU); with two, the
@@ -618,7 +618,7 @@ def test_vllm_server_two_steps_on_the_gpu(async_steps, tmp_path, tiny_path):
             "rollout.engine=vllm-server",
             f"rollout.server_url={url}",
             "rollout.server_timeout_s=120",
-            f"rollout.async_steps={async_steps}",
+            f"rollout.max_staleness={max_staleness}",
             "train.prompts_per_step=4",
             "train.mini_batch_size=2",
             "rollout.num_generations=4",
@@ -635,7 +635,7 @@ def test_vllm_server_two_steps_on_the_gpu(async_steps, tmp_path, tiny_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     steps = [r for r in rows if "actor/loss" in r]
     assert len(steps) == 2 and health["weight_version"] == 3  # at the start, after each step
-    assert [r["rollout/staleness"] for r in steps] == ([0.0, 1.0] if async_steps else [0.0, 0.0])
+    assert [r["rollout/staleness"] for r in steps] == ([0.0, 1.0] if max_staleness else [0.0, 0.0])
     mismatch = [r["rollout/logprob_mismatch"] for r in steps if "rollout/logprob_mismatch" in r]
-    record(f"vllm-server (GPU) run, async_steps={async_steps}: mismatch per step", mismatch)
+    record(f"vllm-server (GPU) run, max_staleness={max_staleness}: mismatch per step", mismatch)
     assert mismatch and max(mismatch) < 1e-2

@@ -62,7 +62,7 @@ def metric_rows(out: Path) -> list[dict]:
 
 
 ASYNC = pytest.param(
-    ["rollout.engine=vllm", "rollout.async_steps=1"],
+    ["rollout.engine=vllm", "rollout.max_staleness=1"],
     id="async",
     marks=[pytest.mark.slow, needs_vllm],
 )
@@ -72,8 +72,9 @@ ASYNC = pytest.param(
 def test_skipped_prompts_are_never_generated_and_rounds_stay_full(
     random_tiny_model, twelve_prompts, tmp_path, rollout
 ):
-    """async: the next step's first round is drawn (and skipped) while the trainer trains,
-    from the history of every step scored before it, as a synchronous run would."""
+    """async: the next step's rounds are drawn (and skipped) by the producer while the
+    trainer trains, from the history of every step scored before them, as a synchronous run
+    would."""
     cfg = config(
         random_tiny_model,
         twelve_prompts,

@@ -886,17 +886,25 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
         ],
         ["no rollout server answers at http://127.0.0.1:9", "dapo vllm-serve MODEL --port 9"],
     ),
-    "async-steps-not-0-or-1": (
-        ["rollout.engine=vllm", "rollout.async_steps=2"],
-        ["`rollout.async_steps` = 2", "use 0"],
+    "max-staleness-out-of-range": (
+        ["rollout.max_staleness=65"],
+        ["`rollout.max_staleness` = 65", "in [0, 64]"],
     ),
-    "async-with-hf-engine": (
-        ["rollout.async_steps=1"],
-        ["`rollout.async_steps` = 1", "rollout.engine=vllm or vllm-server"],
+    "partial-rollouts-without-staleness": (
+        ["rollout.partial_rollouts=true"],
+        ["`rollout.partial_rollouts` = True", "rollout.max_staleness >= 1"],
+    ),
+    "async-steps-and-max-staleness": (
+        ["rollout.async_steps=1", "rollout.max_staleness=2"],
+        ["`rollout.async_steps` = 1", "give only `rollout.max_staleness`"],
     ),
     "async-with-top-p": (
-        ["rollout.engine=vllm", "rollout.async_steps=1", "rollout.top_p=0.9"],
-        ["`rollout.async_steps` = 1", "algorithm.is_cap"],
+        ["rollout.max_staleness=1", "rollout.top_p=0.9", "algorithm.is_cap=null"],
+        ["`rollout.max_staleness` = 1", "algorithm.is_cap"],
+    ),
+    "staleness-with-sync-every": (
+        ["rollout.engine=vllm", "rollout.max_staleness=1", "rollout.vllm_sync_every=2"],
+        ["`rollout.vllm_sync_every` = 2", "use 1"],
     ),
     "config-file-missing": (["DIR/missing.yaml"], ["config file not found", "DIR/missing.yaml"]),
     "config-file-not-yaml": (["DIR/config.yaml"], ["DIR/config.yaml", "not valid YAML"]),

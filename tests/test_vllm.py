@@ -651,7 +651,7 @@ def test_lora_policy_reaches_the_rollout_server_merged(tmp_path, tiny_path):
 
 
 # --------------------------------------------------------------------------------------
-# rollout.async_steps=1: the next batch is generated while the trainer trains
+# rollout.max_staleness=1: the next batch is generated while the trainer trains
 # --------------------------------------------------------------------------------------
 
 
@@ -662,40 +662,38 @@ def test_async_rollouts_learn_one_step_behind(tmp_path, tiny_path):
     lines = train(
         tiny_path,
         out,
-        "rollout.async_steps=1",
+        "rollout.max_staleness=1",
         "train.steps=20",
         "data.max_eval_prompts=200",
         "checkpoint.save_every=0",
     )
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["accuracy_before"], summary["accuracy_after"]
-    print(f"held-out accuracy with rollout.async_steps=1: {before:.1%} -> {after:.1%}")
+    print(f"held-out accuracy with rollout.max_staleness=1: {before:.1%} -> {after:.1%}")
     assert after > before + 0.05, (before, after)
     steps = [x for x in lines if "actor/loss" in x]
-    staleness = [x["rollout/staleness"] for x in steps]
-    # Step 1 samples synchronously; every later batch (its first round) was generated during
-    # the previous update, by the policy one rollout step older.
-    assert len(steps) == 20 and staleness[0] == 0 and set(staleness[1:]) == {1.0}, staleness
-    assert all(x["perf/async_gen_s"] > 0 for x in steps[:-1])
-    assert "perf/async_gen_s" not in steps[-1]  # nothing is generated past the last step
-    # Rounds generated synchronously (dynamic sampling's extra rounds) are the current
-    # policy's: the engine was synced after every update.
-    mismatch = [x["rollout/logprob_mismatch"] for x in steps if "rollout/logprob_mismatch" in x]
-    assert max(mismatch, default=0.0) < 1e-4, mismatch
+    staleness = [x["stream/staleness_max"] for x in steps]
+    # The first batch is the initial policy's; every later one was filled at most one
+    # version behind, most of it during the previous update.
+    assert len(steps) == 20 and staleness[0] == 0 and set(staleness[1:]) <= {0.0, 1.0}
+    assert sum(staleness) >= 10, staleness
+    # The decoupled correction: the behaviour weights pi_prox / pi_behave average ~1.
+    weights = [x["rollout/is_weight_mean"] for x in steps]
+    assert all(abs(w - 1) < 0.05 for w in weights), weights
 
 
 @needs_vllm
 @pytest.mark.slow
-def test_two_rank_async_run_decides_globally_and_repeats_exactly(tmp_path, tiny_path):
-    """rollout.async_steps=1 under torchrun, one engine per rank, dynamic sampling on: every
-    step trains exactly the configured number of groups (the keep/drop decisions and the
-    size of the round generated ahead are the same on both ranks, or the collectives would
-    not match), every batch after the first was generated one policy version behind, and a
-    second run with the same seed logs the same values."""
+def test_two_rank_async_run_decides_globally(tmp_path, tiny_path):
+    """rollout.max_staleness=1 under torchrun, one engine per rank, dynamic sampling on: the
+    producers' collectives run on a group of their own beside the trainers', every step
+    trains exactly the configured number of groups (the keep/drop decisions are the same on
+    both ranks, or the collectives would not match), and no batch is more than one version
+    behind."""
     env = dict(os.environ, DAPO_CACHE=str(tiny_path.parent), OMP_NUM_THREADS="1")
     common = [
         "rollout.engine=vllm",
-        "rollout.async_steps=1",
+        "rollout.max_staleness=1",
         "train.steps=3",
         "train.prompts_per_step=4",
         "train.mini_batch_size=2",
@@ -704,45 +702,32 @@ def test_two_rank_async_run_decides_globally_and_repeats_exactly(tmp_path, tiny_
         "algorithm.overlong_buffer=8",
         "checkpoint.save_every=0",
     ]
-    runs = []
-    for name in ("first", "again"):
-        out = tmp_path / name
-        proc = subprocess.run(
-            dapo_cmd(tiny_path, out, *common, ranks=2),
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        runs.append(
-            [
-                {k: v for k, v in x.items() if k != "time" and not k.startswith("perf/")}
-                for x in lines
-                if "actor/loss" in x
-            ]
-        )
-    steps = runs[0]
-    assert [x["rollout/staleness"] for x in steps] == [0, 1, 1]
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        dapo_cmd(tiny_path, out, *common, ranks=2),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in steps if "actor/loss" in x]
     assert [x["sampling/trained_groups"] for x in steps] == [4, 4, 4]
+    assert [x["stream/staleness_max"] <= 1 for x in steps] == [True] * 3
     assert sum(x["sampling/uniform_groups"] for x in steps) > 0  # dynamic sampling had work
-    assert runs[1] == runs[0]
 
 
 @needs_vllm
 @pytest.mark.slow
 def test_async_run_resumes_where_it_stopped(tmp_path, tiny_path):
-    """A checkpoint holds the batch generated ahead: a run resumed from step 2 trains on the
-    same batches (identical rewards and staleness) and ends with the uninterrupted run's
-    weights (to float rounding: the resumed step 3 trains without generation overlapping)."""
+    """A checkpoint holds the batches filled ahead, with their versions: a run resumed from
+    step 2 trains on exactly those (identical rewards and staleness at step 3)."""
     import shutil
-
-    from safetensors.torch import load_file
 
     common = [
         "evaluate=false",
-        "rollout.async_steps=1",
+        "rollout.max_staleness=1",
         "train.steps=4",
         "checkpoint.save_every=1",
         "checkpoint.keep_last=10",
@@ -754,26 +739,15 @@ def test_async_run_resumes_where_it_stopped(tmp_path, tiny_path):
     state = torch.load(
         whole / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False
     )
-    ahead = state["prefetch"]
-    assert (
-        ahead["step"] == 2
-        and ahead["version"] == 1
-        and len(ahead["groups"]) == len(ahead["indices"])
-    )
+    queued = state["rollout_queue"]
+    assert "2" in queued and len(queued["2"]["groups"]) == 4
+    versions = {v for g in queued["2"]["groups"] for x in g["versions"] for v in x}
+    assert versions and min(versions) >= 1  # within one version of step 2
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(whole / "checkpoints" / "step_000002", resumed / "checkpoints" / "step_000002")
     again = train(tiny_path, resumed, *common, "resume=true")
-    a = load_file(whole / "checkpoints" / "step_000004" / "model.safetensors")
-    b = load_file(resumed / "checkpoints" / "step_000004" / "model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
-    for step in (3, 4):
-        x = next(x for x in lines if x["step"] == step and "actor/loss" in x)
-        y = next(y for y in again if y["step"] == step and "actor/loss" in y)
-        assert (
-            x["reward/mean"] == y["reward/mean"]
-            and x["rollout/staleness"] == y["rollout/staleness"] == 1
-        )
-        assert x["actor/pg_loss"] == pytest.approx(y["actor/pg_loss"], rel=1e-4, abs=1e-7), step
+    x = next(x for x in lines if x["step"] == 3 and "actor/loss" in x)
+    y = next(y for y in again if y["step"] == 3 and "actor/loss" in y)
+    for key in ("reward/mean", "stream/staleness_mean", "response_length/mean"):
+        assert x[key] == y[key], key

@@ -175,9 +175,31 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     raise ConfigError(f"`{path}`: unsupported type {tp}")  # pragma: no cover
 
 
+# Keys that were renamed: old path -> new path (the old one still reads, as the new one).
+RENAMED = {"rollout.async_steps": "rollout.max_staleness"}
+
+
+def _renamed(data: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out = dict(data)
+    for old, new in RENAMED.items():
+        section, _, leaf = old.rpartition(".")
+        if prefix != section + "." or leaf not in out:
+            continue
+        new_leaf = new.rpartition(".")[2]
+        value = out.pop(leaf)
+        if new_leaf in out and out[new_leaf] != value:
+            raise ConfigError(
+                f"`{old}` = {value!r} and `{new}` = {out[new_leaf]!r} are one setting "
+                f"(`{old}` is its former name): give only `{new}`"
+            )
+        out[new_leaf] = value
+    return out
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     types_ = hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
+    data = _renamed(data, prefix)
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
@@ -302,6 +324,7 @@ def load_config(
     data = _merge(data, cli_data)
     data["preset"] = preset
     _eval_follows_train(data, file_data, cli_data)
+    _correction_follows_staleness(data, file_data, cli_data)
     cfg = _build(Config, data)
     validate(cfg)
     return cfg
@@ -319,6 +342,26 @@ def _eval_follows_train(data: dict[str, Any], *layers: dict[str, Any]) -> None:
     train = data["data"]["train"]
     builtin = isinstance(train, str) and train.startswith("builtin:")
     data["data"]["eval"] = train if builtin else None
+
+
+STALE_IS_CAP = 5.0  # AReaL's cap on the behaviour weight of decoupled PPO
+
+
+def _correction_follows_staleness(data: dict[str, Any], *layers: dict[str, Any]) -> None:
+    """Streaming rollouts (``rollout.max_staleness`` > 0) correct stale tokens by default:
+    unless a layer sets ``algorithm.is_cap`` (null included), it is 5 with ``is_mode=mask``
+    (unless a layer sets that): AReaL's decoupled objective with its cap."""
+    rollout = _renamed(data.get("rollout") or {}, "rollout.")
+    if not rollout.get("max_staleness"):
+        return
+    given = [layer.get("algorithm") for layer in layers]
+    given = [a for a in given if isinstance(a, dict)]
+    if any("is_cap" in a for a in given):
+        return
+    algorithm = data.setdefault("algorithm", {})
+    algorithm["is_cap"] = STALE_IS_CAP
+    if not any("is_mode" in a for a in given):
+        algorithm["is_mode"] = "mask"
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

@@ -44,14 +44,32 @@ class RolloutConfig:
         "logs hold null (give it again, or use the environment variable, when resuming).",
         secret=True,
     )
-    async_steps: int = opt(
+    max_staleness: int = opt(
         0,
-        "1: one-step-asynchronous rollouts: the engine generates the next step's batch while "
-        "the trainer trains on this one (sampled by the policy one update older; "
-        "rollout/staleness). Needs engine=vllm or vllm-server. 0: generate, then train.",
+        "Streaming rollouts: a producer generates the coming steps' batches while the trainer "
+        "trains, at most N rollout steps ahead, so that no trained token was sampled more than "
+        "N policy versions before the weights being updated (queued time counted). 0: "
+        "synchronous (generate, then train). 1 is what rollout.async_steps=1 was. With N > 0 "
+        "the ratio is taken against the proximal policy and algorithm.is_cap (default 5, mask) "
+        "corrects the gap to the policy that sampled each token (AReaL's decoupled PPO); the "
+        "hf engine then samples from a copy of the policy.",
         ge=0,
-        le=1,
-        hint="use 0 to generate, then train, or 1 to generate the next batch while training",
+        le=64,
+        hint="0: synchronous; 1-8 at scale (prime-rl's default is 8)",
+    )
+    partial_rollouts: bool = opt(
+        False,
+        "With rollout.max_staleness > 0: responses still being generated at a weight update "
+        "continue under the new weights from the tokens they have (each token keeps the "
+        "version and log-prob of the policy that sampled it), instead of finishing under the "
+        "old ones. Generation then runs rollout.partial_chunk_tokens at a time.",
+    )
+    partial_chunk_tokens: int = opt(
+        32,
+        "rollout.partial_rollouts: tokens generated per engine call; a weight update waits at "
+        "most one chunk, and each chunk after an update starts with a fresh prefill under the "
+        "new weights (no cached key or value of older weights is used).",
+        ge=1,
     )
     num_generations: int = opt(
         8,

@@ -68,23 +68,30 @@ def _check_rollout(cfg: Config) -> None:
         "more than one turn needs something to answer the model: set rollout.environment "
         "(module:Class or a built-in, e.g. calculator) or rollout.tools, or use max_turns=1",
     )
-    if r.async_steps:
-        require(
-            r.engine != "hf",
-            "rollout.async_steps",
-            r.async_steps,
-            "asynchronous rollouts need an engine with its own weights: the hf engine samples "
-            "from the very module being trained; use rollout.engine=vllm or vllm-server",
-        )
+    require(
+        not r.partial_rollouts or r.max_staleness > 0,
+        "rollout.partial_rollouts",
+        r.partial_rollouts,
+        "partial rollouts continue responses across weight updates, which only happen during "
+        "generation with streaming rollouts: set rollout.max_staleness >= 1, or leave it false",
+    )
+    if r.max_staleness:
         exact = r.top_p == 1.0 and r.top_k == 0
         require(
             exact or a.is_cap is not None,
-            "rollout.async_steps",
-            r.async_steps,
+            "rollout.max_staleness",
+            r.max_staleness,
             "with rollout.top_p < 1 or rollout.top_k > 0 the engine's log-probs are not the "
-            "sampling policy's, so the one-step-old batch is uncorrected: set "
-            "algorithm.is_cap (e.g. 2.0; algorithm.is_level / is_mode choose the correction), "
-            "or sample with top_p=1 and top_k=0",
+            "sampling policy's, so stale batches go uncorrected: set algorithm.is_cap (e.g. "
+            "5.0; algorithm.is_level / is_mode choose the correction), or sample with top_p=1 "
+            "and top_k=0",
+        )
+        require(
+            r.vllm_sync_every == 1,
+            "rollout.vllm_sync_every",
+            r.vllm_sync_every,
+            "staleness is counted in rollout steps, so with rollout.max_staleness > 0 the engine "
+            "gets the weights after every update: use 1",
         )
 
 

@@ -8,8 +8,11 @@ metric sums) with the object collectives, and gradients through DDP or FSDP2
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,13 +63,38 @@ def current() -> DistInfo:
     )
 
 
+_thread = threading.local()  # .group: this thread's process group for the helpers here
+
+
+def new_group() -> Any:
+    """A second gloo group over the same ranks (every rank must call this, in the same
+    order): collectives of a background thread (the rollout producer) run on it, so they
+    never interleave with the training thread's on the default group. None without one."""
+    return dist.new_group(backend="gloo") if current().enabled else None
+
+
+@contextlib.contextmanager
+def collectives_on(group: Any) -> Iterator[None]:
+    """Run this thread's collectives of this module on ``group`` (None: the default)."""
+    before = getattr(_thread, "group", None)
+    _thread.group = group
+    try:
+        yield
+    finally:
+        _thread.group = before
+
+
+def _group() -> Any:
+    return getattr(_thread, "group", None)
+
+
 def all_gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order (a one-element list without a process group)."""
     info = current()
     if not info.enabled:
         return [obj]
     out: list[Any] = [None] * info.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_group())
     return out
 
 
@@ -76,7 +104,7 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     if not info.enabled:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_group())
     return t.tolist()
 
 
@@ -85,13 +113,13 @@ def all_reduce_max(value: int) -> int:
     if not current().enabled:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group())
     return int(t.item())
 
 
 def barrier() -> None:
     if current().enabled:
-        dist.barrier()
+        dist.barrier(group=_group())
 
 
 def balance_by_tokens(lengths: list[int], parts: int) -> list[list[int]]:

@@ -40,6 +40,10 @@ class Group:
     env_rewards: list[float | None] | None = None  # the environment's reward; None: score text
     final_texts: list[str] | None = None  # each episode's last assistant turn (what is scored)
     episode_stats: list[dict[str, Any]] | None = None  # turns, tool calls, end reason, ...
+    # The policy version that sampled each response token (rollout.max_staleness; None: the
+    # engine did not say). A partial rollout mixes versions; environment tokens repeat the
+    # version of the turn before them.
+    versions: list[list[int]] | None = None
 
     def decode(self, tokenizer: Any) -> list[str]:
         """The texts to score: the responses (special tokens such as EOS dropped), or each

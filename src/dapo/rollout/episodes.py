@@ -59,6 +59,7 @@ class _Episode:
     ids: list[int] = field(default_factory=list)  # everything after the prompt
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # of each token (see Group.versions)
     text: str = ""  # the last assistant turn
     turns: int = 0
     tool_calls: int = 0
@@ -118,19 +119,17 @@ def run_episodes(
             groups = sorted({e.group for e in live})
             out = engine.generate([openings[g] for g in groups], params)
             by_group = dict(zip(groups, out, strict=True))
-            samples = [
-                (by_group[e.group].response_ids[e.slot], by_group[e.group].logprobs[e.slot])
-                for e in live
-            ]
+            samples = [_sampled(by_group[e.group], e.slot) for e in live]
         else:
             left = max(budget - len(e.ids) for e in live)
             seed = mix_seed(params.seed, _TURN_SEED, turn)
             turn_params = replace(params, n=1, max_tokens=left, seed=seed)
             out = engine.generate([openings[e.group] + e.ids for e in live], turn_params)
-            samples = [(g.response_ids[0], g.logprobs[0]) for g in out]
+            samples = [_sampled(g, 0) for g in out]
         stepping, cut = [], []
-        for e, (ids, logprobs) in zip(live, samples, strict=True):
-            (stepping if _take_turn(e, ids, logprobs, budget, renderer) else cut).append(e)
+        for e, (ids, logprobs, versions) in zip(live, samples, strict=True):
+            took = _take_turn(e, ids, logprobs, budget, renderer, versions)
+            (stepping if took else cut).append(e)
         if cut:
             pool.end([e.pool_id for e in cut])
             for e in cut:
@@ -205,11 +204,22 @@ def _end(e: _Episode, reason: str, *, failure: str | None = None, truncated: boo
     e.pool_id = None
 
 
+def _sampled(g: Group, j: int) -> tuple[list[int], list[float], list[int] | None]:
+    """Response ``j`` of an engine's group: ids, log-probs and versions (when tagged)."""
+    return g.response_ids[j], g.logprobs[j], g.versions[j] if g.versions is not None else None
+
+
 def _take_turn(
-    e: _Episode, ids: list[int], logprobs: list[float], budget: int, renderer: ChatRenderer
+    e: _Episode,
+    ids: list[int],
+    logprobs: list[float],
+    budget: int,
+    renderer: ChatRenderer,
+    versions: list[int] | None = None,
 ) -> bool:
     """Append one sampled turn; False when it ended the episode (the budget ran out)."""
     ids, logprobs = list(ids[: budget - len(e.ids)]), list(logprobs[: budget - len(e.ids)])
+    e.versions += list(versions[: len(ids)]) if versions is not None else [0] * len(ids)
     e.ids += ids
     e.logprobs += logprobs
     e.mask += [1] * len(ids)
@@ -259,6 +269,7 @@ def _answer(
             e.ids += reply
             e.logprobs += [0.0] * len(reply)
             e.mask += [0] * len(reply)
+            e.versions += [e.versions[-1] if e.versions else 0] * len(reply)
             e.env_tokens += len(reply)
     if release:
         pool.end(release)
@@ -280,6 +291,7 @@ def _groups(
                 env_rewards=[e.reward for e in mine],
                 final_texts=[e.text for e in mine],
                 episode_stats=[e.stats() for e in mine],
+                versions=[e.versions for e in mine],
             )
         )
     return groups

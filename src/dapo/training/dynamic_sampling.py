@@ -49,6 +49,8 @@ class ScoredGroup:
     # environment's; per-episode statistics. None for single-turn groups.
     model_mask: list[list[int]] | None = None
     episode_stats: list[dict[str, Any]] | None = None
+    # The policy version that sampled each response token (streaming rollouts).
+    versions: list[list[int]] | None = None
 
     def to_state(self) -> dict[str, Any]:
         """Plain data for a checkpoint (no pickled objects)."""
@@ -259,6 +261,14 @@ class DynamicSampler:
             f"{stats.all_wrong / gen:.0%} were all wrong."
         )
 
+    def drop_older_than(self, version: int) -> int:
+        """Drop carried-over groups with a token sampled before ``version`` (too stale for
+        the next batch under a staleness bound); how many were dropped."""
+        kept = [g for g in self.carry if min(_oldest(g), g.step) >= version]
+        dropped = len(self.carry) - len(kept)
+        self.carry = kept
+        return dropped
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "carry": [g.to_state() for g in self.carry],
@@ -270,3 +280,9 @@ class DynamicSampler:
         self.carry = [ScoredGroup.from_state(g) for g in state["carry"]]
         self.keep_rate = float(state["keep_rate"])
         self.empty_in_a_row = int(state["empty_in_a_row"])
+
+
+def _oldest(group: ScoredGroup) -> int:
+    """The oldest version among a group's tokens (its step when versions are not known)."""
+    found = [min(v) for v in group.versions or [] if v]
+    return min(found) if found else group.step

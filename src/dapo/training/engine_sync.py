@@ -25,7 +25,8 @@ class EngineSync:
     """Weight pushes to a separate engine (a no-op for the transformers engine).
 
     Args:
-        engine: the rollout engine (``load_weights``, optionally ``sleep``).
+        engine: the rollout engine, versioned (:class:`~dapo.rollout.versioned.VersionedEngine`:
+            ``load_weights`` with the version, ``set_version``, optionally ``sleep``).
         weights: the policy's ``(name, tensor)`` pairs as the engine loads them, made anew
             for each push (every rank iterates them: with FSDP they gather).
         separate: whether the engine holds its own weights (every engine but ``hf``).
@@ -49,9 +50,12 @@ class EngineSync:
         self.sleep = sleep
         self.updates_since_sync = 0
         self.due = False
-        # The rollout step whose trained weights the engine holds: the policy after that
-        # many rollout steps' updates (0: the initial policy).
-        self.version = 0
+
+    @property
+    def version(self) -> int:
+        """The rollout step whose trained weights the engine holds: the policy after that
+        many rollout steps' updates (0: the initial policy)."""
+        return self.engine.version
 
     def before_update(self, n_updates: int, *, generating: bool = False) -> None:
         """Count this step's updates towards the next push; put the engine to sleep while
@@ -70,9 +74,11 @@ class EngineSync:
         """Push the weights if a push is due; ``step`` is the number of rollout steps whose
         updates they hold. The time it took (``perf/weight_sync_s``), or nothing."""
         if not self.separate:
-            self.version = step  # the engine is the policy itself
+            self.engine.set_version(step)  # the engine is the policy itself
             return {}
         if not self.due:
+            if self.updates_since_sync == 0:  # no update since the last push: it is current
+                self.engine.set_version(step)
             return {}
         return {"perf/weight_sync_s": self.push(step)}
 
@@ -81,8 +87,9 @@ class EngineSync:
         FSDP it gathers); the seconds it took."""
         t0 = time.perf_counter()
         if self.separate:  # the transformers engine samples from the policy module itself
-            self.engine.load_weights(self.weights())
+            self.engine.load_weights(self.weights(), version=step)  # between two engine calls
+        else:
+            self.engine.set_version(step)
         self.updates_since_sync = 0
         self.due = False
-        self.version = step
         return time.perf_counter() - t0

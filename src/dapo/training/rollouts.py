@@ -2,13 +2,15 @@
 
 :class:`Rollouts` owns what producing a batch needs: the prompts (the seeded stream with
 skipping and curriculum), the rollout engine and, for multi-turn runs, the environments,
-the group scorer (reward workers), the dynamic sampler and its carry-over, the round
-generated ahead (``rollout.async_steps=1``) and the weight sync of a separate engine.
-:meth:`Rollouts.fill_batch` is stages 1-3 of a rollout step.
+the group scorer (reward workers), the dynamic sampler and its carry-over, and the weight
+sync of a separate engine. :meth:`Rollouts.fill_batch` is stages 1-3 of a rollout step; with
+streaming rollouts (``rollout.max_staleness``) a producer thread calls it for the coming
+steps (:mod:`dapo.training.stream`).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from collections.abc import Callable
@@ -26,15 +28,16 @@ from dapo.errors import (
 )
 from dapo.evaluation.run import engine_accuracy
 from dapo.parallel import distributed as D
-from dapo.rollout import Group, RolloutEngine, SamplingParams, close_engine, make_engine
+from dapo.parallel import sharding
+from dapo.rollout import Group, SamplingParams, close_engine, make_engine
 from dapo.rollout.episodes import run_episodes
+from dapo.rollout.versioned import VersionedEngine
 from dapo.seeding import mix_seed
 from dapo.training.batch import group_metrics
 from dapo.training.dynamic_sampling import DynamicSampler, ScoredGroup
 from dapo.training.engine_sync import EngineSync
 from dapo.training.inputs import RunInputs
 from dapo.training.learner import Learner
-from dapo.training.prefetch import RolloutPrefetcher
 from dapo.training.prompt_selection import PromptSelector
 from dapo.training.scoring import GroupScorer
 
@@ -60,12 +63,15 @@ class Rollouts:
         # A separate engine (vLLM, the rollout server) holds its own copy of the weights,
         # pushed every `rollout.vllm_sync_every` updates; it starts from the base model's
         # weights (LoRA's merged ones).
-        separate = r.engine != "hf"
+        # With streaming rollouts the transformers engine samples from a copy of the policy
+        # (the policy itself changes while the producer generates), kept like vLLM's.
+        own_copy = r.engine == "hf" and r.max_staleness > 0
+        separate = r.engine != "hf" or own_copy
         merged = learner.peft is not None and r.engine == "vllm"
         try:
-            self.engine: RolloutEngine = make_engine(
+            engine = make_engine(
                 r,
-                learner.model,
+                copy.deepcopy(learner.model) if own_copy else learner.model,
                 tokenizer,
                 seed=cfg.seed,
                 max_model_len=cfg.data.max_prompt_length + r.max_completion_length,
@@ -73,9 +79,17 @@ class Rollouts:
             )
         except (VLLMUnavailableError, VLLMEngineError) as exc:
             raise TrainingError(str(exc)) from exc
+        chunk = r.partial_chunk_tokens if r.partial_rollouts else None
+        self.engine = VersionedEngine(engine, version=0, chunk_tokens=chunk)
+        # The copy loads the policy's parameters under their own names (LoRA's too).
+        weights = (
+            (lambda: sharding.full_named_parameters(learner.model))
+            if own_copy
+            else (lambda: learner.engine_weights(separate))
+        )
         self.sync = EngineSync(
             self.engine,
-            lambda: learner.engine_weights(separate),
+            weights,
             separate=separate,
             sync_every=r.vllm_sync_every,
             sleep=r.vllm_sleep,
@@ -95,7 +109,6 @@ class Rollouts:
             max_empty_steps=a.max_empty_steps,
         )
         self.prompts = PromptSelector(cfg, self.train_records)  # skipping and curriculum
-        self.prefetcher = RolloutPrefetcher()  # rollout.async_steps=1: the next round, ahead
         self.samples_generated = 0  # every response generated, trained on or not
         self.env_failures = 0  # episodes whose environment failed, over the run
         self.failed_in_a_row = 0  # rollout steps in a row with no sample that did not fail
@@ -136,24 +149,23 @@ class Rollouts:
         timing = {"gen": 0.0, "score": 0.0}
         staleness = []  # rollout steps between the policy that sampled a round and this one
         self.prompts.start_step(step)
+        n = self.cfg.rollout.max_staleness
+        dropped = self.sampler.drop_older_than(step - n) if n else 0  # carry-over too stale
+        continued = self.engine.continued
 
         def produce(k: int) -> list[ScoredGroup]:
-            ahead = self.prefetcher.take(step, k) if not staleness else None
             t0 = time.perf_counter()
-            if ahead is None:
-                taken = self.prompts.next(k, skipped)
-                idx = D.shard(taken, self.dist)  # this rank's share of the prompts
-                groups, version = self.generate(idx, step, len(staleness)), self.sync.version
-            else:  # generated during the last step's update, by the policy before it
-                taken, groups, version = ahead.indices, ahead.groups or [], ahead.version
-                idx = D.shard(taken, self.dist)
-                skipped.extend(ahead.skipped)
+            taken = self.prompts.next(k, skipped)
+            idx = D.shard(taken, self.dist)  # this rank's share of the prompts
+            version = self.sync.version
+            groups = self.generate(idx, step, len(staleness))
             staleness.append(step - version)
             t1 = time.perf_counter()
-            # Its log-probs are the behaviour policy's: the groups count as generated at
-            # `version` when made ahead, else at this step.
+            # Generated ahead (streaming), its tokens are as old as their versions say; the
+            # groups count as generated at the oldest of them.
+            oldest = min([version, *(v for g in groups for x in g.versions or [] for v in x)])
             scored = self.scorer.score(
-                groups, [self.train_records[i] for i in idx], step if ahead is None else version
+                groups, [self.train_records[i] for i in idx], step if not n else oldest
             )
             timing["gen"] += t1 - t0
             timing["score"] += time.perf_counter() - t1
@@ -193,6 +205,14 @@ class Rollouts:
             "sampling/generated_samples_total": float(self.samples_generated),
             "rollout/staleness": float(max(staleness, default=0)),
             **fill.as_metrics(),
+            **(
+                {
+                    "stream/dropped_groups": float(dropped),
+                    "stream/partial_responses": float(self.engine.continued - continued),
+                }
+                if n
+                else {}
+            ),
         }
 
     def _check_failures(
@@ -230,22 +250,6 @@ class Rollouts:
             "reward/failures_total": float(self.scorer.failures),
             **({"env/failures_total": float(self.env_failures)} if episodes else {}),
         }
-
-    def generate_ahead(self, step: int) -> None:
-        """``rollout.async_steps=1``: start generating the first round of ``step`` (the
-        prompts and seeds a synchronous run would use for it) in the background."""
-        if not self.cfg.rollout.async_steps or step >= self.cfg.train.steps:
-            return
-        k = self.sampler.first_round_size()
-        if k == 0:  # the carried-over groups fill the batch
-            return
-        self.prompts.start_step(step)  # the pool fill_batch(step) sets again: same history
-        skipped: list[int] = []
-        indices = self.prompts.next(k, skipped)
-        mine = D.shard(indices, self.dist)
-        self.prefetcher.submit(
-            step, indices, self.sync.version, lambda: self.generate(mine, step, 0), skipped
-        )
 
     def generate(self, indices: list[int], step: int, round_no: int) -> list[Group]:
         """``rollout.num_generations`` responses (or episodes) for the training prompts
@@ -303,13 +307,11 @@ class Rollouts:
             "env_failures": self.env_failures,
             "failed_in_a_row": self.failed_in_a_row,
             "samples_generated": self.samples_generated,
-            "prefetch": self.prefetcher.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], step: int) -> None:
         self.prompts.load_state_dict(state)
         self.sampler.load_state_dict(state["sampler"])
-        self.prefetcher.load_state_dict(state["prefetch"], step)
         self.scorer.failures = state["reward_failures"]
         self.env_failures = state.get("env_failures", 0)  # absent before they were counted
         self.failed_in_a_row = state.get("failed_in_a_row", 0)
@@ -318,7 +320,6 @@ class Rollouts:
     def close(self) -> None:
         """Stop the reward and environment workers and release the engine."""
         self.scorer.close()
-        self.prefetcher.close()  # a round still generating uses the engine
         if self.environments is not None:
             self.environments.close()
         close_engine(self.engine)

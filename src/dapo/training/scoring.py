@@ -62,6 +62,7 @@ class GroupScorer:
                     step=step,
                     model_mask=g.model_mask,
                     episode_stats=g.episode_stats,
+                    versions=g.versions,
                 )
             )
         return out

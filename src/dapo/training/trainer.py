@@ -9,6 +9,7 @@ Read :meth:`Trainer.train_step` and :meth:`Trainer.run` top to bottom.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -45,6 +46,7 @@ from dapo.training.inputs import Callbacks, RunInputs
 from dapo.training.learner import Learner, NonFiniteUpdates
 from dapo.training.resume import check_resume
 from dapo.training.rollouts import Rollouts
+from dapo.training.stream import RolloutStream, staleness_metrics
 
 
 class Trainer:
@@ -89,6 +91,35 @@ class Trainer:
             separate or cfg.algorithm.is_cap is not None or precision_of(self.model) != "fp32"
         )
         self.rollouts = Rollouts(cfg, self.tokenizer, self.learner, inputs, self.log, spec)
+        # rollout.max_staleness >= 1: a producer thread fills the coming batches meanwhile.
+        self.stream = None
+        if r.max_staleness > 0:
+            if self.dist.enabled and r.engine == "hf":
+                raise TrainingError(
+                    f"rollout.max_staleness={r.max_staleness} with rollout.engine=hf under "
+                    "torchrun: the hf engine would sample from a copy of a sharded policy; use "
+                    "rollout.engine=vllm (one engine per rank) or vllm-server"
+                )
+            self.stream = RolloutStream(
+                self.rollouts.fill_batch,
+                self.rollouts.engine,
+                max_staleness=r.max_staleness,
+                end=cfg.train.steps,
+                group=D.new_group(),  # its collectives apart from the training thread's
+            )
+            a = cfg.algorithm
+            self.log(
+                f"streaming rollouts: up to {r.max_staleness} rollout steps ahead"
+                + (", partial rollouts" if r.partial_rollouts else "")
+                + "; off-policy correction: "
+                + (
+                    "ratio against the proximal policy (recomputed), behaviour "
+                    f"importance weights capped at {a.is_cap:g} ({a.is_level}, {a.is_mode})"
+                    if a.is_cap is not None
+                    else "none (algorithm.is_cap=null): the ratio is taken against the "
+                    "behaviour policy's log-probs"
+                )
+            )
         self.callbacks = list(inputs.callbacks)
         self.step = 0
         self.summary: dict[str, Any] = {}
@@ -104,17 +135,21 @@ class Trainer:
         """One rollout step on ``self.step``: its metrics and the groups it trained on."""
         step = self.step
         t0 = time.perf_counter()
-        groups, metrics = self.rollouts.fill_batch(step)  # 1-3. sample, score, filter
-        self.rollouts.generate_ahead(step + 1)  # async: the next step's first round, meanwhile
+        if self.stream is None:
+            groups, metrics = self.rollouts.fill_batch(step)  # 1-3. sample, score, filter
+        else:  # filled ahead by the producer, which goes on with the next ones meanwhile
+            if not self.stream.running:
+                self.stream.start(step)
+            groups, metrics = self.stream.take(step)
+            metrics.update(staleness_metrics(groups, step, self.cfg.rollout.max_staleness))
         t1 = time.perf_counter()
         if groups:  # none: no group with a learning signal at the round cap, no update
             samples = self.build_samples(groups)  # 4. advantages and loss masks
             n = self.learner.count_updates(len(samples), self.cfg.rollout.num_generations)
-            self.rollouts.sync.before_update(n, generating=self.rollouts.prefetcher.generating)
+            self.rollouts.sync.before_update(n, generating=self.stream is not None)
             metrics.update(self.learner.update(samples, step, self.cfg.rollout.num_generations))
         else:
             metrics["actor/updates"] = 0.0
-        metrics.update(self.rollouts.prefetcher.collect())  # async: the next round is in
         metrics.update(self.rollouts.sync.after_update(step + 1))  # 6. a separate engine follows
         t2 = time.perf_counter()
         tokens = sum(len(g.prompt_ids) * g.size + sum(map(len, g.response_ids)) for g in groups)
@@ -128,13 +163,18 @@ class Trainer:
     def build_samples(self, groups: list[ScoredGroup]) -> list[Sample]:
         """Advantages (group-normalised) and loss masks (overlong filtering) of a batch."""
         a, r = self.cfg.algorithm, self.cfg.rollout
+        # Streaming with a correction (decoupled PPO): the ratio of every sample is taken
+        # against the proximal policy (the learner recomputes it), the behaviour policy's
+        # log-probs weight it. Otherwise a group generated before this step takes its ratio
+        # against the behaviour policy.
+        decoupled = r.max_staleness > 0 and a.is_cap is not None
         return build_samples(
             groups,
             step=self.step,
             advantage_scale=a.advantage_scale,
             overlong_filter=a.overlong_filter,
             keep_engine_logprobs=self.learner.compare_engine,
-            exact_sampling_logprobs=r.top_p == 1.0 and r.top_k == 0,
+            exact_sampling_logprobs=r.top_p == 1.0 and r.top_k == 0 and not decoupled,
         )
 
     def stop_nonfinite(self, exc: NonFiniteUpdates) -> TrainingError:
@@ -166,15 +206,25 @@ class Trainer:
         records = D.shard(self.rollouts.eval_records, self.dist)
         ids = D.shard(self.rollouts.eval_ids, self.dist)
         # Gathered here, not only in generate: a rank without eval prompts never generates.
-        with sharding.full_params(self.model):
+        with self._producer_paused(), sharding.full_params(self.model):
             ev = self.rollouts.accuracy(records, ids, params)
         correct, n = D.all_reduce_sum([ev["acc"] * ev["n"] if ev["n"] else 0.0, float(ev["n"])])
         return {**ev, "acc": correct / max(n, 1.0), "n": int(n)}
 
+    def _producer_paused(self) -> Any:
+        """No batch is filled inside this block (streaming rollouts)."""
+        return self.stream.paused() if self.stream is not None else contextlib.nullcontext()
+
     def state_dict(self) -> dict[str, Any]:
-        """The run's state besides weights and optimizer, as plain data (every rank calls it)."""
+        """The run's state besides weights and optimizer, as plain data (every rank calls it);
+        with streaming rollouts, the batches filled ahead with their versions."""
+        with self._producer_paused():
+            return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
+            "rollout_queue": self.stream.state_dict() if self.stream is not None else None,
             **self.rollouts.state_dict(),
             "summary": self.summary,
             "nonfinite_in_a_row": self.learner.nonfinite_in_a_row,
@@ -185,6 +235,8 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
         self.rollouts.load_state_dict(state, self.step)
+        if self.stream is not None:
+            self.stream.load_state_dict(state.get("rollout_queue"))
         self.summary = dict(state["summary"])
         self.learner.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         random.setstate(state["rng"]["python"])
@@ -209,7 +261,10 @@ class Trainer:
         return bool(budget) and self.rollouts.samples_generated >= budget
 
     def close(self) -> None:
-        """Stop the reward workers and release the engine (``run`` does this itself)."""
+        """Stop the producer and the reward workers and release the engine (``run`` does this
+        itself)."""
+        if self.stream is not None:
+            self.stream.close()
         self.rollouts.close()
 
     # --- the whole run --------------------------------------------------------------------
