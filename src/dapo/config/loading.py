@@ -13,6 +13,7 @@ import difflib
 import math
 import types
 import typing
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -92,6 +93,8 @@ def _unknown_key(path: str) -> ConfigError:
             leaf_close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
             close = [by_leaf[leaf_close[0]]] if leaf_close else []
         suggestion = close[0] if close else None
+    if suggestion == path:  # a known key given where it cannot be: never suggest itself
+        suggestion = None
     hint = f"did you mean `{suggestion}`?" if suggestion else "see `dapo train --help-config`"
     return ConfigError(f"unknown config key `{path}`: {hint}")
 
@@ -196,23 +199,80 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _nest(dotted: dict[str, Any]) -> dict[str, Any]:
+Path_ = tuple[str, ...]
+
+
+def _leaves(
+    data: dict[str, Any], cls: Any, prefix: Path_, origin: str | None, out: dict[Path_, Any]
+) -> None:
+    """The leaves of ``data`` (a layer: a YAML file's mapping or the overrides) into ``out``:
+    key path -> (value, the key as given). Keys may be dotted at any section level and a
+    mapping may mix dotted keys and sections; a key path given twice is an error naming both.
+    A dict-valued field's own keys (``reward.source_scorers``) are not split at dots."""
+    for key, value in data.items():
+        parts = str(key).split(".") if dataclasses.is_dataclass(cls) else [str(key)]
+        tp, path = cls, prefix
+        for i, part in enumerate(parts):
+            fields = hints(tp) if dataclasses.is_dataclass(tp) else None
+            if fields is None or part not in fields:  # a dict field's key, or unknown
+                rest = parts[i:] if fields is not None else [".".join(parts[i:])]
+                path, tp = path + tuple(rest), None
+                break
+            path, tp = path + (part,), _section_type(fields[part])
+        given = origin or str(key)
+        section = dataclasses.is_dataclass(tp) or (get_origin(tp) is dict and bool(value))
+        if isinstance(value, dict) and section:  # an empty section sets nothing
+            _leaves(value, tp, path, given, out)
+            continue
+        for other in out:  # a section given as a value, or a value under a value
+            shorter, longer = sorted((other, path), key=len)
+            if other != path and longer[: len(shorter)] == shorter:
+                name = ".".join(longer)
+                raise ConfigError(
+                    f"`{name}`: `{'.'.join(shorter)}` is a value, not a section (given as "
+                    f"`{out[other][1]}` and `{given}`)"
+                )
+        if path in out:
+            dotted = ".".join(path)
+            first = out[path][1]
+            raise ConfigError(
+                f"`{dotted}` is given twice, as `{first}` and as `{given}`"
+                + ("" if first != given else " (dotted and in its section)")
+                + "; give it once"
+            )
+        out[path] = (value, given)
+
+
+def _section_type(tp: Any) -> Any:
+    """A field's type as far as key paths go: the section's dataclass, ``dict``, or None."""
+    if dataclasses.is_dataclass(tp) or get_origin(tp) is dict:
+        return tp
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        return _section_type(inner[0]) if len(inner) == 1 else None
+    return None
+
+
+def _nest(data: dict[str, Any]) -> dict[str, Any]:
     """``{"train.lr": 1e-5, "train": {"steps": 9}}`` -> ``{"train": {"lr": 1e-5, "steps": 9}}``:
-    dotted keys and sections given as mappings (``dapo.train(train={...})``) are merged."""
+    dotted keys and sections are merged (see :func:`_leaves`); the caller's mappings are
+    never changed."""
+    leaves: dict[Path_, Any] = {}
+    _leaves(data, Config, (), None, leaves)
     out: dict[str, Any] = {}
-    for path, value in dotted.items():
-        parts = str(path).split(".")
+    for path, (value, _) in leaves.items():
         node = out
-        for part in parts[:-1]:
-            nxt = node.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"`{path}`: `{part}` is a value, not a section")
-            node = nxt
-        leaf = parts[-1]
-        if isinstance(value, dict):  # a copy, merged with what dotted keys set before it
-            value = _merge(node[leaf] if isinstance(node.get(leaf), dict) else {}, _copy(value))
-        node[leaf] = value
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = _copy(value)
     return out
+
+
+def _given_paths(data: dict[str, Any]) -> set[str]:
+    """The dotted key paths a nested layer sets (``train.lr``)."""
+    leaves: dict[Path_, Any] = {}
+    _leaves(data, Config, (), None, leaves)
+    return {".".join(path) for path in leaves}
 
 
 def _copy(value: Any) -> Any:
@@ -272,16 +332,19 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 def load_config(
     path: str | Path | dict[str, Any] | None = None,
     overrides: list[str] | dict[str, Any] | None = None,
+    objects: Collection[str] = (),
 ) -> Config:
     """Defaults < preset < YAML file < overrides; validated.
 
     ``path`` may also be the mapping a YAML file would hold (``dapo.train(config={...})``).
     ``overrides`` are ``key.path=value`` strings (the command line) or a dict of dotted keys
-    and sections (``{"train.lr": 1e-5, "rollout": {"temperature": 0.7}}``)."""
-    if isinstance(path, dict):
-        file_data = _copy(path)
-    else:
-        file_data = {} if path is None else read_config_file(path)
+    and sections (``{"train.lr": 1e-5, "rollout": {"temperature": 0.7}}``); a YAML file or
+    mapping may use dotted keys too. ``objects``: keys given as Python objects instead
+    (``rollout.environment``, ``rollout.tools`` from :func:`dapo.train`), which the rules
+    count as set. ``train.mini_batch_size`` set nowhere follows ``train.prompts_per_step``;
+    a rule refusing a value the user never set says where it came from."""
+    raw = path if isinstance(path, dict) else {} if path is None else read_config_file(path)
+    file_data = _nest(raw)
     if isinstance(overrides, dict):
         dotted = dict(overrides)
     else:
@@ -298,12 +361,30 @@ def load_config(
         raise ConfigError(
             f"`preset` = {preset!r} is not a known preset; {hint}run `dapo presets` to list them"
         )
-    data = _merge(_nest(PRESETS[preset][1]), file_data)
-    data = _merge(data, cli_data)
+    preset_data = _nest(PRESETS[preset][1])
+    data = _merge(_merge(preset_data, file_data), cli_data)
     data["preset"] = preset
     _eval_follows_train(data, file_data, cli_data)
+    user = _given_paths(file_data) | _given_paths(cli_data)
+    from_preset = _given_paths(preset_data)
+    if not {"train.mini_batch_size"} & (user | from_preset) and "train" in data:
+        # One update per rollout step unless set: follows train.prompts_per_step.
+        pps = data["train"].get("prompts_per_step")
+        if pps is not None:
+            data["train"]["mini_batch_size"] = pps
     cfg = _build(Config, data)
-    validate(cfg)
+    try:
+        validate(cfg, objects)
+    except ConfigError as exc:
+        key = exc.key
+        if key is None or key in user or key == "preset":
+            raise
+        source = f"preset {preset}'s value" if key in from_preset else "the default"
+        raise ConfigError(
+            f"{exc} (you did not set `{key}`: its value is {source}; set {key} to one that "
+            "fits the keys you set)",
+            key=key,
+        ) from None
     return cfg
 
 
