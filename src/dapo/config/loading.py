@@ -22,7 +22,7 @@ import yaml
 from dapo.config.fields import check_choice, choices_of, hints
 from dapo.config.presets import PRESETS
 from dapo.config.rules import validate
-from dapo.config.schema import Config
+from dapo.config.schema import Config, TrainConfig
 from dapo.errors import ConfigError
 
 # Names users bring from other libraries, mapped to ours.
@@ -367,11 +367,7 @@ def load_config(
     _eval_follows_train(data, file_data, cli_data)
     user = _given_paths(file_data) | _given_paths(cli_data)
     from_preset = _given_paths(preset_data)
-    if not {"train.mini_batch_size"} & (user | from_preset) and "train" in data:
-        # One update per rollout step unless set: follows train.prompts_per_step.
-        pps = data["train"].get("prompts_per_step")
-        if pps is not None:
-            data["train"]["mini_batch_size"] = pps
+    _mini_batch_follows(data, user | from_preset)
     cfg = _build(Config, data)
     try:
         validate(cfg, objects)
@@ -386,6 +382,18 @@ def load_config(
             key=key,
         ) from None
     return cfg
+
+
+def _mini_batch_follows(data: dict[str, Any], given: set[str]) -> None:
+    """``train.mini_batch_size`` set nowhere keeps its default while that divides
+    ``train.prompts_per_step``, and is ``prompts_per_step`` (one update per step) otherwise."""
+    train = data.get("train")
+    if "train.mini_batch_size" in given or not isinstance(train, dict):
+        return
+    pps = train.get("prompts_per_step")
+    default = TrainConfig().mini_batch_size
+    if isinstance(pps, int) and not isinstance(pps, bool) and pps >= 1 and pps % default:
+        train["mini_batch_size"] = pps
 
 
 def _eval_follows_train(data: dict[str, Any], *layers: dict[str, Any]) -> None:

@@ -249,8 +249,9 @@ class TrainConfig:
         "prompts_per_step / mini_batch_size is the number of updates per rollout step. "
         "The DAPO paper: 512 / 32 prompts (512 responses) = 16 updates. A short batch of "
         "n prompts (algorithm.round_cap=train) gets ceil(n / mini_batch_size) updates of "
-        "near-equal size. Left unset (by the preset, a file and the overrides), it equals "
-        "train.prompts_per_step: one update per rollout step.",
+        "near-equal size. Left unset, it is 16 where that divides train.prompts_per_step "
+        "and prompts_per_step (one update per rollout step) otherwise: "
+        "train.prompts_per_step=4 alone gives 4.",
         ge=1,
     )
     epochs: int = opt(1, "Passes over each rollout batch (PPO epochs).", ge=1)
