@@ -70,6 +70,17 @@ def test_a_tool_without_a_docstring_is_a_config_error_naming_the_fix():
         load_environment(tools=[f"{ENVS}:no_docstring"])
 
 
+def test_the_tool_schema_fix_and_the_unknown_environment_messages_read_cleanly():
+    with pytest.raises(ConfigError) as info:
+        load_environment(tools=[f"{ENVS}:no_docstring"])
+    assert "\\n" not in str(info.value) and "Args:" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_environment("calculatr")
+    msg = str(info.value)
+    assert "nor a spec a built-in name" not in msg
+    assert "did you mean 'calculator'?" in msg and "'path/to/file.py:Name'" in msg
+
+
 def test_hermes_parser_reads_one_and_several_calls():
     one = (
         'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"numbers": [1, 2]}}\n</tool_call>'
