@@ -572,3 +572,19 @@ def test_sub_packages_are_attributes_of_dapo_without_torch():
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_no_evaluation_of_in_memory_data_is_not_said_of_a_file(random_tiny_model, tmp_path):
+    from dapo.training.inputs import RunInputs
+    from dapo.training.trainer import Trainer
+
+    heard: list[str] = []
+    cfg = dapo.make_config(
+        **{**SMALL, "model.name_or_path": str(random_tiny_model), "output_dir": str(tmp_path)},
+        **{"data.train": "<train_dataset: list of 8 rows>"},
+    )
+    trainer = Trainer(cfg, inputs=RunInputs(train_dataset=rows("train", 8)), log=heard.append)
+    trainer.close()
+    (note,) = [m for m in heard if "no held-out evaluation" in m]
+    assert "a file has no held-out split" not in note
+    assert "a data set given from Python" in note and "eval_dataset=" in note
