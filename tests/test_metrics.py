@@ -357,6 +357,17 @@ def test_pg_loss_note_printed_once(tmp_path: Path, capsys: pytest.CaptureFixture
     assert err.count(PG_LOSS_NOTE) == 1
 
 
+def test_pg_loss_note_not_printed_when_the_gradient_is_zero(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with _logger(tmp_path, console=True, total_steps=5) as lg:
+        lg.log(1, {"actor/pg_loss": 0.0, "actor/grad_norm": 0.0})
+        lg.log(2, {"actor/pg_loss": 0.0, "actor/grad_norm": float("nan")})
+        assert PG_LOSS_NOTE not in capsys.readouterr().err  # "not zero" would be false
+        lg.log(3, {"actor/pg_loss": 0.0, "actor/grad_norm": 0.25})
+    assert capsys.readouterr().err.count(PG_LOSS_NOTE) == 1
+
+
 # One rollout step of the default run as the trainer logs it (base run, step 3).
 REALISTIC_STEP = {
     "reward/mean": 0.14391447368421054,

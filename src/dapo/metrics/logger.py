@@ -308,11 +308,13 @@ class MetricsLogger:
         self._update_console(step, values)
 
         pg_loss = values.get("actor/pg_loss")
+        grad_norm = values.get("actor/grad_norm", 1.0)  # the note claims it is not zero
         if (
             not self._pg_note_done
             and pg_loss is not None
             and math.isfinite(pg_loss)
             and abs(pg_loss) < PG_LOSS_NEAR_ZERO
+            and grad_norm > 0
         ):
             self._pg_note_done = True
             self.message(PG_LOSS_NOTE)
