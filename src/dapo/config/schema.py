@@ -366,6 +366,15 @@ class LoggingConfig:
         ge=0,
         hint="0: only before and after training",
     )
+    transcripts_per_step: int = opt(
+        2,
+        "Rollouts of each step written as a person reads them to output_dir/rollouts.jsonl "
+        "(the prompt as the model saw it, each turn with its role and tool calls, the reward "
+        "and its parts, the end reason, the advantage), and to TensorBoard (text) and W&B "
+        "(a table); `dapo show RUN` prints them. 0: none.",
+        ge=0,
+        hint="0: none",
+    )
 
 
 @dataclass
