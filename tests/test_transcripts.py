@@ -64,7 +64,7 @@ def test_an_episode_is_split_into_turns_with_roles_and_tool_calls():
     assert [t["role"] for t in rec["turns"]] == ["assistant", "environment", "assistant"]
     assert rec["turns"][0]["text"] == CALL  # decoded without its EOS
     assert rec["turns"][0]["tool_calls"] == [{"name": "add", "arguments": {"numbers": [1, 2]}}]
-    assert rec["turns"][1] == {"role": "environment", "text": "\nT: 3\nA: ", "tokens": 10}
+    assert rec["turns"][1] == {"role": "environment", "text": "\nT: 3\nA: ", "tokens": 9}
     assert rec["turns"][2] == {
         "role": "assistant",
         "text": "Answer: 3",
