@@ -459,6 +459,30 @@ def test_compact_line_stays_short_for_extreme_values() -> None:
     assert nonfinite == "reward nan  entropy inf"
 
 
+def test_compact_line_shows_turns_and_non_zero_failures() -> None:
+    values = {"reward/acc": 0.5, "env/turns_mean": 2.25, "perf/step_s": 1.5}
+    line = console.compact_line(3, 10, {**values, "reward/failures": 0.0, "env/failures": 0.0}, "")
+    assert line == "step  3/10  acc 50.0%  turns 2.25  1.50s/step"  # no failures: not shown
+    line = console.compact_line(3, 10, {**values, "reward/failures": 7.0, "env/failures": 2.0}, "")
+    assert line == "step  3/10  acc 50.0%  turns 2.25  1.50s/step  failed reward 7 env 2"
+    assert console.failures({"env/failures": 1.0, "reward/failures": 0.0}) == "failed env 1"
+    widest = {
+        "val/acc": 1.0,
+        "reward/acc": 1.0,
+        "reward/mean": -12345.678,
+        "actor/entropy": 1.2345678e-05,
+        "response_length/mean": 131072.4,
+        "actor/clip_frac_high": 0.123456,
+        "sampling/uniform_groups": 1.0,
+        "perf/step_s": 9999.4,
+        "env/turns_mean": 12.345,
+        "reward/failures": 999999.0,
+        "env/failures": 99999.0,
+    }
+    line = console.compact_line(1000, 10_000, widest, console.timing(360_000.0, 1000, 9000))
+    assert len(line) <= console.MAX_LINE, (len(line), line)
+
+
 def test_compact_line_leaves_out_missing_metrics(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
