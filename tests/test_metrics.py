@@ -8,6 +8,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -651,6 +652,51 @@ def test_plot_dashboard_full(tmp_path: Path) -> None:
     fig = dashboard._build_figure(read_metrics(run), "t")
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert "no data" not in texts
+
+
+def _legend_titles(fig: Any) -> list[str]:
+    return [ax.get_legend().get_title().get_text() for ax in fig.axes if ax.get_legend()]
+
+
+def test_an_episode_run_gets_an_episode_panel(tmp_path: Path) -> None:
+    run = tmp_path / "episodes"
+    _write_run(run, 4)
+    assert "Episodes" not in _legend_titles(dashboard._build_figure(read_metrics(run), "t"))
+    recs = read_metrics(run)
+    for rec in recs:
+        step = rec["step"]
+        rec.update(
+            {
+                "env/turns_mean": 1.5 + step / 10,
+                "env/tool_calls": 0.5,
+                "env/failures": float(step % 2),
+                "perf/env_s": 0.2,
+                "env/ended_done": 0.75,
+                "env/ended_max_turns": 0.25,
+                "env/ended_budget": 0.0,
+                "env/ended_env_failure": 0.0,
+                "env/ended_bad_tool_call": 0.0,
+            }
+        )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    _check_png(plot_dashboard(run))
+    fig = dashboard._build_figure(read_metrics(run), "t")
+    titles = _legend_titles(fig)
+    assert "Episodes" in titles and "Episode end reasons" in titles
+    (episodes,) = [
+        ax
+        for ax in fig.axes
+        if ax.get_legend() and ax.get_legend().get_title().get_text() == "Episodes"
+    ]
+    labels = [t.get_text() for t in episodes.get_legend().get_texts()]
+    assert labels == [
+        "turns / episode",
+        "tool calls / episode",
+        "environment failures (count)",
+        "environment s",
+    ]
+    xs, ys = episodes.lines[0].get_data()
+    assert list(xs) == [1, 2, 3, 4] and list(ys) == pytest.approx([1.6, 1.7, 1.8, 1.9])
 
 
 def test_plot_dashboard_with_missing_keys(tmp_path: Path) -> None:
