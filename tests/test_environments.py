@@ -547,26 +547,24 @@ def test_an_environment_wanting_more_than_one_turn_at_max_turns_1_is_warned_once
     tok = _char_tokenizer("builtin")
     engine = ScriptedEngine(tok, lambda text, i: "hi")
     params = SamplingParams(n=2, max_tokens=64, seed=5)
-    with EnvironmentPool(load_environment(f"{ENVS}:Forever"), num_workers=0) as pool:
-        with pytest.warns(EnvironmentWarning) as caught:
-            run_episodes(engine, tok, _records(2), params, pool, max_turns=1)
-            run_episodes(engine, tok, _records(2), params, pool, max_turns=1)
+    with (
+        EnvironmentPool(load_environment(f"{ENVS}:Forever"), num_workers=0) as pool,
+        pytest.warns(EnvironmentWarning) as caught,
+    ):
+        run_episodes(engine, tok, _records(2), params, pool, max_turns=1)
+        run_episodes(engine, tok, _records(2), params, pool, max_turns=1)
     texts = [str(w.message) for w in caught if "wanted another turn" in str(w.message)]
     assert len(texts) == 1  # once per pool
     assert "4 of 4 episodes wanted another turn" in texts[0]
     assert "raise rollout.max_turns" in texts[0]
     # An environment that ends its episodes in one turn is not warned about.
-    with EnvironmentPool(load_environment(f"{ENVS}:Counter"), num_workers=0) as pool:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", EnvironmentWarning)
-            run_episodes(
-                ScriptedEngine(tok, lambda text, i: "stop"),
-                tok,
-                _records(1),
-                params,
-                pool,
-                max_turns=1,
-            )
+    stop = ScriptedEngine(tok, lambda text, i: "stop")
+    with (
+        EnvironmentPool(load_environment(f"{ENVS}:Counter"), num_workers=0) as pool,
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("error", EnvironmentWarning)
+        run_episodes(stop, tok, _records(1), params, pool, max_turns=1)
 
 
 def test_the_budget_covers_model_and_environment_tokens():
