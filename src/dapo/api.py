@@ -39,6 +39,8 @@ def make_config(config: ConfigSource = None, **overrides: Any) -> Config:
 
     ``config``: a YAML file's path, the mapping a YAML file holds, or a ``Config`` (whose
     preset is applied already: the overrides change its values, and cannot change its preset).
+    A file or mapping may use dotted keys (``{"train.steps": 5}``) and sections alike; a key
+    given twice (dotted and in its section) is an error naming both.
     ``overrides``: dotted keys (``**{"train.lr": 1e-6}``), sections (``train={"lr": 1e-6}``)
     and top-level keys (``preset="grpo"``, ``seed=1``). Raises :class:`ConfigError` with
     the messages ``dapo train`` gives for the same keys."""
@@ -136,7 +138,8 @@ def train(
       checkpointing and device applied as to a loaded path). Without ``tokenizer`` the
       model's ``name_or_path`` (or ``model.tokenizer``) names it.
     - ``environment`` / ``tools``: an environment class or factory and tool functions for
-      multi-turn episodes, as ``rollout.environment`` / ``rollout.tools`` take them.
+      multi-turn episodes, as ``rollout.environment`` / ``rollout.tools`` take them; they
+      count as set for ``rollout.max_turns`` > 1 (``rollout={"max_turns": 3}``).
     - ``callbacks``: functions ``fn(step, metrics)`` (a True return stops the run cleanly)
       or objects with ``on_step`` / ``on_evaluate`` / ``on_save`` (:mod:`dapo.training.inputs`).
     """

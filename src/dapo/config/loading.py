@@ -207,7 +207,8 @@ def _leaves(
 ) -> None:
     """The leaves of ``data`` (a layer: a YAML file's mapping or the overrides) into ``out``:
     key path -> (value, the key as given). Keys may be dotted at any section level and a
-    mapping may mix dotted keys and sections; a key path given twice is an error naming both.
+    mapping may mix dotted keys and sections; a key path given twice with two values is an
+    error naming both.
     A dict-valued field's own keys (``reward.source_scorers``) are not split at dots."""
     for key, value in data.items():
         parts = str(key).split(".") if dataclasses.is_dataclass(cls) else [str(key)]
@@ -234,13 +235,11 @@ def _leaves(
                     f"`{name}`: `{'.'.join(shorter)}` is a value, not a section (given as "
                     f"`{out[other][1]}` and `{given}`)"
                 )
-        if path in out:
-            dotted = ".".join(path)
-            first = out[path][1]
+        if path in out and out[path][0] != value:  # the same value twice is harmless
+            first, before = out[path][1], out[path][0]
             raise ConfigError(
-                f"`{dotted}` is given twice, as `{first}` and as `{given}`"
-                + ("" if first != given else " (dotted and in its section)")
-                + "; give it once"
+                f"`{'.'.join(path)}` is given twice, as `{first}` ({before!r}) and as "
+                f"`{given}` ({value!r}); give it once"
             )
         out[path] = (value, given)
 
