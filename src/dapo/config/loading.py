@@ -225,7 +225,7 @@ def _leaves(
         if isinstance(value, dict) and section:  # an empty section sets nothing
             _leaves(value, tp, path, given, out)
             continue
-        if dataclasses.is_dataclass(tp):  # as _coerce says it, whatever else is given
+        if dataclasses.is_dataclass(tp) and not isinstance(value, tp):  # as _coerce says it
             raise ConfigError(f"`{'.'.join(path)}` must be a mapping of keys, got {value!r}")
         for other in out:  # a section given as a value, or a value under a value
             shorter, longer = sorted((other, path), key=len)
