@@ -474,3 +474,123 @@ def test_a_script_calling_dapo_train_runs_on_two_ranks(random_tiny_model, tmp_pa
     assert ranks[0]["summary"]["steps"] == 2
     assert (out / "checkpoints" / "step_000002").is_dir()
     assert [r["step"] for r in metric_rows(out)] == [1, 2]
+
+
+# --- the first hour from Python: multi-turn, dotted mappings, typos, sub-packages -------
+
+
+def multiturn_kw(tool_model: Path, out: Path) -> dict:
+    """A 1-step run of 4 calculator prompts x 4 episodes on the random tool model."""
+    return {
+        **SMALL,
+        "train.steps": 1,
+        "rollout.max_completion_length": 40,
+        "model": str(tool_model),
+        "output_dir": str(out),
+        "data.train": "builtin:calculator",
+        "data.answer_key": "reward_model.ground_truth",
+        "evaluate": False,
+    }
+
+
+def test_an_environment_object_gets_more_than_one_turn(tool_model, tmp_path):
+    from sample_environments import TwoTurns, half_right  # tests/sample_environments.py
+
+    kw = multiturn_kw(tool_model, tmp_path / "env")
+    summary = dapo.train(
+        environment=TwoTurns, reward_funcs=half_right, rollout={"max_turns": 3}, **kw
+    )
+    assert summary["steps"] == 1
+    row = metric_rows(tmp_path / "env")[0]
+    assert row["env/turns_mean"] > 1  # TwoTurns answered the first turn: a second one ran
+
+
+def test_tool_functions_get_more_than_one_turn(tool_model, tmp_path):
+    from sample_environments import add, half_right
+
+    kw = multiturn_kw(tool_model, tmp_path / "tools")
+    trainer = dapo.make_trainer(
+        tools=[add], reward_funcs=half_right, **{**kw, "rollout.max_turns": 2}
+    )
+    try:
+        assert trainer.cfg.rollout.max_turns == 2
+        metrics, groups = trainer.train_step()
+        assert len(groups) == 4 and "env/turns_mean" in metrics
+    finally:
+        trainer.close()
+
+
+def test_max_turns_still_needs_something_to_answer():
+    with pytest.raises(ConfigError, match="more than one turn needs something to answer"):
+        dapo.make_config(rollout={"max_turns": 3})
+
+
+def test_a_mapping_may_use_dotted_keys_as_the_command_line(tmp_path, capsys):
+    mixed = {"train.steps": 5, "train": {"lr": 1e-5}, "rollout.temperature": 0.7}
+    expected = load_config(None, ["train.steps=5", "train.lr=1e-5", "rollout.temperature=0.7"])
+    assert dapo.make_config(mixed).to_dict() == expected.to_dict()
+    path = tmp_path / "dotted.yaml"
+    path.write_text(yaml.safe_dump(mixed))
+    assert dapo.make_config(path).to_dict() == expected.to_dict()
+    # Given twice: an error naming both forms.
+    with pytest.raises(ConfigError) as info:
+        dapo.make_config({"train.steps": 5, "train": {"steps": 6}})
+    assert str(info.value) == (
+        "`train.steps` is given twice, as `train.steps` (5) and as `train` (6); give it once"
+    )
+    with pytest.raises(ConfigError, match=r"`train\.lr` is given twice, as `train` \(1e-05\)"):
+        dapo.make_config(train={"lr": 1e-5}, **{"train.lr": 2e-5})
+    # The same value twice is no conflict.
+    assert dapo.make_config({"train.steps": 5, "train": {"steps": 5}}).train.steps == 5
+
+
+def test_an_unknown_key_never_suggests_itself():
+    with pytest.raises(ConfigError) as info:
+        dapo.make_config({"train": {"train.steps": 5}})
+    assert "did you mean `train.train.steps`" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"`train\.stepz`: did you mean `train\.steps`\?"):
+        dapo.make_config({"train.stepz": 5})
+
+
+@pytest.mark.parametrize(
+    ("typo", "keyword"),
+    [("train_datset", "train_dataset"), ("reward_func", "reward_funcs"), ("tool", "tools")],
+)
+def test_a_keyword_typo_suggests_the_keyword(typo, keyword):
+    with pytest.raises(ConfigError, match=rf"`{typo}=`: did you mean `{keyword}=`\?"):
+        dapo.train(**{typo: [1]})
+
+
+def test_sub_packages_are_attributes_of_dapo_without_torch():
+    code = (
+        "import sys, dapo; env = dapo.environments.Environment; "
+        "assert env.__name__ == 'Environment'; "
+        "assert dapo.config.Config and 'torch' not in sys.modules, sorted(sys.modules)"
+    )
+    import subprocess
+
+    src = str(Path(dapo.__file__).parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_no_evaluation_of_in_memory_data_is_not_said_of_a_file(random_tiny_model, tmp_path):
+    from dapo.training.inputs import RunInputs
+    from dapo.training.trainer import Trainer
+
+    heard: list[str] = []
+    cfg = dapo.make_config(
+        **{**SMALL, "model.name_or_path": str(random_tiny_model), "output_dir": str(tmp_path)},
+        **{"data.train": "<train_dataset: list of 8 rows>"},
+    )
+    trainer = Trainer(cfg, inputs=RunInputs(train_dataset=rows("train", 8)), log=heard.append)
+    trainer.close()
+    (note,) = [m for m in heard if "no held-out evaluation" in m]
+    assert "a file has no held-out split" not in note
+    assert "a data set given from Python" in note and "eval_dataset=" in note

@@ -70,6 +70,17 @@ def test_a_tool_without_a_docstring_is_a_config_error_naming_the_fix():
         load_environment(tools=[f"{ENVS}:no_docstring"])
 
 
+def test_the_tool_schema_fix_and_the_unknown_environment_messages_read_cleanly():
+    with pytest.raises(ConfigError) as info:
+        load_environment(tools=[f"{ENVS}:no_docstring"])
+    assert "\\n" not in str(info.value) and "Args:" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_environment("calculatr")
+    msg = str(info.value)
+    assert "nor a spec a built-in name" not in msg
+    assert "did you mean 'calculator'?" in msg and "'path/to/file.py:Name'" in msg
+
+
 def test_hermes_parser_reads_one_and_several_calls():
     one = (
         'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"numbers": [1, 2]}}\n</tool_call>'
@@ -530,6 +541,30 @@ def test_max_turns_truncates_an_episode_the_environment_does_not_end():
     assert all(
         r[-1] == 1 and sum(m) == 6 for r, m in zip(g.response_ids, g.model_mask, strict=True)
     )
+
+
+def test_an_environment_wanting_more_than_one_turn_at_max_turns_1_is_warned_once():
+    tok = _char_tokenizer("builtin")
+    engine = ScriptedEngine(tok, lambda text, i: "hi")
+    params = SamplingParams(n=2, max_tokens=64, seed=5)
+    with (
+        EnvironmentPool(load_environment(f"{ENVS}:Forever"), num_workers=0) as pool,
+        pytest.warns(EnvironmentWarning) as caught,
+    ):
+        run_episodes(engine, tok, _records(2), params, pool, max_turns=1)
+        run_episodes(engine, tok, _records(2), params, pool, max_turns=1)
+    texts = [str(w.message) for w in caught if "wanted another turn" in str(w.message)]
+    assert len(texts) == 1  # once per pool
+    assert "4 of 4 episodes wanted another turn" in texts[0]
+    assert "raise rollout.max_turns" in texts[0]
+    # An environment that ends its episodes in one turn is not warned about.
+    stop = ScriptedEngine(tok, lambda text, i: "stop")
+    with (
+        EnvironmentPool(load_environment(f"{ENVS}:Counter"), num_workers=0) as pool,
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("error", EnvironmentWarning)
+        run_episodes(stop, tok, _records(1), params, pool, max_turns=1)
 
 
 def test_the_budget_covers_model_and_environment_tokens():

@@ -8,6 +8,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -357,6 +358,17 @@ def test_pg_loss_note_printed_once(tmp_path: Path, capsys: pytest.CaptureFixture
     assert err.count(PG_LOSS_NOTE) == 1
 
 
+def test_pg_loss_note_not_printed_when_the_gradient_is_zero(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with _logger(tmp_path, console=True, total_steps=5) as lg:
+        lg.log(1, {"actor/pg_loss": 0.0, "actor/grad_norm": 0.0})
+        lg.log(2, {"actor/pg_loss": 0.0, "actor/grad_norm": float("nan")})
+        assert PG_LOSS_NOTE not in capsys.readouterr().err  # "not zero" would be false
+        lg.log(3, {"actor/pg_loss": 0.0, "actor/grad_norm": 0.25})
+    assert capsys.readouterr().err.count(PG_LOSS_NOTE) == 1
+
+
 # One rollout step of the default run as the trainer logs it (base run, step 3).
 REALISTIC_STEP = {
     "reward/mean": 0.14391447368421054,
@@ -446,6 +458,30 @@ def test_compact_line_stays_short_for_extreme_values() -> None:
     assert len(line) <= console.MAX_LINE, (len(line), line)
     nonfinite = console.signals({"reward/mean": math.nan, "actor/entropy": math.inf})
     assert nonfinite == "reward nan  entropy inf"
+
+
+def test_compact_line_shows_turns_and_non_zero_failures() -> None:
+    values = {"reward/acc": 0.5, "env/turns_mean": 2.25, "perf/step_s": 1.5}
+    line = console.compact_line(3, 10, {**values, "reward/failures": 0.0, "env/failures": 0.0}, "")
+    assert line == "step  3/10  acc 50.0%  turns 2.25  1.50s/step"  # no failures: not shown
+    line = console.compact_line(3, 10, {**values, "reward/failures": 7.0, "env/failures": 2.0}, "")
+    assert line == "step  3/10  acc 50.0%  turns 2.25  1.50s/step  failed reward 7 env 2"
+    assert console.failures({"env/failures": 1.0, "reward/failures": 0.0}) == "failed env 1"
+    widest = {
+        "val/acc": 1.0,
+        "reward/acc": 1.0,
+        "reward/mean": -12345.678,
+        "actor/entropy": 1.2345678e-05,
+        "response_length/mean": 131072.4,
+        "actor/clip_frac_high": 0.123456,
+        "sampling/uniform_groups": 1.0,
+        "perf/step_s": 9999.4,
+        "env/turns_mean": 12.345,
+        "reward/failures": 999999.0,
+        "env/failures": 99999.0,
+    }
+    line = console.compact_line(1000, 10_000, widest, console.timing(360_000.0, 1000, 9000))
+    assert len(line) <= console.MAX_LINE, (len(line), line)
 
 
 def test_compact_line_leaves_out_missing_metrics(
@@ -616,6 +652,51 @@ def test_plot_dashboard_full(tmp_path: Path) -> None:
     fig = dashboard._build_figure(read_metrics(run), "t")
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert "no data" not in texts
+
+
+def _legend_titles(fig: Any) -> list[str]:
+    return [ax.get_legend().get_title().get_text() for ax in fig.axes if ax.get_legend()]
+
+
+def test_an_episode_run_gets_an_episode_panel(tmp_path: Path) -> None:
+    run = tmp_path / "episodes"
+    _write_run(run, 4)
+    assert "Episodes" not in _legend_titles(dashboard._build_figure(read_metrics(run), "t"))
+    recs = read_metrics(run)
+    for rec in recs:
+        step = rec["step"]
+        rec.update(
+            {
+                "env/turns_mean": 1.5 + step / 10,
+                "env/tool_calls": 0.5,
+                "env/failures": float(step % 2),
+                "perf/env_s": 0.2,
+                "env/ended_done": 0.75,
+                "env/ended_max_turns": 0.25,
+                "env/ended_budget": 0.0,
+                "env/ended_env_failure": 0.0,
+                "env/ended_bad_tool_call": 0.0,
+            }
+        )
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    _check_png(plot_dashboard(run))
+    fig = dashboard._build_figure(read_metrics(run), "t")
+    titles = _legend_titles(fig)
+    assert "Episodes" in titles and "Episode end reasons" in titles
+    (episodes,) = [
+        ax
+        for ax in fig.axes
+        if ax.get_legend() and ax.get_legend().get_title().get_text() == "Episodes"
+    ]
+    labels = [t.get_text() for t in episodes.get_legend().get_texts()]
+    assert labels == [
+        "turns / episode",
+        "tool calls / episode",
+        "environment failures (count)",
+        "environment s",
+    ]
+    xs, ys = episodes.lines[0].get_data()
+    assert list(xs) == [1, 2, 3, 4] and list(ys) == pytest.approx([1.6, 1.7, 1.8, 1.9])
 
 
 def test_plot_dashboard_with_missing_keys(tmp_path: Path) -> None:

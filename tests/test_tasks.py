@@ -323,3 +323,79 @@ def test_chat_addition_and_its_sanity_set_are_builtin_data_sets():
     for r in sanity:
         a, _, b = asked(r)
         assert r.ground_truth == str(a + b)
+
+
+def test_an_interrupted_warm_up_resumes_from_its_saved_progress(tmp_path, one_thread):
+    """Progress is saved every tenth of the warm-up; a build interrupted midway goes on from
+    there and ends with the weights of an uninterrupted build."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dapo.models import tiny
+
+    def build(out, log):
+        return tiny.warm_up(out, "builtin:tiny", steps=4, log=log)
+
+    straight = AutoModelForCausalLM.from_pretrained(build(tmp_path / "a", lambda _: None))
+
+    class Interrupt(Exception):
+        pass
+
+    def stop_after_two(line):
+        if line.startswith("warm-up 2/4"):
+            raise Interrupt
+
+    out = tmp_path / "b"
+    with pytest.raises(Interrupt):
+        build(out, stop_after_two)
+    assert not out.exists() and tiny.progress_path(out).is_file()
+    heard: list[str] = []
+    resumed = AutoModelForCausalLM.from_pretrained(build(out, heard.append))
+    assert heard[0] == "resuming the warm-up of builtin:tiny at step 2/4 (saved progress)"
+    assert [line.split(":")[0] for line in heard[1:]] == ["warm-up 3/4", "warm-up 4/4"]
+    assert not tiny.progress_path(out).exists()  # the finished model replaces it
+    for (name, p), q in zip(
+        straight.state_dict().items(), resumed.state_dict().values(), strict=True
+    ):
+        assert torch.equal(p, q), name
+    # Progress of another warm-up (other steps) is not used.
+    with pytest.raises(Interrupt):
+        build(tmp_path / "c", stop_after_two)
+    heard.clear()
+    tiny.warm_up(tmp_path / "c", "builtin:tiny", steps=2, log=heard.append)
+    assert not heard[0].startswith("resuming")
+
+
+def test_a_second_process_waits_for_the_first_build(tmp_path, monkeypatch):
+    """Two builders of one built-in model at once: one builds, the other waits for it and
+    uses its model (a file lock; threads hold separate open files, as processes do)."""
+    import json
+    import threading
+    import time
+
+    from dapo.models import tiny
+
+    monkeypatch.setenv("DAPO_CACHE", str(tmp_path))
+    builds = []
+
+    def fake_warm_up(path, name, log):
+        builds.append(name)
+        time.sleep(0.5)
+        path.mkdir(parents=True)
+        (path / "builtin.json").write_text(json.dumps({"name": name}))
+        return path
+
+    monkeypatch.setattr(tiny, "warm_up", fake_warm_up)
+    logs: list[list[str]] = [[], []]
+    paths = []
+
+    def builder(i):
+        paths.append(tiny.ensure_builtin_model("builtin:tiny", log=logs[i].append))
+
+    first = threading.Thread(target=builder, args=(0,))
+    first.start()
+    time.sleep(0.1)
+    builder(1)
+    first.join()
+    assert builds == ["builtin:tiny"] and paths[0] == paths[1] == tiny.cache_dir("builtin:tiny")
+    assert logs[1] and logs[1][0].startswith("waiting for another process building builtin:tiny")

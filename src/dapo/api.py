@@ -13,13 +13,14 @@ rank: call these functions on every rank alike.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dapo.config import Config, ConfigError, load_config, read_config_file
+from dapo.config import Config, ConfigError, all_keys, load_config, read_config_file
 from dapo.errors import ModelError
 from dapo.models import load_tokenizer
 from dapo.parallel import distributed as D
@@ -38,6 +39,8 @@ def make_config(config: ConfigSource = None, **overrides: Any) -> Config:
 
     ``config``: a YAML file's path, the mapping a YAML file holds, or a ``Config`` (whose
     preset is applied already: the overrides change its values, and cannot change its preset).
+    A file or mapping may use dotted keys (``{"train.steps": 5}``) and sections alike; a key
+    given twice (dotted and in its section) is an error naming both.
     ``overrides``: dotted keys (``**{"train.lr": 1e-6}``), sections (``train={"lr": 1e-6}``)
     and top-level keys (``preset="grpo"``, ``seed=1``). Raises :class:`ConfigError` with
     the messages ``dapo train`` gives for the same keys."""
@@ -62,6 +65,7 @@ def make_trainer(
     ``trainer.evaluate()``, ``trainer.save()``, ``trainer.run()`` (the whole run, as
     :func:`train`); call ``trainer.close()`` when done without ``run()``. Callbacks are called
     by ``run()`` only. The arguments are :func:`train`'s."""
+    _check_keywords(overrides)
     file_data = _file_layer(config, overrides)
     overrides = dict(overrides)
     # `model` is also a config section: a mapping is that section, a string its name_or_path.
@@ -81,7 +85,12 @@ def make_trainer(
         # config.yaml and the resume check name the model that is trained.
         name = getattr(model, "name_or_path", "") or f"<{type(model).__name__} object>"
         overrides["model.name_or_path"] = name
-    cfg = load_config(file_data, overrides)
+    objects = [
+        key
+        for key, value in (("rollout.environment", environment), ("rollout.tools", tools))
+        if value is not None and value != []
+    ]
+    cfg = load_config(file_data, overrides, objects)
     inputs = RunInputs(
         model=model,
         tokenizer=_tokenizer(tokenizer, model, cfg),
@@ -129,7 +138,8 @@ def train(
       checkpointing and device applied as to a loaded path). Without ``tokenizer`` the
       model's ``name_or_path`` (or ``model.tokenizer``) names it.
     - ``environment`` / ``tools``: an environment class or factory and tool functions for
-      multi-turn episodes, as ``rollout.environment`` / ``rollout.tools`` take them.
+      multi-turn episodes, as ``rollout.environment`` / ``rollout.tools`` take them; they
+      count as set for ``rollout.max_turns`` > 1 (``rollout={"max_turns": 3}``).
     - ``callbacks``: functions ``fn(step, metrics)`` (a True return stops the run cleanly)
       or objects with ``on_step`` / ``on_evaluate`` / ``on_save`` (:mod:`dapo.training.inputs`).
     """
@@ -176,6 +186,35 @@ def _file_layer(config: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
         f"config = {config!r}: give a YAML file path, a mapping of keys (as the YAML file would "
         "hold) or a dapo.config.Config"
     )
+
+
+_KEYWORDS = (
+    "config",
+    "train_dataset",
+    "eval_dataset",
+    "reward_funcs",
+    "callbacks",
+    "model",
+    "tokenizer",
+    "environment",
+    "tools",
+)
+
+
+def _check_keywords(overrides: Mapping[str, Any]) -> None:
+    """A keyword that is no config key but close to one of :func:`train`'s keywords is a
+    typo of that keyword (``train_datset=``): say so before a config key is suggested."""
+    top = {k for k in all_keys() if "." not in k}
+    for key in overrides:
+        if "." in key or key in top:
+            continue
+        close = difflib.get_close_matches(key, _KEYWORDS, n=1, cutoff=0.75)
+        if close:
+            raise ConfigError(
+                f"unknown keyword argument `{key}=`: did you mean `{close[0]}=`? (a keyword "
+                "that is no argument of dapo.train is read as a config key; "
+                "see `dapo train --help-config`)"
+            )
 
 
 def _given(key: str, *layers: Mapping[str, Any]) -> bool:

@@ -1,14 +1,25 @@
-"""Command line: ``dapo train``, ``dapo eval``, ``dapo presets``, ``dapo plot``."""
+"""Command line: ``dapo train``, ``dapo eval``, ``dapo presets``, ``dapo plot``, ``dapo show``,
+``dapo vllm-serve``."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from dapo.choices import VLLM_QUANTIZATIONS
-from dapo.config import PRESETS, ConfigError, describe_config, describe_presets, load_config
+from dapo.config import (
+    PRESETS,
+    Config,
+    ConfigError,
+    describe_config,
+    describe_presets,
+    load_config,
+)
 
 _TRAIN_HELP = """\
 dapo train [CONFIG.yaml] [key.path=value ...]
@@ -21,8 +32,18 @@ with the `dapo` preset, evaluated before and after on held-out problems). Keys:
   train.steps=N train.lr=X train.prompts_per_step=N train.mini_batch_size=N
   rollout.num_generations=G rollout.max_completion_length=L rollout.engine=hf
   algorithm.clip_high=0.28 algorithm.dynamic_sampling=true algorithm.loss_agg=token-mean
+Multi-turn episodes (the model talks to an environment or calls tools; a chat model, e.g.
+builtin:tiny-tool with data.train=builtin:calculator):
+  rollout.environment=calculator|module:Class|file.py:Class   rollout.tools=[file.py:fn]
+  rollout.max_turns=N    assistant turns per episode (1: single-turn; raise it for episodes)
+From Python: dapo.train(config, train_dataset=..., reward_funcs=..., environment=MyEnv,
+  tools=[fn], **{{"rollout.max_turns": 3}}) takes the same keys (see help(dapo.train)).
 `dapo train --help-config` lists every key with its type, default and meaning.
 `dapo train --print-config [CONFIG.yaml] [key=value ...]` prints the resolved config.
+`dapo train --print-prompt [CONFIG.yaml] [key=value ...]` prints the first training prompt exactly
+  as the model will see it (chat template, tool schemas), without loading the model.
+A run writes a few rollouts of each step to OUTPUT_DIR/rollouts.jsonl
+  (logging.transcripts_per_step); `dapo show OUTPUT_DIR` prints them.
 """
 
 
@@ -34,21 +55,97 @@ def _train(argv: list[str]) -> int:
         print(describe_config())
         return 0
     print_only = "--print-config" in argv
-    argv = [a for a in argv if a != "--print-config"]
+    print_prompt = "--print-prompt" in argv
+    argv = [a for a in argv if a not in ("--print-config", "--print-prompt")]
     path = None
     if argv and "=" not in argv[0]:
         path, argv = argv[0], argv[1:]
-    cfg = load_config(path, argv)
-    if print_only:
-        print(cfg.to_yaml())
-        return 0
-    from dapo.parallel import distributed
-    from dapo.training.trainer import Trainer
+    with compact_warnings():
+        cfg = load_config(path, argv)
+        if print_only:
+            print(cfg.to_yaml())
+            return 0
+        if print_prompt:
+            return _print_prompt(cfg)
+        from dapo.parallel import distributed
+        from dapo.training.trainer import Trainer
 
-    summary = Trainer(cfg).run()
+        try:
+            summary = Trainer(cfg).run()
+        except KeyboardInterrupt:
+            print(_interrupted(cfg, path, argv), file=sys.stderr)
+            return 130
     distributed.destroy()  # every rank gets here; a failed run exits through torchrun instead
     _print_summary(summary, Path(cfg.output_dir))
     return 0
+
+
+def _print_prompt(cfg: Config) -> int:
+    from dapo.training.preview import first_prompt
+
+    preview = first_prompt(cfg)
+    kind = "multi-turn opening" if preview.multi_turn else "prompt"
+    print(
+        f"# first training {kind} (uid {preview.uid}): {preview.tokens} tokens; "
+        f"data.max_prompt_length={cfg.data.max_prompt_length}",
+        file=sys.stderr,
+    )
+    sys.stdout.write(preview.text)
+    sys.stdout.write("" if preview.text.endswith("\n") else "\n")
+    return 0
+
+
+def _interrupted(cfg: Config, path: str | None, argv: list[str]) -> str:
+    """One line for Ctrl-C: where the last checkpoint is and how to go on from it."""
+    from dapo.training.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
+    if last is None:
+        return (
+            f"dapo: interrupted; no checkpoint was saved yet in {cfg.output_dir} (every "
+            f"checkpoint.save_every={cfg.checkpoint.save_every} steps): rerun to start again"
+        )
+    args = " ".join([*([path] if path else []), *[a for a in argv if a != "resume=true"]])
+    return (
+        f"dapo: interrupted; last checkpoint: {last}. Resume with: dapo train "
+        f"{args + ' ' if args else ''}resume=true"
+    )
+
+
+@contextlib.contextmanager
+def compact_warnings() -> Iterator[None]:
+    """dapo's own warnings as one line, ``Category: message``, without the source path,
+    line number and source line (which point into dapo, not at the user's problem)."""
+    original = warnings.formatwarning
+
+    def formatwarning(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        line: str | None = None,
+    ) -> str:
+        ours = category.__module__.split(".")[0] == "dapo" or _in_dapo(filename)
+        if ours:
+            return f"{category.__name__}: {message}\n"
+        return original(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatwarning
+    try:
+        yield
+    finally:
+        if warnings.formatwarning is formatwarning:
+            warnings.formatwarning = original
+
+
+def _in_dapo(filename: str) -> bool:
+    try:
+        return Path(filename).resolve().is_relative_to(_PACKAGE)
+    except (OSError, ValueError):
+        return False
+
+
+_PACKAGE = Path(__file__).resolve().parent
 
 
 def _print_summary(summary: dict, out: Path) -> None:
@@ -60,7 +157,12 @@ def _print_summary(summary: dict, out: Path) -> None:
         )
     print(f"rollout steps: {summary.get('steps')}   wall time: {summary.get('wall_seconds')} s")
     print(f"metrics: {out / 'metrics.jsonl'}   dashboard: {out / 'dashboard.png'}")
+    failures = summary.get("failures") or {}
+    if any(failures.values()):
+        counts = ", ".join(f"{what} {n}" for what, n in failures.items() if n)
+        print(f"failures: {counts} (see reward/failures and env/failures in metrics.jsonl)")
     print(f"final model (transformers format): {out / 'final_model'}")
+    print(f"rollouts (dapo show {out}): {out / 'rollouts.jsonl'}")
 
 
 _EVAL_DESCRIPTION = """\
@@ -255,6 +357,35 @@ def _vllm_serve(argv: list[str]) -> int:
     return 0
 
 
+def _show(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dapo show",
+        description="Print the rollouts a run wrote (OUTPUT_DIR/rollouts.jsonl): each prompt "
+        "as the model saw it, each turn with its role and tool calls, the reward and its "
+        "parts, the end reason and the advantage.",
+    )
+    parser.add_argument("run_dir", help="the run's output_dir (or its rollouts.jsonl)")
+    parser.add_argument("--step", type=int, default=None, help="this rollout step only")
+    parser.add_argument("--last", type=int, default=1, help="the last K steps written (default 1)")
+    args = parser.parse_args(argv)
+    from dapo.metrics.transcripts import format_transcript, read_transcripts
+
+    records = read_transcripts(args.run_dir)
+    steps = sorted({r.get("step") for r in records if isinstance(r.get("step"), int)})
+    if args.step is not None:
+        if args.step not in steps:
+            shown = f"{steps[0]}..{steps[-1]}" if steps else "none"
+            print(f"dapo show: no rollouts of step {args.step} (steps: {shown})", file=sys.stderr)
+            return 2
+        chosen = {args.step}
+    else:
+        chosen = set(steps[-max(args.last, 1) :])
+    for record in records:
+        if record.get("step") in chosen:
+            print(format_transcript(record))
+    return 0
+
+
 def _plot(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dapo plot", description="Draw the dashboard of a run.")
     parser.add_argument("run_dir")
@@ -266,16 +397,33 @@ def _plot(argv: list[str]) -> int:
     return 0
 
 
+_MAIN_HELP = """\
+usage: dapo {train,eval,presets,plot,show,vllm-serve} ...
+
+  train       train a policy (no arguments: the built-in default run)
+  eval        avg@k / pass@k / maj@k of a model on an evaluation set
+  presets     list the named algorithm presets
+  plot        draw the dashboard PNG of a run directory
+  show        print the rollouts a run wrote (prompts, turns, rewards), readably
+  vllm-serve  serve a model with vLLM for rollout.engine=vllm-server
+
+Multi-turn: an environment or tools answer the model between its turns
+(rollout.environment, rollout.tools, rollout.max_turns; see `dapo train --help`).
+From Python: import dapo; dapo.train(...) takes the same keys, data sets, reward
+functions, environments and tools as objects (help(dapo.train))."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": _train, "eval": _eval, "plot": _plot, "vllm-serve": _vllm_serve}
+    commands = {
+        "train": _train,
+        "eval": _eval,
+        "plot": _plot,
+        "show": _show,
+        "vllm-serve": _vllm_serve,
+    }
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: dapo {train,eval,presets,plot,vllm-serve} ...\n")
-        print("  train       train a policy (no arguments: the built-in default run)")
-        print("  eval        avg@k / pass@k / maj@k of a model on an evaluation set")
-        print("  presets     list the named algorithm presets")
-        print("  plot        draw the dashboard PNG of a run directory")
-        print("  vllm-serve  serve a model with vLLM for rollout.engine=vllm-server")
+        print(_MAIN_HELP)
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "presets":
@@ -283,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cmd not in commands:
         print(
-            f"dapo: unknown command {cmd!r}; use train, eval, presets, plot or vllm-serve",
+            f"dapo: unknown command {cmd!r}; use train, eval, presets, plot, show or vllm-serve",
             file=sys.stderr,
         )
         return 2

@@ -12,7 +12,12 @@ class DapoError(Exception):
 
 
 class ConfigError(DapoError, ValueError):
-    """A configuration problem, with the key, the value and the fix in the message."""
+    """A configuration problem, with the key, the value and the fix in the message; ``key``:
+    the key whose value a rule refused, where one is."""
+
+    def __init__(self, message: str = "", *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class DataError(DapoError, ValueError):

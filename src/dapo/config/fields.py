@@ -151,7 +151,7 @@ def check_choice(path: str, value: Any, choices: tuple[Any, ...]) -> None:
 def require(ok: bool, key: str, value: Any, fix: str) -> None:
     """Raise the error of a broken rule: the key, its value, and what to do."""
     if not ok:
-        raise ConfigError(f"`{key}` = {value!r} is invalid: {fix}")
+        raise ConfigError(f"`{key}` = {value!r} is invalid: {fix}", key=key)
 
 
 def without_secrets(obj: Any, data: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import difflib
 import math
 import types
 import typing
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -21,7 +22,7 @@ import yaml
 from dapo.config.fields import check_choice, choices_of, hints
 from dapo.config.presets import PRESETS
 from dapo.config.rules import validate
-from dapo.config.schema import Config
+from dapo.config.schema import Config, TrainConfig
 from dapo.errors import ConfigError
 
 # Names users bring from other libraries, mapped to ours.
@@ -92,6 +93,8 @@ def _unknown_key(path: str) -> ConfigError:
             leaf_close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
             close = [by_leaf[leaf_close[0]]] if leaf_close else []
         suggestion = close[0] if close else None
+    if suggestion == path:  # a known key given where it cannot be: never suggest itself
+        suggestion = None
     hint = f"did you mean `{suggestion}`?" if suggestion else "see `dapo train --help-config`"
     return ConfigError(f"unknown config key `{path}`: {hint}")
 
@@ -218,23 +221,81 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _nest(dotted: dict[str, Any]) -> dict[str, Any]:
+Path_ = tuple[str, ...]
+
+
+def _leaves(
+    data: dict[str, Any], cls: Any, prefix: Path_, origin: str | None, out: dict[Path_, Any]
+) -> None:
+    """The leaves of ``data`` (a layer: a YAML file's mapping or the overrides) into ``out``:
+    key path -> (value, the key as given). Keys may be dotted at any section level and a
+    mapping may mix dotted keys and sections; a key path given twice with two values is an
+    error naming both.
+    A dict-valued field's own keys (``reward.source_scorers``) are not split at dots."""
+    for key, value in data.items():
+        parts = str(key).split(".") if dataclasses.is_dataclass(cls) else [str(key)]
+        tp, path = cls, prefix
+        for i, part in enumerate(parts):
+            fields = hints(tp) if dataclasses.is_dataclass(tp) else None
+            if fields is None or part not in fields:  # a dict field's key, or unknown
+                rest = parts[i:] if fields is not None else [".".join(parts[i:])]
+                path, tp = path + tuple(rest), None
+                break
+            path, tp = path + (part,), _section_type(fields[part])
+        given = origin or str(key)
+        section = dataclasses.is_dataclass(tp) or (get_origin(tp) is dict and bool(value))
+        if isinstance(value, dict) and section:  # an empty section sets nothing
+            _leaves(value, tp, path, given, out)
+            continue
+        if dataclasses.is_dataclass(tp) and not isinstance(value, tp):  # as _coerce says it
+            raise ConfigError(f"`{'.'.join(path)}` must be a mapping of keys, got {value!r}")
+        for other in out:  # a section given as a value, or a value under a value
+            shorter, longer = sorted((other, path), key=len)
+            if other != path and longer[: len(shorter)] == shorter:
+                name = ".".join(longer)
+                raise ConfigError(
+                    f"`{name}`: `{'.'.join(shorter)}` is a value, not a section (given as "
+                    f"`{out[other][1]}` and `{given}`)"
+                )
+        if path in out and out[path][0] != value:  # the same value twice is harmless
+            first, before = out[path][1], out[path][0]
+            raise ConfigError(
+                f"`{'.'.join(path)}` is given twice, as `{first}` ({before!r}) and as "
+                f"`{given}` ({value!r}); give it once"
+            )
+        out[path] = (value, given)
+
+
+def _section_type(tp: Any) -> Any:
+    """A field's type as far as key paths go: the section's dataclass, ``dict``, or None."""
+    if dataclasses.is_dataclass(tp) or get_origin(tp) is dict:
+        return tp
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        return _section_type(inner[0]) if len(inner) == 1 else None
+    return None
+
+
+def _nest(data: dict[str, Any]) -> dict[str, Any]:
     """``{"train.lr": 1e-5, "train": {"steps": 9}}`` -> ``{"train": {"lr": 1e-5, "steps": 9}}``:
-    dotted keys and sections given as mappings (``dapo.train(train={...})``) are merged."""
+    dotted keys and sections are merged (see :func:`_leaves`); the caller's mappings are
+    never changed."""
+    leaves: dict[Path_, Any] = {}
+    _leaves(data, Config, (), None, leaves)
     out: dict[str, Any] = {}
-    for path, value in dotted.items():
-        parts = str(path).split(".")
+    for path, (value, _) in leaves.items():
         node = out
-        for part in parts[:-1]:
-            nxt = node.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"`{path}`: `{part}` is a value, not a section")
-            node = nxt
-        leaf = parts[-1]
-        if isinstance(value, dict):  # a copy, merged with what dotted keys set before it
-            value = _merge(node[leaf] if isinstance(node.get(leaf), dict) else {}, _copy(value))
-        node[leaf] = value
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = _copy(value)
     return out
+
+
+def _given_paths(data: dict[str, Any]) -> set[str]:
+    """The dotted key paths a nested layer sets (``train.lr``)."""
+    leaves: dict[Path_, Any] = {}
+    _leaves(data, Config, (), None, leaves)
+    return {".".join(path) for path in leaves}
 
 
 def _copy(value: Any) -> Any:
@@ -294,16 +355,19 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 def load_config(
     path: str | Path | dict[str, Any] | None = None,
     overrides: list[str] | dict[str, Any] | None = None,
+    objects: Collection[str] = (),
 ) -> Config:
     """Defaults < preset < YAML file < overrides; validated.
 
     ``path`` may also be the mapping a YAML file would hold (``dapo.train(config={...})``).
     ``overrides`` are ``key.path=value`` strings (the command line) or a dict of dotted keys
-    and sections (``{"train.lr": 1e-5, "rollout": {"temperature": 0.7}}``)."""
-    if isinstance(path, dict):
-        file_data = _copy(path)
-    else:
-        file_data = {} if path is None else read_config_file(path)
+    and sections (``{"train.lr": 1e-5, "rollout": {"temperature": 0.7}}``); a YAML file or
+    mapping may use dotted keys too. ``objects``: keys given as Python objects instead
+    (``rollout.environment``, ``rollout.tools`` from :func:`dapo.train`), which the rules
+    count as set. ``train.mini_batch_size`` set nowhere follows ``train.prompts_per_step``;
+    a rule refusing a value the user never set says where it came from."""
+    raw = path if isinstance(path, dict) else {} if path is None else read_config_file(path)
+    file_data = _nest(raw)
     if isinstance(overrides, dict):
         dotted = dict(overrides)
     else:
@@ -320,14 +384,40 @@ def load_config(
         raise ConfigError(
             f"`preset` = {preset!r} is not a known preset; {hint}run `dapo presets` to list them"
         )
-    data = _merge(_nest(PRESETS[preset][1]), file_data)
-    data = _merge(data, cli_data)
+    preset_data = _nest(PRESETS[preset][1])
+    data = _merge(_merge(preset_data, file_data), cli_data)
     data["preset"] = preset
     _eval_follows_train(data, file_data, cli_data)
     _correction_follows_staleness(data, file_data, cli_data)
+    user = _given_paths(file_data) | _given_paths(cli_data)
+    from_preset = _given_paths(preset_data)
+    _mini_batch_follows(data, user | from_preset)
     cfg = _build(Config, data)
-    validate(cfg)
+    try:
+        validate(cfg, objects)
+    except ConfigError as exc:
+        key = exc.key
+        if key is None or key in user or key == "preset":
+            raise
+        source = f"preset {preset}'s value" if key in from_preset else "the default"
+        raise ConfigError(
+            f"{exc} (you did not set `{key}`: its value is {source}; set {key} to one that "
+            "fits the keys you set)",
+            key=key,
+        ) from None
     return cfg
+
+
+def _mini_batch_follows(data: dict[str, Any], given: set[str]) -> None:
+    """``train.mini_batch_size`` set nowhere keeps its default while that divides
+    ``train.prompts_per_step``, and is ``prompts_per_step`` (one update per step) otherwise."""
+    train = data.get("train")
+    if "train.mini_batch_size" in given or not isinstance(train, dict):
+        return
+    pps = train.get("prompts_per_step")
+    default = TrainConfig().mini_batch_size
+    if isinstance(pps, int) and not isinstance(pps, bool) and pps >= 1 and pps % default:
+        train["mini_batch_size"] = pps
 
 
 def _eval_follows_train(data: dict[str, Any], *layers: dict[str, Any]) -> None:

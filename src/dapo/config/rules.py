@@ -9,7 +9,7 @@ it refuses, that value, and the fix; a warning (``UserWarning``) says what a set
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from dapo.config.fields import check_fields, require
 from dapo.config.schema import Config
@@ -26,9 +26,9 @@ def _check_data(cfg: Config) -> None:
     )
 
 
-def _check_rollout(cfg: Config) -> None:
+def _check_rollout(cfg: Config, objects: Collection[str] = ()) -> None:
     """The rollout server, vLLM's quantization and asynchronous rollouts: which engine,
-    which correction."""
+    which correction. ``objects``: keys given as Python objects (``dapo.train(tools=...)``)."""
     r, a = cfg.rollout, cfg.algorithm
     if r.engine == "vllm-server":
         require(
@@ -62,7 +62,10 @@ def _check_rollout(cfg: Config) -> None:
                 stacklevel=2,
             )
     require(
-        r.max_turns == 1 or r.environment is not None or bool(r.tools),
+        r.max_turns == 1
+        or r.environment is not None
+        or bool(r.tools)
+        or bool({"rollout.environment", "rollout.tools"} & set(objects)),
         "rollout.max_turns",
         r.max_turns,
         "more than one turn needs something to answer the model: set rollout.environment "
@@ -168,7 +171,7 @@ def _check_train(cfg: Config) -> None:
 
 
 # Each section's rules between fields (sections without any have none here).
-SECTION_RULES: dict[str, Callable[[Config], None]] = {
+SECTION_RULES: dict[str, Callable[..., None]] = {
     "data": _check_data,
     "rollout": _check_rollout,
     "algorithm": _check_algorithm,
@@ -176,9 +179,13 @@ SECTION_RULES: dict[str, Callable[[Config], None]] = {
 }
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, objects: Collection[str] = ()) -> None:
     """Raise :class:`~dapo.errors.ConfigError` for a value out of its choices or bounds, or
-    values that cannot work together."""
+    values that cannot work together. ``objects``: the keys given as Python objects instead
+    of config values (``rollout.environment``, ``rollout.tools``), which count as set."""
     check_fields(cfg)
     for rule in SECTION_RULES.values():
-        rule(cfg)
+        if rule is _check_rollout:
+            rule(cfg, objects)
+        else:
+            rule(cfg)

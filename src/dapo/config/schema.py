@@ -249,7 +249,9 @@ class TrainConfig:
         "prompts_per_step / mini_batch_size is the number of updates per rollout step. "
         "The DAPO paper: 512 / 32 prompts (512 responses) = 16 updates. A short batch of "
         "n prompts (algorithm.round_cap=train) gets ceil(n / mini_batch_size) updates of "
-        "near-equal size.",
+        "near-equal size. Left unset, it is 16 where that divides train.prompts_per_step "
+        "and prompts_per_step (one update per rollout step) otherwise: "
+        "train.prompts_per_step=4 alone gives 4.",
         ge=1,
     )
     epochs: int = opt(1, "Passes over each rollout batch (PPO epochs).", ge=1)
@@ -370,6 +372,15 @@ class LoggingConfig:
         "Held-out evaluation every N rollout steps; 0: only before and after training.",
         ge=0,
         hint="0: only before and after training",
+    )
+    transcripts_per_step: int = opt(
+        2,
+        "Rollouts of each step written as a person reads them to output_dir/rollouts.jsonl "
+        "(the prompt as the model saw it, each turn with its role and tool calls, the reward "
+        "and its parts, the end reason, the advantage), and to TensorBoard (text) and W&B "
+        "(a table); `dapo show RUN` prints them. 0: none.",
+        ge=0,
+        hint="0: none",
     )
 
 

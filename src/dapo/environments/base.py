@@ -60,9 +60,26 @@ class Environment:
     tools: ClassVar[Sequence[Callable[..., Any]]] = ()
 
     def reset(self, record: Any) -> list[Message]:
+        """The episode's opening messages for one prompt record (the default: its prompt
+        as one user message, or its chat messages).
+
+        ``record`` is a :class:`~dapo.data.records.PromptRecord`, one row of the training
+        data after the column rules (``data.prompt_key``, ``data.answer_key``):
+
+        - ``record.prompt``: ``str``, or chat messages ``[{"role": ..., "content": ...}]``;
+        - ``record.ground_truth``: ``str``, the reference answer (the answer column);
+        - ``record.data_source``: ``str``, the row's ``data.data_source_key`` column;
+        - ``record.uid``: ``str``, a stable id of the problem (identical prompts share it);
+        - ``record.extra``: ``dict``, the row's other columns as they are (the answer's
+          column included), e.g. ``record.extra["table"]``.
+        """
         return prompt_messages(record)
 
     def step(self, assistant_text: str) -> StepResult:
+        """The reply to one assistant turn: ``(messages, reward, done)``. ``messages``: the
+        chat messages that answer the model (``[]`` when ``done``); ``reward``: a number
+        when the episode ends, or None to let the reward functions score the final
+        assistant text; ``done``: whether the episode ends (the default: it does)."""
         return [], None, True
 
 

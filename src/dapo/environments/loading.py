@@ -10,6 +10,7 @@ name, and objects from a cloudpickle copy (:meth:`EnvironmentSpec.payload`).
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import pickle
 import re
@@ -150,9 +151,12 @@ def _load_environment(environment: Any) -> tuple[Callable[[], Any], Ref, str]:
         spec = BUILTIN_ENVIRONMENTS[environment]
         return import_spec(spec, key), ("spec", spec), environment
     if isinstance(environment, str) and ":" not in environment:
+        close = difflib.get_close_matches(environment, list(BUILTIN_ENVIRONMENTS), n=1)
+        hint = f"did you mean {close[0]!r}? Or give " if close else "give "
         raise ConfigError(
             f"`{key}` = {environment!r} is neither a built-in environment "
-            f"({', '.join(BUILTIN_ENVIRONMENTS)}) nor a spec {_SPEC_FORMS}"
+            f"({', '.join(BUILTIN_ENVIRONMENTS)}) nor a 'module:Name' spec: {hint}"
+            "'package.module:Name' or 'path/to/file.py:Name'"
         )
     obj, ref = _resolve(environment, key)
     name = environment if isinstance(environment, str) else getattr(obj, "__qualname__", repr(obj))

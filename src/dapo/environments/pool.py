@@ -254,6 +254,13 @@ class EnvironmentPool:
             return f"environment {name!r}: {detail}; the episode ended"
         return f"environment {name!r}: {detail}; the episode ended. Fix the environment"
 
+    def warn_once(self, kind: str, text: str) -> None:
+        """An :class:`EnvironmentWarning` with ``text``, once per pool and ``kind``."""
+        if (kind, "") in self._warned:
+            return
+        self._warned.add((kind, ""))
+        warnings.warn(text, EnvironmentWarning, stacklevel=3)
+
     def _warn_once(self, kind: str, name: str, text: str) -> None:
         if (kind, name) in self._warned:
             return

@@ -9,8 +9,16 @@ of its template's format (:data:`PARSERS`, ``rollout.tool_parser``):
   block per call, whitespace around the JSON allowed (the format of Hermes, Qwen2.5/Qwen3
   and most chat templates that render ``tools``).
 
-Another format: a function ``parse(text) -> list[ToolCall]`` that raises
-:class:`ToolCallParseError` for a call it cannot read, given as ``module:function``.
+Another format: a parser given as ``module:function`` (``rollout.tool_parser``), a
+function ``parse(text: str) -> list[ToolCall]``:
+
+- it receives one assistant turn's text, as decoded (special tokens removed);
+- it returns the calls in order, each a :class:`ToolCall` (``ToolCall(name: str,
+  arguments: dict[str, Any])``, the keyword arguments the tool is called with); ``[]``
+  when the turn holds no call (the turn is then a final answer: it goes to the
+  environment's ``step``, or ends the episode);
+- it raises :class:`ToolCallParseError` for a call it cannot read (the episode ends as
+  ``bad_tool_call``: the model's failure, counted).
 """
 
 from __future__ import annotations
@@ -132,6 +140,7 @@ def tool_schema(fn: Callable[..., Any], where: str) -> dict[str, Any]:
         raise ConfigError(
             f"`{where}` = {name!r}: no JSON schema from its signature and docstring "
             f"({type(exc).__name__}: {exc}). Fix: give every argument a type hint and a line in "
-            "a Google-style docstring, e.g. def add(numbers: list[int]) -> int: "
-            '"""Add numbers.\\n\\n    Args:\\n        numbers: the numbers to add\\n    """'
+            "the Args: section of a Google-style docstring, e.g. def add(numbers: list[int]) "
+            "-> int whose docstring is a line saying what it does (Add numbers.), a blank line, "
+            "then Args: and an indented line per argument (numbers: the numbers to add)"
         ) from exc

@@ -7,7 +7,9 @@ The compact line, for example::
     clip-high 0.018%  uniform 12%  0.60s/step  03:12 eta 45:00
 
 (one line on the console) stays under :data:`MAX_LINE` characters for any values; a metric
-missing from a step (no update, an evaluation-only record) is left out of it.
+missing from a step (no update, an evaluation-only record) is left out of it. Runs with
+environments or tools add ``turns`` (assistant turns per episode), and any run with
+failures ``failed reward N env M`` (that step's counts) when they are not zero.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import IO
 
 from tqdm import tqdm
 
-MAX_LINE = 160  # the compact line's length bound (checked by the tests)
+# The compact line's length bound (checked by the tests): every field at its widest, an
+# episode run's turns and both failure counts included; a usual line is about 110.
+MAX_LINE = 210
 
 # Group order of the verbose dump; other groups follow alphabetically.
 _GROUP_ORDER = ("val", "reward", "response_length", "actor", "sampling", "perf")
@@ -46,8 +50,12 @@ LINE_FIELDS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("response_length/mean", "len", _finite(lambda v: f"{v:.0f}")),
     ("actor/clip_frac_high", "clip-high", _finite(_share)),
     ("sampling/uniform_groups", "uniform", _finite(lambda v: f"{v:.0%}")),
+    # Runs with environments or tools: assistant turns per episode.
+    ("env/turns_mean", "turns", _finite(lambda v: f"{v:.3g}")),
     ("perf/step_s", "", _finite(_seconds)),
 )
+# Per-step failure counts, shown after the signals when non-zero: ``failed reward 3 env 1``.
+FAILURE_FIELDS = (("reward/failures", "reward"), ("env/failures", "env"))
 
 
 def _with_uniform(values: dict[str, float]) -> dict[str, float]:
@@ -84,10 +92,26 @@ def timing(elapsed: float, done: int, remaining: int) -> str:
     return text
 
 
+def failures(values: dict[str, float]) -> str:
+    """``failed reward 3 env 1``: the step's non-zero failure counts (reward functions that
+    raised, timed out or returned a non-number; episodes ended by their environment)."""
+    parts = [
+        f"{label} {_count(values[key])}"
+        for key, label in FAILURE_FIELDS
+        if key in values and values[key] != 0
+    ]
+    return "failed " + " ".join(parts) if parts else ""
+
+
+def _count(v: float) -> str:
+    return f"{v:.0f}" if math.isfinite(v) and abs(v) < 1e6 else f"{v:.3g}"
+
+
 def compact_line(step: int, total: int, values: dict[str, float], clock: str) -> str:
-    """``step  N/TOTAL  <signals>  <clock>``: the line printed for a step."""
+    """``step  N/TOTAL  <signals>  <failures>  <clock>``: the line printed for a step."""
     head = f"step {step:>{len(str(total))}}/{total}"
-    return "  ".join(part for part in (head, signals(values), clock) if part)
+    parts = (head, signals(values), failures(values), clock)
+    return "  ".join(part for part in parts if part)
 
 
 def fmt_number(value: float) -> str:

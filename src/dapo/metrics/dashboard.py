@@ -103,6 +103,38 @@ _PANELS = (
     ),
 )
 
+# Runs with environments or tools (multi-turn episodes): two more panels.
+_EPISODE_PANELS = (
+    _Panel(
+        "Episodes",
+        (
+            _Series("env/turns_mean", "turns / episode", "C0"),
+            _Series("env/tool_calls", "tool calls / episode", "C1"),
+            _Series("env/failures", "environment failures (count)", "C3", marker="."),
+        ),
+        "per episode / count",
+        (_Series("perf/env_s", "environment s", "C7", style="--"),),
+        "seconds per step",
+    ),
+    _Panel(
+        "Episode end reasons",
+        (
+            _Series("env/ended_done", "done", "C2"),
+            _Series("env/ended_max_turns", "max turns", "C1"),
+            _Series("env/ended_budget", "token budget", "C4"),
+            _Series("env/ended_env_failure", "environment failure", "C3"),
+            _Series("env/ended_bad_tool_call", "bad tool call", "C5"),
+        ),
+        "share of episodes",
+    ),
+)
+
+
+def panels_for(records: list[dict]) -> tuple[_Panel, ...]:
+    """The dashboard's panels: the episode panels too when the run had episodes."""
+    episodes = any(k.startswith("env/") for rec in records for k in rec)
+    return _PANELS + _EPISODE_PANELS if episodes else _PANELS
+
 
 _TITLE_FONT = {"size": 11, "weight": "bold"}
 
@@ -200,9 +232,11 @@ def _build_figure(records: list[dict], title: str) -> Any:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(15, 16), dpi=100, layout="constrained")
-    axes = fig.subplots(4, 2, sharex=True)
-    for ax, panel in zip(axes.flat, _PANELS, strict=True):
+    panels = panels_for(records)
+    rows = math.ceil(len(panels) / 2)
+    fig = Figure(figsize=(15, 4 * rows), dpi=100, layout="constrained")
+    axes = fig.subplots(rows, 2, sharex=True)
+    for ax, panel in zip(axes.flat, panels, strict=True):
         _draw_panel(ax, panel, records)
         ax.tick_params(labelbottom=True)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

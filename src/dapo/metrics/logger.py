@@ -10,7 +10,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,6 +25,7 @@ from dapo.metrics.console import (
     signals,
     timing,
 )
+from dapo.metrics.transcripts import format_transcript
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -36,6 +37,19 @@ PG_LOSS_NOTE = (
 PG_LOSS_NEAR_ZERO = 1e-3  # |actor/pg_loss| below this triggers the one-time note
 
 _RESERVED_KEYS = ("step", "time")
+# The W&B table of transcripts: its columns, from transcript_records' fields.
+TABLE_COLUMNS = (
+    "step",
+    "group",
+    "sample",
+    "prompt",
+    "transcript",
+    "reward",
+    "score",
+    "penalty",
+    "advantage",
+    "end",
+)
 _NONFINITE_TO_STR = {math.inf: "inf", -math.inf: "-inf"}
 _STR_TO_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
@@ -106,6 +120,15 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
+def _cell(record: Mapping[str, Any], column: str) -> Any:
+    """One cell of the transcripts table: the turns as ``[role] text`` blocks."""
+    if column == "transcript":
+        return "\n\n".join(
+            f"[{t.get('role')}] {t.get('text', '')}" for t in record.get("turns", [])
+        )
+    return record.get(column)
+
+
 # --------------------------------------------------------------------------- logger
 
 
@@ -155,6 +178,7 @@ class MetricsLogger:
         self._file: IO[str] | None = None
         self._tb: Any = None
         self._wandb_run: Any = None
+        self._wandb_mod: Any = None
         self._bar: tqdm | None = None
         self._stream: IO[str] = sys.stderr
         self._line_mode = True  # non-TTY: plain lines instead of an in-place bar
@@ -178,6 +202,7 @@ class MetricsLogger:
         self._file = self._open_append()
 
         if wandb_mod is not None:
+            self._wandb_mod = wandb_mod
             try:
                 self._wandb_run = wandb_mod.init(
                     project=wandb_project,
@@ -308,14 +333,38 @@ class MetricsLogger:
         self._update_console(step, values)
 
         pg_loss = values.get("actor/pg_loss")
+        grad_norm = values.get("actor/grad_norm", 1.0)  # the note claims it is not zero
         if (
             not self._pg_note_done
             and pg_loss is not None
             and math.isfinite(pg_loss)
             and abs(pg_loss) < PG_LOSS_NEAR_ZERO
+            and grad_norm > 0
         ):
             self._pg_note_done = True
             self.message(PG_LOSS_NOTE)
+
+    def log_transcripts(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """Show one step's transcripts (:func:`~dapo.metrics.transcripts.transcript_records`)
+        where a sink has a place for text: TensorBoard's text tab (``rollouts``) and a W&B
+        table (``rollouts``). ``rollouts.jsonl`` is :class:`TranscriptWriter`'s."""
+        if not self.enabled or not records:
+            return
+        step = operator.index(step)
+        if self._tb is not None:
+            text = "\n\n".join("```\n" + format_transcript(dict(r)) + "\n```" for r in records)
+            try:
+                self._tb.add_text("rollouts", text, global_step=step)
+                self._tb.flush()
+            except Exception as err:  # noqa: BLE001 - logging must not stop training
+                warnings.warn(f"TensorBoard logging disabled: {err}", RuntimeWarning, stacklevel=2)
+                self._tb = None
+        if self._wandb_run is not None and self._wandb_mod is not None:
+            columns = list(TABLE_COLUMNS)
+            rows = [[_cell(r, c) for c in columns] for r in records]
+            self._wandb_run.log(
+                {"rollouts": self._wandb_mod.Table(columns=columns, data=rows)}, step=step
+            )
 
     def message(self, text: str) -> None:
         """Print a line to stderr without breaking the progress bar."""

@@ -10,6 +10,7 @@ on the assistant's turns only).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import random
@@ -17,10 +18,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from dapo.atomic import staged_dir
+from dapo.atomic import atomic_write, staged_dir
 from dapo.data.tasks import addition, calculator, long_addition
 from dapo.models.cache import BUILTIN_MODEL, BUILTIN_MODELS, cache_root
 
@@ -205,8 +207,16 @@ def warm_up(
         opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * s / steps))
     )
     batches = _sft_examples(recipe, random.Random(seed))
+    every = max(1, steps // 10)
+    progress = progress_path(out_dir)
+    run = {"name": name, "version": recipe.version, "steps": steps, "seed": seed}
+    first = _resume(progress, run, model, opt, sched)
+    if first:
+        log(f"resuming the warm-up of {name} at step {first}/{steps} (saved progress)")
+    for _ in range(first):  # the batches of the steps done: the data stream is seeded
+        next(batches)
     start = time.time()
-    for step in range(steps):
+    for step in range(first, steps):
         input_ids, attn, labels = _sft_batch(tok, next(batches), renderer)
         loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
         loss.backward()
@@ -214,7 +224,11 @@ def warm_up(
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if (step + 1) % max(1, steps // 10) == 0:
+        if (step + 1) % every == 0:
+            if step + 1 < steps:  # an interrupted build goes on from here
+                state = {"run": run, "step": step + 1, "model": model.state_dict()}
+                state |= {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+                atomic_write(progress, lambda f, state=state: torch.save(state, f))
             log(f"warm-up {step + 1}/{steps}: loss {loss.item():.3f} ({time.time() - start:.0f}s)")
     model.eval()
     with staged_dir(out_dir) as tmp:  # another process may finish first: then its copy stays
@@ -228,7 +242,30 @@ def warm_up(
             "seconds": time.time() - start,
         }
         (tmp / "builtin.json").write_text(json.dumps(meta))
+    progress.unlink(missing_ok=True)
     return out_dir
+
+
+def progress_path(out_dir: Path) -> Path:
+    """Where the warm-up of ``out_dir`` keeps its progress until the model is saved."""
+    return out_dir.with_name(f".{out_dir.name}.progress.pt")
+
+
+def _resume(progress: Path, run: dict, model: Any, opt: Any, sched: Any) -> int:
+    """Load the saved progress of the same warm-up (``run``: name, version, steps, seed)
+    into the model, optimizer and schedule; the step to go on from (0: none usable)."""
+    if not progress.is_file():
+        return 0
+    try:
+        state = torch.load(progress, map_location="cpu", weights_only=True)
+        if state.get("run") != run:
+            return 0
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+    except Exception:  # noqa: BLE001 - a torn or stale file: build from the start
+        return 0
+    return int(state["step"])
 
 
 def ensure_builtin_model(name: str = BUILTIN_MODEL, log: Callable[[str], None] = print) -> Path:
@@ -237,9 +274,18 @@ def ensure_builtin_model(name: str = BUILTIN_MODEL, log: Callable[[str], None] =
     if (path / "builtin.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"building {name} (first use, {RECIPES[name].minutes}; cached in {path}) ...")
-    torch_threads = torch.get_num_threads()
-    try:
-        return warm_up(path, name, log=log)
-    finally:
-        torch.set_num_threads(torch_threads)
+    # One builder at a time: a second process waits for the first and uses its model.
+    with path.with_name(f".{path.name}.lock").open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another process building {name} (cached in {path}) ...")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "builtin.json").is_file():
+            return path
+        log(f"building {name} (first use, {RECIPES[name].minutes}; cached in {path}) ...")
+        torch_threads = torch.get_num_threads()
+        try:
+            return warm_up(path, name, log=log)
+        finally:
+            torch.set_num_threads(torch_threads)

@@ -138,6 +138,15 @@ def run_episodes(
             _answer(stepping, pool, renderer, budget, max_turns)
         live = [e for e in live if e.end is None]
         turn += 1
+    wanted = sum(e.end == "max_turns" for e in episodes)
+    if max_turns == 1 and wanted:
+        pool.warn_once(
+            "max_turns",
+            f"environment {pool.spec.name!r}: {wanted} of {len(episodes)} episodes wanted "
+            "another turn (step did not end them), but rollout.max_turns is 1, so the "
+            "environment never answered the model; raise rollout.max_turns (e.g. 3) for "
+            "multi-turn episodes (warned once)",
+        )
     return _groups(records, openings, episodes, n)
 
 

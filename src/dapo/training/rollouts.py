@@ -137,8 +137,9 @@ class Rollouts:
         elif self.cfg.evaluate:
             log(
                 "no held-out evaluation: data.eval is null (left unset, it is null when "
-                "data.train is not a built-in task: a file has no held-out split); set "
-                "data.eval=FILE to measure held-out accuracy before and after training"
+                "the training data is not a built-in task: a file or a data set given from "
+                "Python has no held-out split of its own); set data.eval=FILE (from Python: "
+                "eval_dataset=...) to measure held-out accuracy before and after training"
             )
 
     def fill_batch(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
