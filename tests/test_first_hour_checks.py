@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import dapo
 from dapo.config import ConfigError, load_config
@@ -292,3 +293,26 @@ def test_a_run_whose_every_episode_fails_stops_naming_the_environment(tool_model
     generated = [r["sampling/generated_groups"] * 2 for r in steps]  # every episode failed
     assert per_step == generated and len(steps) == 2
     assert [r["env/failures_total"] for r in steps] == [per_step[0], per_step[0] + per_step[1]]
+
+
+def test_a_run_writes_transcripts_a_person_can_read(random_tiny_model, tmp_path):
+    """Item 10: every rollout step writes logging.transcripts_per_step transcripts to
+    rollouts.jsonl: the prompt as the model saw it, the turns, the reward, and the group's
+    advantage (checked against the group's rewards: (r - mean) / std)."""
+    from dapo.metrics.transcripts import read_transcripts
+
+    out = tmp_path / "run"
+    dapo.train(
+        model=str(random_tiny_model),
+        output_dir=str(out),
+        reward_funcs=lambda response, ground_truth: float(len(response) % 2),
+        preset="grpo",
+        **{**SMALL, "train.steps": 3, "logging.transcripts_per_step": 3},
+    )
+    records = list(read_transcripts(out))
+    assert [r["step"] for r in records] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for r in records:
+        assert r["prompt"].startswith("Add ") and r["turns"][0]["role"] == "assistant"
+        rewards = torch.tensor(r["group_rewards"], dtype=torch.float64)
+        expected = (r["reward"] - rewards.mean()) / (rewards.std() + 1e-6)
+        assert r["advantage"] == pytest.approx(float(expected), abs=1e-4)

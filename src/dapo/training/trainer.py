@@ -23,9 +23,10 @@ import torch
 
 from dapo.atomic import write_text_atomic
 from dapo.config import Config
-from dapo.environments import load_environment, no_template_error
+from dapo.environments import load_environment, no_template_error, parse_hermes
 from dapo.errors import TrainingError
 from dapo.metrics import MetricsLogger, plot_dashboard
+from dapo.metrics.transcripts import TranscriptWriter, transcript_records
 from dapo.models import load_tokenizer, resolve_model_path
 from dapo.models.loading import builtin_chat_template
 from dapo.models.precision import precision_of
@@ -90,6 +91,7 @@ class Trainer:
         self.learner.compare_engine = (
             separate or cfg.algorithm.is_cap is not None or precision_of(self.model) != "fp32"
         )
+        self.spec = spec
         self.rollouts = Rollouts(cfg, self.tokenizer, self.learner, inputs, self.log, spec)
         # rollout.max_staleness >= 1: a producer thread fills the coming batches meanwhile.
         self.stream = None
@@ -123,6 +125,7 @@ class Trainer:
         self.callbacks = list(inputs.callbacks)
         self.step = 0
         self.summary: dict[str, Any] = {}
+        self.advantages: list[list[float]] = []  # the last step's, per group (transcripts)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -143,8 +146,13 @@ class Trainer:
             groups, metrics = self.stream.take(step)
             metrics.update(staleness_metrics(groups, step, self.cfg.rollout.max_staleness))
         t1 = time.perf_counter()
+        self.advantages = []
         if groups:  # none: no group with a learning signal at the round cap, no update
             samples = self.build_samples(groups)  # 4. advantages and loss masks
+            size = self.cfg.rollout.num_generations
+            self.advantages = [
+                [s.advantage for s in samples[i : i + size]] for i in range(0, len(samples), size)
+            ]
             n = self.learner.count_updates(len(samples), self.cfg.rollout.num_generations)
             self.rollouts.sync.before_update(n, generating=self.stream is not None)
             metrics.update(self.learner.update(samples, step, self.cfg.rollout.num_generations))
@@ -292,6 +300,12 @@ class Trainer:
             resume_step=resumed_from,  # drop lines a crash left after it; None: a new run
             enabled=self.dist.is_main,  # only rank 0 writes logs
         )
+        per_step = cfg.logging.transcripts_per_step
+        transcripts = (
+            TranscriptWriter(self.out, resume_step=resumed_from)
+            if per_step and self.dist.is_main
+            else None
+        )
         try:
             if self.rollouts.eval_records and "accuracy_before" not in self.summary:
                 ev = self.evaluate()
@@ -303,9 +317,21 @@ class Trainer:
                 callbacks.on_evaluate(self.step, ev)
             while self.step < cfg.train.steps and not self.budget_spent():
                 try:
-                    metrics, _ = self.train_step()
+                    metrics, groups = self.train_step()
                 except NonFiniteUpdates as exc:
                     raise self.stop_nonfinite(exc) from exc
+                if transcripts is not None and groups:  # a few rollouts as a person reads them
+                    records = transcript_records(
+                        self.step - 1,
+                        groups,
+                        self.advantages,
+                        self.tokenizer,
+                        k=per_step,
+                        seed=cfg.seed,
+                        parser=self.spec.parser if self.spec is not None else parse_hermes,
+                    )
+                    transcripts.write(records)
+                    logger.log_transcripts(self.step - 1, records)
                 every = cfg.logging.eval_every
                 last = self.step >= cfg.train.steps or self.budget_spent()  # evaluated below
                 if self.rollouts.eval_records and every and self.step % every == 0 and not last:
@@ -332,6 +358,8 @@ class Trainer:
                 self.summary["stopped_early"] = callbacks.requested
         finally:
             logger.close()
+            if transcripts is not None:
+                transcripts.close()
             self.close()
         self._write_summary(start, resumed_from)
         D.barrier()
