@@ -17,6 +17,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from dapo.atomic import atomic_write
+from dapo.metrics import registry
 from dapo.metrics.console import (
     BAR_KEYS,
     LineStream,
@@ -160,6 +161,7 @@ class MetricsLogger:
         self._line_mode = True  # non-TTY: plain lines instead of an in-place bar
         self._pg_note_done = False
         self._warned_reserved = False
+        self.unregistered: set[str] = set()  # logged keys missing from dapo.metrics.registry
         self._last_step: int | None = None
         self._last_values: dict[str, float] = {}
         self._last_printed_step: int | None = None
@@ -283,6 +285,14 @@ class MetricsLogger:
                     self._warned_reserved = True
                 continue
             values[str(key)] = _to_float(key, value)
+            if str(key) not in self.unregistered and not registry.is_registered(str(key)):
+                self.unregistered.add(str(key))
+                warnings.warn(
+                    f"metric {key!r} is not in dapo.metrics.registry: register it with its "
+                    "meaning (the docs' metrics reference is generated from there)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         now = time.time()
 
         record: dict[str, Any] = {"step": step, "time": now}
