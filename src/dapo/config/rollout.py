@@ -59,6 +59,7 @@ class RolloutConfig:
         "together in GRPO and DAPO); at least 2. The DAPO paper uses 16.",
         ge=2,
         hint="group-relative advantages need at least 2 responses per prompt",
+        paper="16",
     )
     temperature: float = opt(
         1.0,
@@ -66,6 +67,7 @@ class RolloutConfig:
         "temperature. The DAPO paper uses 1.0.",
         gt=0,
         hint="1.0 in the paper",
+        paper="1.0",
     )
     top_p: float = opt(
         1.0,
@@ -73,6 +75,7 @@ class RolloutConfig:
         "paper's value).",
         gt=0,
         le=1,
+        paper="1.0",
     )
     top_k: int = opt(
         0, "Sample only from the k most likely tokens; 0 disables it.", ge=0, hint="0: disabled"
@@ -84,6 +87,7 @@ class RolloutConfig:
         "(16384 expected tokens + the 4096-token overlong buffer). A multi-turn episode's "
         "budget: model and environment tokens after the prompt together.",
         ge=1,
+        paper="20480",
     )
     environment: str | None = opt(
         None,
@@ -137,6 +141,7 @@ class RolloutConfig:
         "evaluates at 1.0.",
         ge=0,
         hint="0: greedy",
+        paper="1.0",
     )
     eval_top_p: float = opt(
         1.0,
@@ -144,12 +149,14 @@ class RolloutConfig:
         "with 0.7 (the default of `dapo eval`).",
         gt=0,
         le=1,
+        paper="0.7",
     )
     eval_num_generations: int = opt(
         1,
         "Responses per held-out prompt; the reported accuracy is avg@k over them (the DAPO "
         "paper reports avg@32 on AIME 2024).",
         ge=1,
+        paper="32",
     )
     vllm_sync_every: int = opt(
         1,
