@@ -94,7 +94,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("sampling/all_wrong_frac", "Share of generated groups whose responses were all wrong."),
     Metric(
         "sampling/uniform_groups",
-        "Generated groups with no learning signal (all correct or all wrong).",
+        "Share of generated groups with no learning signal (all correct or all wrong).",
     ),
     Metric("sampling/gen_rounds", "Generation rounds this step took to fill the batch."),
     Metric("sampling/generated_groups", "Groups generated this step."),
