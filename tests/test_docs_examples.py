@@ -36,7 +36,9 @@ from dapo.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
-FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
+FENCE = re.compile(
+    r"^(?P<indent> *)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S
+)
 ILLUSTRATIVE = re.compile(r'title="illustrative: (?P<reason>[^"]+)"')
 LANGS = {"python", "bash", "yaml", "text"}
 
@@ -156,7 +158,9 @@ def _check(words: list[str], where: str, monkeypatch: pytest.MonkeyPatch) -> Non
         pyproject = (ROOT / "pyproject.toml").read_text()
         assert all(f"\n{e} = [" in pyproject for e in extras), f"{where}: extras {extras}"
         return
-    assert words[0] == "dapo", f"{where}: {shlex.join(words)}: run it here or mark the block illustrative"
+    assert words[0] == "dapo", (
+        f"{where}: {shlex.join(words)}: run it here or mark the block illustrative"
+    )
     command, argv = words[1], words[2:]
     if command == "train":
         _check_train(argv, where)
