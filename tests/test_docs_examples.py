@@ -261,3 +261,16 @@ def test_the_python_example_trains(tmp_path: Path) -> None:
 def test_yaml_examples_resolve() -> None:
     for path in (ROOT / "examples").glob("*.yaml"):
         _check_train([str(path)], str(path))
+
+
+# --------------------------------------------------------------------------- a reader's slips
+
+
+def test_dapo_plot_on_a_wrong_directory_says_what_to_give(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The getting-started page says `dapo plot RUN_DIR`; a wrong path says what RUN_DIR is."""
+    assert cli.main(["plot", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert str(tmp_path / "metrics.jsonl") in err
+    assert "a dapo train output_dir" in err

@@ -452,5 +452,8 @@ def read_metrics(path: str | Path) -> list[dict]:
     """
     file = metrics_file(path)
     if not file.is_file():
-        raise FileNotFoundError(f"no metrics file at {file}")
+        raise FileNotFoundError(
+            f"no metrics file at {file}: give a run directory (a dapo train output_dir, "
+            f"which holds {METRICS_FILE}) or the {METRICS_FILE} file itself"
+        )
     return [_decode_record(rec) for _, rec in _parse_jsonl(file)]
