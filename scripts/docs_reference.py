@@ -39,8 +39,12 @@ def _yaml(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, list | dict) and not value:
-        return "[]" if isinstance(value, list) else "{}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
+    if dataclasses.is_dataclass(value):
+        return _yaml(dataclasses.asdict(value))
     return str(value)
 
 
@@ -72,7 +76,7 @@ def _rows(cls: type, prefix: str, names: dict[str, list[str]]) -> tuple[list[str
             continue
         key = prefix + f.name
         default = _default(f)
-        shown = "(built-in list)" if isinstance(default, list) and default else _yaml(default)
+        shown = _yaml(default)
         paper = f.metadata.get("paper")
         alias = ", ".join(f"`{a}`" for a in names.get(key, []))
         rows.append(

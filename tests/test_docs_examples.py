@@ -274,3 +274,19 @@ def test_dapo_plot_on_a_wrong_directory_says_what_to_give(
     err = capsys.readouterr().err
     assert str(tmp_path / "metrics.jsonl") in err
     assert "a dapo train output_dir" in err
+
+
+def test_every_docs_page_a_message_names_exists() -> None:
+    """A message that says "see docs/X.md" must point at a page that exists."""
+    named = set()
+    for path in (ROOT / "src" / "dapo").rglob("*.py"):
+        named |= set(re.findall(r"docs/[A-Za-z0-9_/.-]+\.md", path.read_text()))
+    assert "docs/getting-started.md" in named
+    assert not [p for p in named if not (ROOT / p).is_file()]
+
+
+def test_the_pg_loss_note_points_at_its_section() -> None:
+    from dapo.metrics import PG_LOSS_NOTE
+
+    page, _, heading = PG_LOSS_NOTE.rpartition("(")[2].rstrip(")").partition(": ")
+    assert f"### {heading[0].upper()}{heading[1:]}\n" in (ROOT / page).read_text()

@@ -32,7 +32,7 @@ TENSORBOARD_DIR = "tensorboard"
 
 PG_LOSS_NOTE = (
     "note: pg loss near 0 is expected with zero-mean advantages and ratio 1; "
-    "the gradient is not zero (see docs)"
+    "the gradient is not zero (docs/getting-started.md: why actor/pg_loss is about 0)"
 )
 PG_LOSS_NEAR_ZERO = 1e-3  # |actor/pg_loss| below this triggers the one-time note
 
