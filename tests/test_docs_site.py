@@ -113,6 +113,7 @@ def test_the_site_builds_strictly_with_the_generated_pages(site: Path) -> None:
         assert (site / f"{page}.html").is_file()
     api = (site / "reference" / "api.html").read_text()
     assert 'id="dapo.api.train"' in api  # mkdocstrings rendered the docstrings
+    assert ":func:" not in api and ":class:" not in api  # the Sphinx roles are dropped
     algorithm = (site / "concepts" / "algorithm.html").read_text()
     assert "api.html#dapo.algorithms.aggregation.aggregate_loss" in algorithm
     # Offline: no page asks the web for fonts or scripts.
