@@ -77,12 +77,7 @@ def _rows(cls: type, prefix: str, names: dict[str, list[str]]) -> tuple[list[str
         key = prefix + f.name
         default = _default(f)
         shown = _yaml(default)
-        paper = f.metadata.get("paper")
-        alias = ", ".join(f"`{a}`" for a in names.get(key, []))
-        rows.append(
-            f"| `{key}` | `{_cell(shown)}` | {_cell(_type(f, tp))} | "
-            f"{f'`{paper}`' if paper else ''} | {alias} | {_cell(f.metadata.get('help', ''))} |"
-        )
+        rows.append(f"| `{key}` | `{_cell(shown)}` | {_about(f, tp, names.get(key, []))} |")
         if get_origin(tp) is list:
             (item,) = get_args(tp)
             if dataclasses.is_dataclass(item):
@@ -90,13 +85,23 @@ def _rows(cls: type, prefix: str, names: dict[str, list[str]]) -> tuple[list[str
                     gt = hints(item)[g.name]
                     rows.append(
                         f"| `{key}[i].{g.name}` | `{_cell(_yaml(_default(g)))}` | "
-                        f"{_cell(_type(g, gt))} | | | {_cell(g.metadata.get('help', ''))} |"
+                        f"{_about(g, gt, [])} |"
                     )
     return rows, subsections
 
 
-HEAD = "| key | default | type, choices, bounds | paper | TRL / verl name | what it does |"
-RULE = "|---|---|---|---|---|---|"
+HEAD = "| key | default | what it does |"
+RULE = "|---|---|---|"
+
+
+def _about(f: dataclasses.Field, tp: Any, alias: list[str]) -> str:
+    """The help text, then a line of type / choices / bounds, the paper's value, aliases."""
+    facts = [_type(f, tp)]
+    if f.metadata.get("paper"):
+        facts.append(f"paper: `{f.metadata['paper']}`")
+    if alias:
+        facts.append("TRL / verl: " + ", ".join(f"`{a}`" for a in alias))
+    return _cell(f.metadata.get("help", "")) + "<br>" + _cell(" · ".join(facts))
 
 
 def config_reference() -> str:
@@ -107,8 +112,9 @@ def config_reference() -> str:
         "",
         "Generated from the config schema (`dapo.config`) when the site is built, so it "
         "matches the code. `dapo train --help-config` prints the same list in a terminal. "
-        "*paper* is the DAPO paper's value where it sets one; a *TRL / verl name* given as a "
-        "key is answered with `did you mean` the key here. The presets "
+        "Under each key's help: its type, choices or bounds; *paper:* the DAPO paper's value "
+        "where it sets one; *TRL / verl:* the names other trainers use for it (given as a "
+        "key, they are answered with `did you mean` this key). The presets "
         f"({', '.join(f'`{p}`' for p in PRESETS)}) set `algorithm.*` keys only: "
         "`dapo presets` lists what each sets.",
         "",
