@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from vllm_check import needs_vllm  # tests/vllm_check.py
 
 from dapo.metrics import MetricsLogger
 from dapo.metrics.registry import METRICS, is_registered, lookup
@@ -99,4 +100,20 @@ def test_every_key_a_multiturn_training_logs_is_registered(
     keys = _logged_keys(tmp_path / "run")
     assert "env/turns_mean" in keys and any(k.startswith("env/ended_") for k in keys)
     assert "actor/pg_loss" in keys
+    assert not [k for k in keys if not is_registered(k)]
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_every_key_a_vllm_asynchronous_training_logs_is_registered(tmp_path: Path) -> None:
+    """The engine's keys: log-prob mismatch, weight sync, staleness, the round generated ahead."""
+    import dapo
+
+    dapo.train(
+        **TINY,
+        **{"rollout.engine": "vllm", "rollout.async_steps": 1},
+        output_dir=str(tmp_path / "run"),
+    )
+    keys = _logged_keys(tmp_path / "run")
+    assert {"rollout/logprob_mismatch", "perf/weight_sync_s", "perf/async_wait_s"} <= keys
     assert not [k for k in keys if not is_registered(k)]
