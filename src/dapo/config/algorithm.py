@@ -44,6 +44,7 @@ class AlgorithmConfig:
         ge=0,
         le=1,
         hint="e.g. 0.2; 1: no lower bound",
+        paper="0.2",
     )
     clip_high: float = opt(
         0.28,
@@ -53,6 +54,7 @@ class AlgorithmConfig:
         "optimizer updates per rollout step.",
         ge=0,
         hint="e.g. 0.28",
+        paper="0.28",
     )
     clip_c: float | None = opt(
         None,
@@ -67,6 +69,7 @@ class AlgorithmConfig:
         "token-level loss (sum over every token of the batch / their count); "
         "seq-mean-token-mean is GRPO's (mean per response, then over responses); "
         "seq-mean-token-sum-norm is Dr. GRPO's (token sum / (responses x L_max)).",
+        paper="token-mean",
     )
     advantage_scale: AdvantageScale = opt(
         "group",
@@ -80,6 +83,7 @@ class AlgorithmConfig:
         "long-CoT policy is meant to move away); 0 loads no reference model.",
         ge=0,
         hint="0: no KL term, as in DAPO",
+        paper="0",
     )
     kl_estimator: KLKind = opt(
         "k3",
@@ -91,6 +95,7 @@ class AlgorithmConfig:
         "Dynamic Sampling (DAPO): over-sample, drop the groups whose G responses are all "
         "right or all wrong (zero advantage, no gradient) and keep generating until "
         "train.prompts_per_step groups remain.",
+        paper="true",
     )
     dynamic_sampling_metric: DynamicSamplingMetric = opt(
         "acc",
@@ -150,16 +155,19 @@ class AlgorithmConfig:
         True,
         "Soft overlong punishment (DAPO): add a length penalty to the reward, 0 up to "
         "L_max - L_cache tokens, then a linear ramp down to -1 at L_max.",
+        paper="true",
     )
     overlong_buffer: int = opt(
         16,
         "L_cache, the soft overlong punishment ramp in tokens (the buffer before L_max = "
         "rollout.max_completion_length); DAPO uses 4096 with L_max 20480. Must be below L_max.",
         ge=0,
+        paper="4096",
     )
     overlong_penalty_factor: float = opt(
         1.0,
         "Multiplier of the soft overlong penalty; 1.0 (DAPO) lets it reach -1 at L_max.",
+        paper="1.0",
     )
     is_cap: float | None = opt(
         None,

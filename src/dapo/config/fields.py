@@ -100,6 +100,7 @@ def opt(
     nonempty: bool = False,
     hint: str = "",
     secret: bool = False,
+    paper: str | None = None,
 ) -> Any:
     """A dataclass field with ``metadata={"help": ..., "bounds": Bounds(...)}``.
 
@@ -107,9 +108,12 @@ def opt(
     ``gt``, ``le``, ``lt`` bound a number (a None of an optional field passes); ``nonempty``
     refuses an empty string or list; ``hint`` is added to the bound's error message.
     ``secret``: the value (an API key) is written as null wherever the config is written
-    out (:func:`without_secrets`).
+    out (:func:`without_secrets`). ``paper``: the DAPO paper's value, as written in a config
+    (shown by the docs' configuration reference).
     """
     metadata: dict[str, Any] = {"help": " ".join(help.split())}
+    if paper is not None:
+        metadata["paper"] = paper
     if secret:
         metadata["secret"] = True
     bounds = Bounds(ge=ge, gt=gt, le=le, lt=lt, nonempty=nonempty, hint=hint)

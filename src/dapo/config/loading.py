@@ -64,6 +64,14 @@ _ALIASES = {
 }
 
 
+def aliases() -> dict[str, list[str]]:
+    """Each config key and the TRL / verl names that suggest it (for the docs' reference)."""
+    out: dict[str, list[str]] = {}
+    for name, key in _ALIASES.items():
+        out.setdefault(key, []).append(name)
+    return out
+
+
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every key path of ``cls``, sections included: ``train``, ``train.lr``, ..."""
     keys = []

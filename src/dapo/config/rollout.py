@@ -77,6 +77,7 @@ class RolloutConfig:
         "together in GRPO and DAPO); at least 2. The DAPO paper uses 16.",
         ge=2,
         hint="group-relative advantages need at least 2 responses per prompt",
+        paper="16",
     )
     temperature: float = opt(
         1.0,
@@ -84,6 +85,7 @@ class RolloutConfig:
         "temperature. The DAPO paper uses 1.0.",
         gt=0,
         hint="1.0 in the paper",
+        paper="1.0",
     )
     top_p: float = opt(
         1.0,
@@ -91,6 +93,7 @@ class RolloutConfig:
         "paper's value).",
         gt=0,
         le=1,
+        paper="1.0",
     )
     top_k: int = opt(
         0, "Sample only from the k most likely tokens; 0 disables it.", ge=0, hint="0: disabled"
@@ -102,6 +105,7 @@ class RolloutConfig:
         "(16384 expected tokens + the 4096-token overlong buffer). A multi-turn episode's "
         "budget: model and environment tokens after the prompt together.",
         ge=1,
+        paper="20480",
     )
     environment: str | None = opt(
         None,
@@ -155,6 +159,7 @@ class RolloutConfig:
         "evaluates at 1.0.",
         ge=0,
         hint="0: greedy",
+        paper="1.0",
     )
     eval_top_p: float = opt(
         1.0,
@@ -162,12 +167,14 @@ class RolloutConfig:
         "with 0.7 (the default of `dapo eval`).",
         gt=0,
         le=1,
+        paper="0.7",
     )
     eval_num_generations: int = opt(
         1,
         "Responses per held-out prompt; the reported accuracy is avg@k over them (the DAPO "
         "paper reports avg@32 on AIME 2024).",
         ge=1,
+        paper="32",
     )
     vllm_sync_every: int = opt(
         1,

@@ -242,6 +242,7 @@ class TrainConfig:
         "Prompts with a learning signal per rollout step (the training batch, each with G "
         "responses). The DAPO paper uses 512.",
         ge=1,
+        paper="512",
     )
     mini_batch_size: int = opt(
         16,
@@ -253,6 +254,7 @@ class TrainConfig:
         "and prompts_per_step (one update per rollout step) otherwise: "
         "train.prompts_per_step=4 alone gives 4.",
         ge=1,
+        paper="32",
     )
     epochs: int = opt(1, "Passes over each rollout batch (PPO epochs).", ge=1)
     micro_batch_tokens: int = opt(
@@ -273,14 +275,19 @@ class TrainConfig:
         "default suits builtin:tiny.",
         gt=0,
         hint="a positive learning rate, e.g. 1e-6 for large models",
+        paper="1e-6",
     )
     lr_schedule: LRSchedule = opt(
         "constant",
         "Learning rate after warm-up: constant (the DAPO paper's) or cosine down to "
         "train.min_lr_ratio x lr at the last step.",
+        paper="constant",
     )
     warmup_steps: int = opt(
-        5, "Linear learning-rate warm-up, in rollout steps. The DAPO paper uses 20.", ge=0
+        5,
+        "Linear learning-rate warm-up, in rollout steps. The DAPO paper uses 20.",
+        ge=0,
+        paper="20",
     )
     min_lr_ratio: float = opt(
         0.1, "lr_schedule=cosine: the final learning rate as a share of lr.", ge=0, le=1

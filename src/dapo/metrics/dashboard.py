@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo.atomic import atomic_write
-from dapo.metrics.logger import metrics_file, read_metrics
+from dapo.metrics.logger import METRICS_FILE, metrics_file, read_metrics
 
 DASHBOARD_FILE = "dashboard.png"
 
@@ -276,7 +276,10 @@ def plot_dashboard(run_dir: str | Path, out_path: str | Path | None = None) -> P
     """
     file = metrics_file(run_dir)
     if not file.is_file():
-        raise FileNotFoundError(f"no metrics file at {file}")
+        raise FileNotFoundError(
+            f"no metrics file at {file}: give a run directory (a dapo train output_dir, "
+            f"which holds {METRICS_FILE}) or the {METRICS_FILE} file itself"
+        )
     run_dir = file.parent
     records = merge_steps(read_metrics(file))
     if not records:

@@ -17,6 +17,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from dapo.atomic import atomic_write
+from dapo.metrics import registry
 from dapo.metrics.console import (
     BAR_KEYS,
     LineStream,
@@ -32,7 +33,7 @@ TENSORBOARD_DIR = "tensorboard"
 
 PG_LOSS_NOTE = (
     "note: pg loss near 0 is expected with zero-mean advantages and ratio 1; "
-    "the gradient is not zero (see docs)"
+    "the gradient is not zero (docs/getting-started.md: why actor/pg_loss is about 0)"
 )
 PG_LOSS_NEAR_ZERO = 1e-3  # |actor/pg_loss| below this triggers the one-time note
 
@@ -184,6 +185,7 @@ class MetricsLogger:
         self._line_mode = True  # non-TTY: plain lines instead of an in-place bar
         self._pg_note_done = False
         self._warned_reserved = False
+        self.unregistered: set[str] = set()  # logged keys missing from dapo.metrics.registry
         self._last_step: int | None = None
         self._last_values: dict[str, float] = {}
         self._last_printed_step: int | None = None
@@ -308,6 +310,14 @@ class MetricsLogger:
                     self._warned_reserved = True
                 continue
             values[str(key)] = _to_float(key, value)
+            if str(key) not in self.unregistered and not registry.is_registered(str(key)):
+                self.unregistered.add(str(key))
+                warnings.warn(
+                    f"metric {key!r} is not in dapo.metrics.registry: register it with its "
+                    "meaning (the docs' metrics reference is generated from there)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         now = time.time()
 
         record: dict[str, Any] = {"step": step, "time": now}
@@ -491,5 +501,8 @@ def read_metrics(path: str | Path) -> list[dict]:
     """
     file = metrics_file(path)
     if not file.is_file():
-        raise FileNotFoundError(f"no metrics file at {file}")
+        raise FileNotFoundError(
+            f"no metrics file at {file}: give a run directory (a dapo train output_dir, "
+            f"which holds {METRICS_FILE}) or the {METRICS_FILE} file itself"
+        )
     return [_decode_record(rec) for _, rec in _parse_jsonl(file)]

@@ -1,0 +1,227 @@
+"""Every metric key a run can log, with its meaning: the one list the logger checks keys
+against and the docs' metrics reference is generated from.
+
+A key is a literal name (``reward/acc``) or a pattern with one ``{placeholder}`` standing for
+a lowercase name (``env/ended_{reason}``). ``step`` and ``time`` are the record's own fields.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric key (or pattern), what it means, and when a run logs it."""
+
+    key: str
+    meaning: str
+    when: str = "every rollout step"
+
+
+METRICS: tuple[Metric, ...] = (
+    # reward
+    Metric(
+        "reward/mean",
+        "Mean reward over every response generated this step (not only the trained ones).",
+    ),
+    Metric("reward/acc", "Share of this step's generated responses scored correct (reward > 0)."),
+    Metric("reward/std", "Standard deviation of the rewards of this step's generated responses."),
+    Metric(
+        "reward/failures",
+        "Reward calls that raised, returned a non-number or timed out (each scores -1).",
+    ),
+    Metric(
+        "reward/overlong_penalty_mean",
+        "Mean soft overlong punishment added to the rewards, with its factor.",
+        "every rollout step; 0 when algorithm.overlong_penalty is off",
+    ),
+    # response length
+    Metric("response_length/mean", "Mean response length in tokens."),
+    Metric("response_length/max", "Longest response in tokens."),
+    Metric(
+        "response_length/clip_ratio",
+        "Share of responses truncated at rollout.max_completion_length.",
+    ),
+    # actor (the update)
+    Metric("actor/loss", "The loss of the step's optimizer updates (mean over updates)."),
+    Metric(
+        "actor/pg_loss",
+        "The aggregated policy-gradient term; about 0 with one update per step and beta = 0 "
+        "(ratio 1, zero-mean advantages), while its gradient is not.",
+    ),
+    Metric("actor/entropy", "Mean token entropy of the policy over the loss tokens (nats)."),
+    Metric("actor/gen_prob", "Mean probability of the sampled tokens under the trained policy."),
+    Metric("actor/clip_frac_low", "Share of loss tokens where the lower clip bound is active."),
+    Metric(
+        "actor/clip_frac_high",
+        "Share of loss tokens where the upper clip bound (clip-higher) is active.",
+    ),
+    Metric(
+        "actor/clip_frac_dual",
+        "Share of loss tokens where dual-clip bounds a negative-advantage ratio.",
+        "algorithm.clip_c set",
+    ),
+    Metric("actor/ratio_mean", "Mean importance ratio pi / pi_old over the loss tokens."),
+    Metric("actor/ppo_kl", "Approximate KL between the sampling (old) policy and the trained one."),
+    Metric("actor/kl_ref", "Mean per-token KL to the reference policy.", "algorithm.beta > 0"),
+    Metric(
+        "actor/entropy_bonus",
+        "The entropy term subtracted from the loss: entropy_coef x the aggregated entropy.",
+        "algorithm.entropy_coef > 0",
+    ),
+    Metric(
+        "actor/cov_selected_frac",
+        "Share of the mini-batch's loss tokens selected by Clip-Cov (gradient dropped) or "
+        "KL-Cov (KL-penalised).",
+        "algorithm.entropy_control = clip_cov or kl_cov",
+    ),
+    Metric("actor/grad_norm", "Gradient norm before clipping (mean over the step's updates)."),
+    Metric("actor/lr", "Learning rate."),
+    Metric("actor/updates", "Optimizer updates applied this rollout step."),
+    Metric("actor/skipped_updates", "Updates skipped because the loss or gradient was not finite."),
+    Metric("train/loss_tokens", "Tokens in the loss this step (response tokens not masked out)."),
+    Metric(
+        "train/stale_groups",
+        "Trained groups sampled by an older policy: generated ahead, or carried over by dynamic sampling.",
+    ),
+    # dynamic sampling and prompt choice
+    Metric(
+        "sampling/all_correct_frac", "Share of generated groups whose responses were all correct."
+    ),
+    Metric("sampling/all_wrong_frac", "Share of generated groups whose responses were all wrong."),
+    Metric(
+        "sampling/uniform_groups",
+        "Share of generated groups with no learning signal (all correct or all wrong).",
+    ),
+    Metric("sampling/gen_rounds", "Generation rounds this step took to fill the batch."),
+    Metric("sampling/generated_groups", "Groups generated this step."),
+    Metric("sampling/generated_samples_total", "Responses generated since the run started."),
+    Metric(
+        "sampling/carried_in", "Groups carried over from the previous step's surplus and used now."
+    ),
+    Metric("sampling/carried_over", "Surplus groups kept for the next step."),
+    Metric(
+        "sampling/wasted_frac",
+        "Share of generated groups dropped (neither trained nor carried over); 0 with dynamic "
+        "sampling off, where uniform groups train with zero advantage.",
+    ),
+    Metric(
+        "sampling/short_batch",
+        "1 when the round cap left the batch short (algorithm.round_cap=train), else 0.",
+    ),
+    Metric("sampling/trained_groups", "Groups trained this step (0: the update was skipped)."),
+    Metric(
+        "sampling/skipped_prompts",
+        "Prompts the skip rule passed over this step.",
+        "algorithm.skip_uniform_prompts = true",
+    ),
+    Metric(
+        "sampling/skip_rate",
+        "Share of the prompts drawn that the skip rule passed over.",
+        "algorithm.skip_uniform_prompts = true",
+    ),
+    # rollout engine
+    Metric(
+        "rollout/staleness",
+        "Rollout steps between the policy that sampled this step's new groups and the policy "
+        "trained: 0 synchronous, 1 with rollout.async_steps=1.",
+    ),
+    Metric(
+        "rollout/logprob_mismatch",
+        "Mean absolute difference of the engine's and the trainer's log-probs over response tokens.",
+        "rollout.engine = vllm or vllm-server, or the hf engine when train.precision is not fp32",
+    ),
+    Metric(
+        "rollout/mismatch_kl",
+        "The k3 estimate of KL(engine || trainer) over the same tokens.",
+        "as rollout/logprob_mismatch",
+    ),
+    Metric(
+        "rollout/is_weight_mean",
+        "Mean engine-vs-trainer importance weight over the loss tokens kept.",
+        "algorithm.is_cap set",
+    ),
+    Metric(
+        "rollout/is_truncated_frac",
+        "Share of loss tokens (is_level=token) or responses whose ratio exceeded the cap and was truncated.",
+        "algorithm.is_cap set, is_mode = truncate",
+    ),
+    Metric(
+        "rollout/is_masked_frac",
+        "Share of loss tokens (is_level=token) or responses whose ratio exceeded the cap and was dropped.",
+        "algorithm.is_cap set, is_mode = mask",
+    ),
+    # multi-turn episodes
+    Metric(
+        "env/turns_mean",
+        "Mean model turns per episode.",
+        "multi-turn (rollout.environment or rollout.tools)",
+    ),
+    Metric("env/turns_max", "Most model turns in one episode.", "multi-turn"),
+    Metric("env/tool_calls", "Tool calls per episode.", "multi-turn"),
+    Metric("env/tool_errors", "Tool calls that raised, per episode.", "multi-turn"),
+    Metric("env/token_share", "Environment tokens / all response tokens.", "multi-turn"),
+    Metric(
+        "env/failures", "Episodes ended by an environment that raised, hung or died.", "multi-turn"
+    ),
+    Metric(
+        "env/ended_{reason}",
+        "Share of episodes that ended this way: done, max_turns, budget, env_failure or bad_tool_call.",
+        "multi-turn",
+    ),
+    # timings and throughput
+    Metric("perf/step_s", "Wall time of the rollout step (seconds)."),
+    Metric("perf/gen_s", "Time spent generating."),
+    Metric("perf/score_s", "Time spent scoring (reward functions)."),
+    Metric("perf/train_s", "Time spent in the optimizer updates."),
+    Metric("perf/env_s", "Time spent in the environments' reset and step.", "multi-turn"),
+    Metric("perf/rollout_tokens_per_s", "Generated tokens per second of generation."),
+    Metric("perf/train_tokens_per_s", "Trained tokens per second of training."),
+    Metric(
+        "perf/weight_sync_s",
+        "Time to push the weights to the vLLM engine or server.",
+        "rollout.engine = vllm or vllm-server",
+    ),
+    Metric(
+        "perf/async_gen_s",
+        "Time the next step's first round took to generate in the background.",
+        "rollout.async_steps = 1",
+    ),
+    Metric(
+        "perf/async_wait_s",
+        "How long the trainer waited for the round generated ahead after its update.",
+        "rollout.async_steps = 1",
+    ),
+    # evaluation
+    Metric(
+        "val/acc",
+        "Held-out accuracy (data.eval). Step 0 holds the accuracy before training; the "
+        "accuracy after training is a second line of the last step.",
+        "before and after training, every logging.eval_every steps",
+    ),
+)
+
+_PLACEHOLDER = re.compile(r"\\\{[a-z_]+\\\}")
+
+
+@functools.cache
+def _patterns() -> tuple[re.Pattern[str], ...]:
+    return tuple(
+        re.compile(_PLACEHOLDER.sub("[a-z0-9_]+", re.escape(m.key)) + r"\Z") for m in METRICS
+    )
+
+
+def lookup(key: str) -> Metric | None:
+    """The registered metric a logged key is (or matches), else None."""
+    for metric, pattern in zip(METRICS, _patterns(), strict=True):
+        if pattern.match(key):
+            return metric
+    return None
+
+
+def is_registered(key: str) -> bool:
+    """Whether ``key`` is a registered metric (or matches a registered pattern)."""
+    return lookup(key) is not None
