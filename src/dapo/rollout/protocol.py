@@ -186,6 +186,25 @@ def _check_prompt(i: int, prompt: Any, max_tokens: int, limits: Limits) -> None:
         )
 
 
+def parse_score(body: dict[str, Any], limits: Limits) -> list[list[int]]:
+    """``POST /score``: the token sequences (prompt + response, at least 2 tokens each) whose
+    tokens ``1..`` the served model scores, checked."""
+    _known(body, "POST /score", ("sequences",))
+    if "sequences" not in body:
+        raise RequestError("`sequences` is missing: a list of token-id lists")
+    sequences = body["sequences"]
+    if not isinstance(sequences, list):
+        raise RequestError(f"`sequences` must be a list of token-id lists, got {_show(sequences)}")
+    for i, seq in enumerate(sequences):
+        _check_prompt(i, seq, 0, limits)
+        if len(seq) < 2:
+            raise RequestError(
+                f"`sequences[{i}]` has {len(seq)} token: scoring needs at least 2 (the first "
+                "has no log-prob)"
+            )
+    return sequences
+
+
 def parse_init_weight_sync(
     body: dict[str, Any], limits: Limits, world_size: int, device: str
 ) -> tuple[str, int, int, str, float]:

@@ -82,7 +82,8 @@ class Rollouts:
         )
         self.sampler = DynamicSampler(
             cfg.train.prompts_per_step,
-            enabled=a.dynamic_sampling,
+            # A uniform group still carries the teacher's signal: kept when it is the only one.
+            enabled=a.dynamic_sampling and not a.distill_only,
             metric=a.dynamic_sampling_metric,
             max_rounds=a.max_gen_rounds,
             round_cap=a.round_cap,
@@ -137,7 +138,10 @@ class Rollouts:
             # Its log-probs are the behaviour policy's: the groups count as generated at
             # `version` when made ahead, else at this step.
             scored = self.scorer.score(
-                groups, [self.train_records[i] for i in idx], step if ahead is None else version
+                groups,
+                [self.train_records[i] for i in idx],
+                step if ahead is None else version,
+                rewards=not self.cfg.algorithm.distill_only,
             )
             timing["gen"] += t1 - t0
             timing["score"] += time.perf_counter() - t1

@@ -43,6 +43,7 @@ from dapo.training.inputs import Callbacks, RunInputs
 from dapo.training.learner import Learner, NonFiniteUpdates
 from dapo.training.resume import check_resume
 from dapo.training.rollouts import Rollouts
+from dapo.training.teacher import load_teacher
 
 
 class Trainer:
@@ -63,9 +64,12 @@ class Trainer:
         self.tokenizer = inputs.tokenizer or load_tokenizer(
             cfg.model.tokenizer or model_path, trust_remote_code=cfg.model.trust_remote_code
         )
+        # The teacher (algorithm.teacher) is checked against the tokenizer before the policy loads.
+        teacher = load_teacher(cfg, self.tokenizer, self.log)
         self.learner = Learner.from_config(
             cfg, model_path, self.tokenizer.pad_token_id, self.log, model=inputs.model
         )
+        self.learner.use_teacher(teacher)
         # A separate engine's sampling log-probs are compared with (and can correct,
         # `algorithm.is_cap`) the trainer's, as are the transformers engine's below float32
         # (its incremental decoding rounds differently).
@@ -197,6 +201,8 @@ class Trainer:
     def close(self) -> None:
         """Stop the reward workers and release the engine (``run`` does this itself)."""
         self.rollouts.close()
+        if self.learner.teacher is not None:
+            self.learner.teacher.close()
 
     # --- the whole run --------------------------------------------------------------------
 
