@@ -24,7 +24,7 @@ from dapo.training.batch import Sample
 from dapo.training.forward import ForwardOptions, compute_logprobs
 from dapo.training.teacher import ModelTeacher, ServerTeacher, Teacher, check_tokenizers
 from dapo.training.trainer import Trainer
-from tests.learner_utils import backward, learner
+from learner_utils import backward, learner  # tests/learner_utils.py
 
 
 def test_per_token_advantage_is_the_hand_computed_one():
@@ -281,3 +281,78 @@ def test_a_server_teacher_scores_as_the_model_teacher_does(tok, models, one_thre
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     finally:
         srv.close()
+
+
+ENVS = Path(__file__).with_name("sample_environments.py")
+
+
+def test_multi_turn_episodes_get_no_teacher_signal_on_environment_tokens(
+    tool_model, teacher_dir, tmp_path, one_thread
+):
+    cfg = _config(
+        tool_model,
+        tmp_path / "run",
+        f"algorithm.teacher={teacher_dir}",
+        "data.train=builtin:calculator",
+        f"rollout.environment={ENVS}:TwoTurns",
+        "rollout.max_turns=2",
+        "rollout.max_completion_length=80",
+        "algorithm.overlong_buffer=8",
+        "algorithm.overlong_filter=false",
+        "algorithm.dynamic_sampling=false",
+        "train.prompts_per_step=4",
+        "rollout.num_generations=4",
+        "train.steps=1",
+    )
+    trainer = Trainer(cfg, log=lambda _: None)
+    seen: list[Sample] = []
+    attach = trainer.learner.teacher.attach
+
+    def record(samples):
+        out = attach(samples)
+        seen.extend(samples)
+        return out
+
+    trainer.learner.teacher.attach = record
+    trainer.run()
+    env_tokens = 0
+    for s in seen:
+        env = s.sampled() == 0
+        env_tokens += int(env.sum())
+        assert torch.equal(s.token_advantages[env], torch.full((int(env.sum()),), s.advantage))
+    assert env_tokens > 0 and any((s.token_advantages != s.advantage).any() for s in seen)
+
+
+@pytest.mark.slow
+def test_two_rank_lora_distillation_runs_and_resumes(random_tiny_model, teacher_dir, tmp_path):
+    from ranks import torchrun
+
+    out = tmp_path / "run"
+    common = [
+        "-m",
+        "dapo",
+        "train",
+        f"model.name_or_path={random_tiny_model}",
+        f"output_dir={out}",
+        f"algorithm.teacher={teacher_dir}",
+        "algorithm.distill_only=true",
+        "train.prompts_per_step=4",
+        "train.mini_batch_size=2",
+        "rollout.num_generations=2",
+        "rollout.max_completion_length=8",
+        "algorithm.overlong_buffer=4",
+        "algorithm.overlong_filter=false",
+        "evaluate=false",
+        "logging.tensorboard=false",
+        "checkpoint.save_every=1",
+        "checkpoint.save_final_model=false",
+        "train.data_parallel=ddp",
+        "model.lora.rank=4",
+    ]
+    torchrun(*common, "train.steps=1", cwd=tmp_path)
+    torchrun(*common, "train.steps=2", "resume=true", cwd=tmp_path)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 1 and summary["steps"] == 2
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "distill/reverse_kl" in r]
+    assert len(steps) == 2 and all(r["distill/teacher_share"] == 1.0 for r in steps)
