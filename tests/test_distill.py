@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from learner_utils import backward, learner  # tests/learner_utils.py
 
 from dapo import algorithms as alg
 from dapo.algorithms import LossSettings
@@ -24,7 +25,6 @@ from dapo.training.batch import Sample
 from dapo.training.forward import ForwardOptions, compute_logprobs
 from dapo.training.teacher import ModelTeacher, ServerTeacher, Teacher, check_tokenizers
 from dapo.training.trainer import Trainer
-from learner_utils import backward, learner  # tests/learner_utils.py
 
 
 def test_per_token_advantage_is_the_hand_computed_one():
