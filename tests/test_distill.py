@@ -356,3 +356,30 @@ def test_two_rank_lora_distillation_runs_and_resumes(random_tiny_model, teacher_
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "distill/reverse_kl" in r]
     assert len(steps) == 2 and all(r["distill/teacher_share"] == 1.0 for r in steps)
+
+
+def test_a_teacher_server_of_another_vocabulary_is_refused_at_connect(tok):
+    from dapo.training.teacher import load_teacher
+
+    small = Fingerprint(10, 1, None, name="other-model")
+    srv = RolloutServer(ScoringEngine(None), model="other-model", fingerprint=small)
+    port = free_port()
+    srv.start("127.0.0.1", port)
+    try:
+        cfg = load_config(
+            overrides=[
+                f"algorithm.teacher=server:http://127.0.0.1:{port}",
+                "data.max_prompt_length=32",
+                "rollout.max_completion_length=8",
+                "algorithm.overlong_buffer=4",
+            ]
+        )
+        with pytest.raises(TrainingError) as info:
+            load_teacher(cfg, tok, log=lambda _: None)
+    finally:
+        srv.close()
+    assert str(info.value).startswith(
+        f"`algorithm.teacher` = 'server:http://127.0.0.1:{port}' serves another model than a "
+        f"teacher of the student: other-model has a vocabulary of 10 tokens, the student's "
+        f"tokenizer {len(tok)}"
+    )

@@ -251,6 +251,14 @@ def _server_teacher(cfg: Config, tokenizer: Any, url: str) -> ServerTeacher:
 
 
 def _named(name: str, exc: Exception) -> str:
-    """A loading error reworded for the teacher's field."""
-    text = str(exc).replace("`model.name_or_path`", "`algorithm.teacher`")
+    """A loading or connection error reworded for the teacher's fields."""
+    text = str(exc)
+    for student, teacher in (
+        ("`model.name_or_path`", "`algorithm.teacher`"),
+        ("rollout.server_api_key", "algorithm.teacher_api_key"),
+        ("fix rollout.server_url", "fix algorithm.teacher"),
+    ):
+        text = text.replace(student, teacher)
+    if text.startswith(f"`algorithm.teacher` = {name!r}"):
+        return text
     return f"`algorithm.teacher` = {name!r} cannot be used: {text}"
