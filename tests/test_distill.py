@@ -240,6 +240,14 @@ def test_the_config_rules_of_distillation():
         load_config(overrides=["algorithm.distill_only=true"])
     with pytest.raises(ConfigError, match="`rollout.temperature` = 0.7 is invalid"):
         load_config(overrides=["algorithm.teacher=server:http://h:1", "rollout.temperature=0.7"])
+    with pytest.raises(ConfigError, match="`algorithm.skip_uniform_prompts` = True is invalid"):
+        load_config(
+            overrides=[
+                "algorithm.teacher=x",
+                "algorithm.distill_only=true",
+                "algorithm.skip_uniform_prompts=true",
+            ]
+        )
     with pytest.raises(ConfigError, match="`algorithm.distill_coef` = 0"):
         load_config(overrides=["algorithm.teacher=x", "algorithm.distill_coef=0"])
 
