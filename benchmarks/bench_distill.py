@@ -1,10 +1,14 @@
 """On-policy distillation against RL, at equal gradient steps: distillation alone, RL alone
 (DAPO) and both, several seeds each.
 
-A teacher that is better than the student on a built-in task (by default
-``builtin:tiny-long`` teaching ``builtin:tiny`` on ``builtin:long_addition``; both share the
-character tokenizer) is measured first (``dapo eval`` of each: held-out avg@k before any training, with the
-task's own reward). Then every arm trains the student for ``--steps`` rollout steps of
+The teacher must be better than the student on the task. By default it is made by a DAPO
+run: ``--teacher-base`` (``builtin:tiny-long``) trained for ``--teacher-steps`` rollout
+steps on the task (its final model, in ``<runs-dir>/teacher``), teaching a fresh
+``--student`` (``builtin:tiny-long`` too, so both share the character tokenizer);
+``--teacher PATH`` gives a ready teacher instead (e.g. ``builtin:tiny-long`` teaching
+``--student builtin:tiny``: 22.3% against 13.0% held-out avg@1 on 300 problems). Teacher and
+student are measured first (``dapo eval`` of each: held-out avg@k before any training, with
+the task's own reward). Then every arm trains the student for ``--steps`` rollout steps of
 ``--updates-per-step`` optimizer updates, measuring held-out avg@k every ``--eval-every``
 steps:
 
@@ -87,6 +91,25 @@ def train_arm(arm: str, seed: int, args: argparse.Namespace, threads: int) -> Pa
     ]
     dapo_train(out, argv, threads, f"{arm} seed {seed}")
     return out
+
+
+def train_teacher(args: argparse.Namespace, threads: int) -> str:
+    """The teacher: ``--teacher`` as given, or ``--teacher-base`` after ``--teacher-steps``
+    rollout steps of DAPO on the task (seed 1000, apart from the arms' seeds)."""
+    if args.teacher:
+        return args.teacher
+    out = Path(args.runs_dir) / "teacher"
+    argv = [
+        *common_argv(args, out, 1000),
+        f"model.name_or_path={args.teacher_base}",
+        f"train.steps={args.teacher_steps}",
+        "preset=dapo",
+        "evaluate=false",
+        "checkpoint.save_final_model=true",
+        *args.extra,
+    ]
+    dapo_train(out, argv, threads, f"training the teacher from {args.teacher_base}")
+    return str(out / "final_model")
 
 
 def measure_model(name: str, model: str, args: argparse.Namespace, threads: int) -> float:
@@ -237,8 +260,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--eval-k", type=int, default=4)
     parser.add_argument("--task", default="builtin:long_addition")
-    parser.add_argument("--student", default="builtin:tiny")
-    parser.add_argument("--teacher", default="builtin:tiny-long")
+    parser.add_argument("--student", default="builtin:tiny-long")
+    parser.add_argument(
+        "--teacher", default=None, help="a ready teacher (default: train one, see --teacher-base)"
+    )
+    parser.add_argument("--teacher-base", default="builtin:tiny-long")
+    parser.add_argument(
+        "--teacher-steps", type=int, default=120, help="DAPO rollout steps that make the teacher"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once")
     parser.add_argument("--threads", type=int, default=0, help="threads per run (0: cores / jobs)")
     parser.add_argument("--runs-dir", default="runs/distill")
@@ -257,6 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
 
     t0 = time.time()
+    args.teacher = train_teacher(args, threads)
     with ThreadPoolExecutor(args.jobs) as pool:
         measured = pool.map(
             lambda nm: measure_model(*nm, args, threads),

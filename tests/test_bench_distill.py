@@ -12,19 +12,8 @@ REWARDS = Path(__file__).with_name("trainer_rewards.py")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def teacher(tmp_path_factory):
-    from dapo.models.tiny import build_model, build_tokenizer
-
-    path = tmp_path_factory.mktemp("teacher")
-    tok = build_tokenizer()
-    build_model(len(tok), seed=5).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 def test_the_three_arms_run_and_report_steps_to_rls_accuracy(
-    random_tiny_model, teacher, tmp_path, capsys, monkeypatch
+    random_tiny_model, tmp_path, capsys, monkeypatch
 ):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     bench = import_benchmark("bench_distill")
@@ -33,7 +22,9 @@ def test_the_three_arms_run_and_report_steps_to_rls_accuracy(
         *("--seeds", "0,1", "--steps", "2", "--prompts", "2", "--generations", "2"),
         *("--updates-per-step", "1", "--eval-every", "1", "--eval-prompts", "4", "--eval-k", "1"),
         *("--max-length", "8", "--overlong-buffer", "4"),
-        *("--student", str(random_tiny_model), "--teacher", str(teacher)),
+        *("--student", str(random_tiny_model)),
+        # The teacher: the same model after one DAPO rollout step (its final model).
+        *("--teacher-base", str(random_tiny_model), "--teacher-steps", "1"),
         *("--runs-dir", str(runs), "--output", str(out), "--plot", str(png)),
         f"reward.functions=[{{name: '{REWARDS}:by_answer_class'}}]",
         "algorithm.overlong_filter=false",
@@ -63,3 +54,5 @@ def test_the_three_arms_run_and_report_steps_to_rls_accuracy(
     ]
     assert all(r["distill/teacher_share"] == 1.0 for r in rows if "distill/teacher_share" in r)
     assert set(result["before"]) == {"teacher", "student"}
+    teacher = runs / "teacher" / "final_model"
+    assert result["settings"]["teacher"] == str(teacher) and (teacher / "config.json").exists()
