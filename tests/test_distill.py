@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from learner_utils import backward, learner  # tests/learner_utils.py
+from vllm_check import needs_vllm
 
 from dapo import algorithms as alg
 from dapo.algorithms import LossSettings
@@ -391,3 +392,30 @@ def test_a_teacher_server_of_another_vocabulary_is_refused_at_connect(tok):
         f"teacher of the student: other-model has a vocabulary of 10 tokens, the student's "
         f"tokenizer {len(tok)}"
     )
+
+
+def test_the_example_config_is_a_distillation_run():
+    cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / "distill.yaml")
+    a = cfg.algorithm
+    assert (a.teacher, a.distill_only, cfg.model.name_or_path) == (
+        "builtin:tiny-long",
+        True,
+        "builtin:tiny",
+    )
+
+
+@needs_vllm
+def test_distillation_with_the_vllm_engine(random_tiny_model, teacher_dir, tmp_path, one_thread):
+    cfg = _config(
+        random_tiny_model,
+        tmp_path / "run",
+        f"algorithm.teacher={teacher_dir}",
+        "algorithm.distill_only=true",
+        "algorithm.overlong_filter=false",
+        "rollout.engine=vllm",
+    )
+    Trainer(cfg, log=lambda _: None).run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "distill/reverse_kl" in r]
+    assert len(steps) == 2 and all(r["distill/reverse_kl"] != 0.0 for r in steps)
+    assert all("rollout/logprob_mismatch" in r for r in steps)  # the old log-probs: the trainer's
