@@ -419,3 +419,30 @@ def test_distillation_with_the_vllm_engine(random_tiny_model, teacher_dir, tmp_p
     steps = [r for r in rows if "distill/reverse_kl" in r]
     assert len(steps) == 2 and all(r["distill/reverse_kl"] != 0.0 for r in steps)
     assert all("rollout/logprob_mismatch" in r for r in steps)  # the old log-probs: the trainer's
+
+
+def test_a_bad_score_request_gets_a_400_naming_the_field(tok, models):
+    import urllib.error
+    import urllib.request
+
+    _, other = models
+    srv = RolloutServer(ScoringEngine(other), model="t", fingerprint=Fingerprint(len(tok), 1, None))
+    port = free_port()
+    srv.start("127.0.0.1", port)
+    try:
+        for body, expected in [
+            ({"sequences": [[5]]}, "`sequences[0]` has 1 token: scoring needs at least 2"),
+            ({"sequences": [[5, 10_000]]}, "`sequences[0][1]` = 10000 is not a token id"),
+            ({"prompts": [[5, 6]]}, "unknown field `prompts` in POST /score"),
+        ]:
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/score",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(req, timeout=30)
+            assert info.value.code == 400
+            assert expected in json.loads(info.value.read())["error"]
+    finally:
+        srv.close()
