@@ -333,7 +333,10 @@ def test_multi_turn_episodes_get_no_teacher_signal_on_environment_tokens(
 
 
 @pytest.mark.slow
-def test_two_rank_lora_distillation_runs_and_resumes(random_tiny_model, teacher_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_rank_lora_distillation_runs_and_resumes(
+    mode, random_tiny_model, teacher_dir, tmp_path
+):
     from ranks import torchrun
 
     out = tmp_path / "run"
@@ -355,7 +358,7 @@ def test_two_rank_lora_distillation_runs_and_resumes(random_tiny_model, teacher_
         "logging.tensorboard=false",
         "checkpoint.save_every=1",
         "checkpoint.save_final_model=false",
-        "train.data_parallel=ddp",
+        f"train.data_parallel={mode}",
         "model.lora.rank=4",
     ]
     torchrun(*common, "train.steps=1", cwd=tmp_path)
