@@ -82,7 +82,7 @@ class Rollouts:
         )
         self.sampler = DynamicSampler(
             cfg.train.prompts_per_step,
-            # A uniform group still carries the teacher's signal: kept when it is the only one.
+            # Distillation alone: a uniform group still carries the teacher's signal.
             enabled=a.dynamic_sampling and not a.distill_only,
             metric=a.dynamic_sampling_metric,
             max_rounds=a.max_gen_rounds,

@@ -104,8 +104,8 @@ class Teacher:
         t0 = time.perf_counter()
         teacher = self.scorer.logprobs(samples) if samples else []
         seconds = time.perf_counter() - t0
-        totals = dict.fromkeys(("tokens", "reverse_kl", "teacher_logprob", "teacher_abs"), 0.0)
-        totals["task_abs"] = 0.0
+        keys = ("reverse_kl", "task_abs", "teacher_abs", "teacher_logprob", "tokens")
+        totals = dict.fromkeys(keys, 0.0)
         for s, t in zip(samples, teacher, strict=True):
             if s.old_logprobs is None:
                 raise TrainingError("distillation needs the student's old log-probs first")
@@ -120,7 +120,6 @@ class Teacher:
             sums = alg.distill_sums(task, t, student, s.train_mask()[None], self.coef)
             for key, value in sums.items():
                 totals[key] += value
-        keys = sorted(totals)
         summed = dict(zip(keys, D.all_reduce_sum([totals[k] for k in keys]), strict=True))
         return {**alg.distill_metrics(summed), "perf/teacher_s": _slowest(seconds)}
 
