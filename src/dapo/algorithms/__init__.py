@@ -7,7 +7,7 @@ are ``[B, T]`` with a ``mask`` that is 1 on the response tokens that count in th
 One module per concept: :mod:`.advantages`, :mod:`.aggregation` (the loss normalisations),
 :mod:`.policy_loss` (ppo, gspo, cispo behind one contract), :mod:`.corrections`
 (engine-vs-trainer importance weights), :mod:`.entropy` (entropy, Clip-Cov, KL-Cov),
-:mod:`.kl`, :mod:`.logprobs`, and :mod:`.objective`, which combines them into the loss of a
+:mod:`.kl`, :mod:`.logprobs`, :mod:`.distill` (a teacher's per-token advantage), and :mod:`.objective`, which combines them into the loss of a
 micro-batch. Their public names are re-exported here
 (``from dapo import algorithms as alg; alg.policy_loss(...)``).
 """
@@ -15,6 +15,7 @@ micro-batch. Their public names are re-exported here
 from dapo.algorithms.advantages import EPS, group_advantages
 from dapo.algorithms.aggregation import aggregate_loss, masked_mean, masked_sum
 from dapo.algorithms.corrections import is_weights
+from dapo.algorithms.distill import distill_advantages, distill_metrics, distill_sums
 from dapo.algorithms.entropy import (
     clip_cov_keys,
     clip_cov_select,
@@ -68,6 +69,9 @@ __all__ = [
     "clip_cov_select",
     "clip_cov_token_loss",
     "compute_loss",
+    "distill_advantages",
+    "distill_metrics",
+    "distill_sums",
     "entropy_from_logits",
     "gen_prob",
     "group_advantages",

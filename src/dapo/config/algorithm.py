@@ -238,3 +238,38 @@ class AlgorithmConfig:
         ge=0,
         hint="e.g. 1",
     )
+    teacher: str | None = opt(
+        None,
+        "On-policy distillation: the teacher that scores every token the student samples, "
+        "named as model.name_or_path is (a directory, hub id, .gguf file or built-in model) "
+        "or server:http://HOST:PORT (a dapo vllm-serve of the teacher, scored with prompt "
+        "log-probs). It must share the student's tokenizer. null: no teacher.",
+        nonempty=True,
+        hint="e.g. builtin:tiny-long or server:http://localhost:8001",
+    )
+    distill_coef: float = opt(
+        1.0,
+        "algorithm.teacher: lambda in the per-token advantage A_task + lambda * (log "
+        "pi_teacher(o_t) - log pi_student(o_t)), the negative per-token reverse KL (k1) to the "
+        "teacher (slime, tinker-cookbook).",
+        gt=0,
+        hint="e.g. 1.0",
+    )
+    distill_only: bool = opt(
+        False,
+        "algorithm.teacher: train on the teacher's signal alone (A_task = 0): training "
+        "responses are not scored by the reward functions (evaluation still is) and dynamic "
+        "sampling keeps every group.",
+    )
+    teacher_offload: bool = opt(
+        False,
+        "algorithm.teacher on a GPU: keep the teacher in CPU memory between scorings and move "
+        "it to the GPU only to score (frees its memory for the update and generation).",
+    )
+    teacher_api_key: str | None = opt(
+        None,
+        "algorithm.teacher=server:URL: the API key that server was started with (`dapo "
+        "vllm-serve --api-key`); null: the DAPO_SERVER_API_KEY environment variable, else "
+        "none. Never written out (config.yaml, checkpoints and logs hold null).",
+        secret=True,
+    )

@@ -157,6 +157,47 @@ def _check_algorithm(cfg: Config) -> None:
         "it keys the history of algorithm.skip_uniform_prompts (or of data.curriculum by pass "
         "rate), which is off; set algorithm.skip_uniform_prompts=true or leave it null",
     )
+    _check_distill(cfg)
+
+
+def _check_distill(cfg: Config) -> None:
+    """On-policy distillation: a teacher for the distillation switches; what a teacher
+    signal alone cannot drive (the outcome history of skipping and the measured curriculum)."""
+    a, d = cfg.algorithm, cfg.data
+    require(
+        not a.distill_only or a.teacher is not None,
+        "algorithm.distill_only",
+        a.distill_only,
+        "distillation needs a teacher: set algorithm.teacher (e.g. builtin:tiny-long or "
+        "server:http://HOST:PORT), or distill_only=false",
+    )
+    if a.teacher is None:
+        return
+    if a.teacher.startswith("server:"):
+        require(
+            cfg.rollout.temperature == 1.0,
+            "rollout.temperature",
+            cfg.rollout.temperature,
+            "a teacher served at algorithm.teacher=server:URL scores at temperature 1 (vLLM's "
+            "prompt log-probs), so the student must sample at 1 for the two log-probs to be of "
+            "the same distribution: set rollout.temperature=1.0, or load the teacher in the "
+            "trainer (algorithm.teacher=PATH), which scores at the sampling temperature",
+        )
+    if a.distill_only:
+        require(
+            not a.skip_uniform_prompts,
+            "algorithm.skip_uniform_prompts",
+            a.skip_uniform_prompts,
+            "with algorithm.distill_only=true the training responses are not scored, so there "
+            "is no outcome history to skip by; set it false",
+        )
+        require(
+            d.curriculum == "none" or d.difficulty_key is not None,
+            "data.curriculum",
+            d.curriculum,
+            "with algorithm.distill_only=true the training responses are not scored, so there "
+            "is no pass rate to order by; set data.difficulty_key, or data.curriculum=none",
+        )
 
 
 def _check_train(cfg: Config) -> None:

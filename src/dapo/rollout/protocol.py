@@ -159,31 +159,52 @@ def parse_generate(body: dict[str, Any], limits: Limits) -> tuple[list[list[int]
     return prompts, params
 
 
-def _check_prompt(i: int, prompt: Any, max_tokens: int, limits: Limits) -> None:
+def _check_prompt(
+    i: int, prompt: Any, max_tokens: int, limits: Limits, field: str = "prompts"
+) -> None:
     if not isinstance(prompt, list) or not prompt:
         raise RequestError(
-            f"`prompts[{i}]` must be a non-empty list of token ids, got {_show(prompt)}"
+            f"`{field}[{i}]` must be a non-empty list of token ids, got {_show(prompt)}"
         )
     if not all(type(t) is int for t in prompt):
         j = next(j for j, t in enumerate(prompt) if type(t) is not int)
         raise RequestError(
-            f"`prompts[{i}][{j}]` must be an integer token id, got {_show(prompt[j])}"
+            f"`{field}[{i}][{j}]` must be an integer token id, got {_show(prompt[j])}"
         )
     lo, hi = min(prompt), max(prompt)
     if lo < 0 or hi >= limits.vocab_size:
         bad = lo if lo < 0 else hi
         raise RequestError(
-            f"`prompts[{i}][{prompt.index(bad)}]` = {bad} is not a token id of the served model: "
+            f"`{field}[{i}][{prompt.index(bad)}]` = {bad} is not a token id of the served model: "
             f"ids run from 0 to {limits.vocab_size - 1} (vocab_size {limits.vocab_size} in "
             "/health). Is the trainer's tokenizer the served model's?"
         )
     if len(prompt) + max_tokens > limits.max_model_len:
         raise RequestError(
-            f"`prompts[{i}]` has {len(prompt)} tokens: with `max_tokens` = {max_tokens} that is "
+            f"`{field}[{i}]` has {len(prompt)} tokens: with `max_tokens` = {max_tokens} that is "
             f"{len(prompt) + max_tokens}, over the server's max_model_len of {limits.max_model_len}; "
             "shorten the prompt, lower max_tokens, or restart the server with a larger "
             "--max-model-len"
         )
+
+
+def parse_score(body: dict[str, Any], limits: Limits) -> list[list[int]]:
+    """``POST /score``: the token sequences (prompt + response, at least 2 tokens each) whose
+    tokens ``1..`` the served model scores, checked."""
+    _known(body, "POST /score", ("sequences",))
+    if "sequences" not in body:
+        raise RequestError("`sequences` is missing: a list of token-id lists")
+    sequences = body["sequences"]
+    if not isinstance(sequences, list):
+        raise RequestError(f"`sequences` must be a list of token-id lists, got {_show(sequences)}")
+    for i, seq in enumerate(sequences):
+        _check_prompt(i, seq, 0, limits, "sequences")
+        if len(seq) < 2:
+            raise RequestError(
+                f"`sequences[{i}]` has {len(seq)} token: scoring needs at least 2 (the first "
+                "has no log-prob)"
+            )
+    return sequences
 
 
 def parse_init_weight_sync(

@@ -21,6 +21,9 @@ API (JSON in, JSON out; errors are ``{"error": "..."}``):
   ``logprobs`` (the sampling log-probs, as :class:`~dapo.rollout.VLLMEngine` returns them)
   and ``truncated``. Requests that wait together (one per trainer rank) are generated in
   one vLLM batch; each prompt keeps its own seed.
+- ``POST /score``: ``sequences`` (token ids, prompt + response) -> ``logprobs``: per
+  sequence the log-probs of its tokens ``1..`` under the served weights (vLLM's prompt
+  log-probs, temperature 1); what a trainer with ``algorithm.teacher=server:URL`` asks.
 - ``POST /init_weight_sync``: ``host``, ``port``, ``world_size``, ``backend``,
   ``timeout_s``: the workers join the trainer's weight group (the call returns once the
   trainer has joined too); an earlier group is left first.
@@ -73,6 +76,7 @@ from dapo.rollout.protocol import (
     parse_close_weight_sync,
     parse_generate,
     parse_init_weight_sync,
+    parse_score,
     parse_update_weights,
 )
 from dapo.rollout.server_http import make_handler
@@ -86,7 +90,7 @@ STOP_WAIT_S = 3.0  # SIGTERM / SIGINT: how long a running engine job may still f
 
 @dataclass
 class _Job:
-    kind: str  # "generate", "load" (weights), "join" / "leave" (the weight group)
+    kind: str  # "generate", "score", "load" (weights), "join" / "leave" (the weight group)
     payload: Any  # (prompts, params) for "generate", else a function to call
     limit_s: float  # the watchdog's limit for this job
     fatal: bool  # whether a failure leaves the engine untrustworthy
@@ -262,6 +266,12 @@ class RolloutServer:
                 for g in groups
             ]
         }
+
+    def score(self, body: dict) -> dict:
+        sequences = parse_score(body, self.limits)
+        if not sequences:
+            return {"logprobs": []}
+        return {"logprobs": self.submit("score", lambda: self.engine.score(sequences))}
 
     def init_weight_sync(self, body: dict) -> dict:
         world = 1 + int(self.info["tensor_parallel_size"])

@@ -118,10 +118,14 @@ class ServerEngine:
                 f"{max_model_len}: restart it with --max-model-len {max_model_len} or more"
             )
 
+    def served_fingerprint(self) -> Fingerprint:
+        """The served model's fingerprint (``GET /parameters``, with the API key)."""
+        return Fingerprint.from_json(self._request("GET", "/parameters", timeout=60))
+
     def _check_model(self, policy: Fingerprint | None) -> None:
         """Stop unless the server's model has the policy's vocabulary, EOS and parameters
         (fetched with the API key: a wrong key is reported here, at connect)."""
-        served = Fingerprint.from_json(self._request("GET", "/parameters", timeout=60))
+        served = self.served_fingerprint()
         diff = None if policy is None else served.difference(policy)
         if policy is not None and diff is not None:
             raise RolloutServerError(
@@ -142,6 +146,13 @@ class ServerEngine:
             Group(list(p), g["response_ids"], g["logprobs"], g["truncated"])
             for p, g in zip(prompts, out["groups"], strict=True)
         ]
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-probs of tokens ``1..`` of each sequence under the served model (``/score``:
+        vLLM's prompt log-probs, temperature 1)."""
+        if not sequences:
+            return []
+        return self._request("POST", "/score", {"sequences": sequences})["logprobs"]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Rank 0 sends the tensors to the server; every rank must call this (the iterator

@@ -23,6 +23,7 @@ def make_handler(server: Any) -> type[BaseHTTPRequestHandler]:
     :class:`~dapo.rollout.server.RolloutServer` (not imported: it imports this module)."""
     posts: dict[str, Callable[[dict], dict]] = {
         "/generate": server.generate,
+        "/score": server.score,
         "/init_weight_sync": server.init_weight_sync,
         "/update_weights": server.update_weights,
         "/close_weight_sync": server.close_weight_sync,

@@ -35,6 +35,9 @@ class Sample:
     # Multi-turn: 1 on the tokens the model sampled, 0 on the environment's (which count in
     # no loss, denominator, importance weight or engine comparison); None: all the model's.
     model_mask: list[int] | None = None
+    # On-policy distillation: the per-token advantage [len(response_ids)] that replaces
+    # `advantage` in the loss (dapo.algorithms.distill_advantages); None: `advantage`.
+    token_advantages: torch.Tensor | None = None
 
     @property
     def length(self) -> int:

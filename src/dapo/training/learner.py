@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +54,9 @@ from dapo.training.microbatch import (
 )
 from dapo.training.optim import lr_at, make_optimizer
 from dapo.training.token_weights import attach_is_weights, cov_selection, logprob_mismatch
+
+if TYPE_CHECKING:
+    from dapo.training.teacher import Teacher
 
 
 def loss_settings(cfg: Config) -> LossSettings:
@@ -166,6 +169,7 @@ class Learner:
         # The ratio's old log-probs are computed before the update even with one update per
         # step (the importance correction and Clip-Cov / KL-Cov need them first).
         self.needs_old_logprobs = settings.is_cap is not None or settings.entropy_control != "none"
+        self.teacher: Teacher | None = None  # on-policy distillation; see use_teacher
 
     @classmethod
     def from_config(
@@ -287,6 +291,8 @@ class Learner:
                 ref = compute_logprobs(reference, [samples[i] for i in mine], self.forward)
             for i, lp in zip(mine, ref, strict=True):
                 samples[i].ref_logprobs = lp
+        if self.teacher is not None:  # per-token advantages from the teacher's log-probs
+            metrics.update(self.teacher.attach([samples[i] for i in mine]))
         metrics.update(attach_is_weights([samples[i] for i in mine], self.settings))
         per_update: dict[str, list[float]] = {"pg_loss": [], "loss": [], "grad_norm": []}
         totals = UpdateStats()
@@ -418,6 +424,12 @@ class Learner:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(stats, float(norm), applied, selection, fresh)
+
+    def use_teacher(self, teacher: Teacher | None) -> None:
+        """Distil from ``teacher`` (None: no teacher): its signal is measured against the
+        log-probs of the policy that sampled the batch, so those are computed first."""
+        self.teacher = teacher
+        self.needs_old_logprobs |= teacher is not None
 
     # --- what the rest of the run needs from the policy -----------------------------------
 

@@ -133,7 +133,7 @@ class MicroBatch:
     response_mask: torch.Tensor  # [b, R] 1 on response tokens (model and environment)
     owner: list[int]  # each row's prompt among the distinct prompts, in order of first row
     loss_mask: torch.Tensor  # [b, R] float: the tokens that count in the loss
-    advantages: torch.Tensor  # [b] float
+    advantages: torch.Tensor  # [b] float, or [b, R] when a sample has per-token ones
     old_logprobs: torch.Tensor | None  # [b, R]; rows of `has_old` only
     has_old: torch.Tensor  # [b] bool: the row has old log-probs (else: ratio 1, this forward's)
     ref_logprobs: torch.Tensor | None  # [b, R], beta > 0
@@ -172,6 +172,22 @@ def pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
+def advantages(samples: Sequence[Sample], width: int) -> torch.Tensor:
+    """``[b]`` advantages, or ``[b, width]`` when some sample has per-token ones (on-policy
+    distillation; the others' scalar repeated on their tokens)."""
+    if all(s.token_advantages is None for s in samples):
+        return torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return pad_rows(
+        [
+            s.token_advantages
+            if s.token_advantages is not None
+            else torch.full((len(s.response_ids),), float(s.advantage))
+            for s in samples
+        ],
+        width,
+    )
+
+
 def collate(
     samples: Sequence[Sample], pad_id: int, selected: Sequence[torch.Tensor | None] | None = None
 ) -> MicroBatch:
@@ -206,7 +222,7 @@ def collate(
         response_mask=response_mask,
         owner=rows,
         loss_mask=pad_rows([s.train_mask() for s in samples], width),
-        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        advantages=advantages(samples, width),
         old_logprobs=optional([s.old_logprobs for s in samples], 0.0),
         has_old=torch.tensor([s.old_logprobs is not None for s in samples]),
         ref_logprobs=optional([s.ref_logprobs for s in samples], 0.0),

@@ -102,7 +102,8 @@ class Rollouts:
         )
         self.sampler = DynamicSampler(
             cfg.train.prompts_per_step,
-            enabled=a.dynamic_sampling,
+            # Distillation alone: a uniform group still carries the teacher's signal.
+            enabled=a.dynamic_sampling and not a.distill_only,
             metric=a.dynamic_sampling_metric,
             max_rounds=a.max_gen_rounds,
             round_cap=a.round_cap,
@@ -166,7 +167,10 @@ class Rollouts:
             # groups count as generated at the oldest of them.
             oldest = min([version, *(v for g in groups for x in g.versions or [] for v in x)])
             scored = self.scorer.score(
-                groups, [self.train_records[i] for i in idx], step if not n else oldest
+                groups,
+                [self.train_records[i] for i in idx],
+                step if not n else oldest,
+                rewards=not self.cfg.algorithm.distill_only,
             )
             timing["gen"] += t1 - t0
             timing["score"] += time.perf_counter() - t1

@@ -48,6 +48,7 @@ from dapo.training.learner import Learner, NonFiniteUpdates
 from dapo.training.resume import check_resume
 from dapo.training.rollouts import Rollouts
 from dapo.training.stream import RolloutStream, staleness_metrics
+from dapo.training.teacher import load_teacher
 
 
 class Trainer:
@@ -80,9 +81,12 @@ class Trainer:
         )
         if spec is not None and not getattr(self.tokenizer, "chat_template", None):
             raise no_template_error(tokenizer_name)
+        # The teacher (algorithm.teacher) is checked against the tokenizer before the policy loads.
+        teacher = load_teacher(cfg, self.tokenizer, self.log)
         self.learner = Learner.from_config(
             cfg, model_path, self.tokenizer.pad_token_id, self.log, model=inputs.model
         )
+        self.learner.use_teacher(teacher)
         # A separate engine's sampling log-probs are compared with (and can correct,
         # `algorithm.is_cap`) the trainer's, as are the transformers engine's below float32
         # (its incremental decoding rounds differently).
@@ -274,6 +278,8 @@ class Trainer:
         if self.stream is not None:
             self.stream.close()
         self.rollouts.close()
+        if self.learner.teacher is not None:
+            self.learner.teacher.close()
 
     # --- the whole run --------------------------------------------------------------------
 
