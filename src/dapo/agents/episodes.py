@@ -138,6 +138,7 @@ def run_agent_episodes(
     for e in episodes:
         url = host.endpoint.base_url(e.token)
         host.runner.start(e.token, url, host.endpoint.key, _record_dict(records[e.group]))
+        e.deadline = time.monotonic() + host.timeout_s  # a worker's start-up not included
     loop = _Loop(engine, tokenizer, params, host, by_token, max_turns, max_length)
     try:
         loop.run(gather_s)

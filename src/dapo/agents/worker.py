@@ -88,6 +88,8 @@ async def run_async(agent: Callable[..., Any], token: str, base_url: str, key: s
 def worker_main(conn: Connection) -> None:
     """A worker process: load the agent, then run each episode it is sent on a thread."""
     agent = load_agent(conn.recv())
+    import openai  # noqa: F401 (imported before "ready": no episode's time-out pays for it)
+
     lock = threading.Lock()
 
     def episode(*args: Any) -> None:

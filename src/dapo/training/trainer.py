@@ -30,7 +30,7 @@ from dapo.parallel import distributed as D
 from dapo.parallel import sharding
 from dapo.rollout import SamplingParams
 from dapo.seeding import Stream, seed_everything, stream_seed
-from dapo.training.batch import Sample, build_samples
+from dapo.training.batch import Sample, build_samples, group_sizes
 from dapo.training.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -95,9 +95,10 @@ class Trainer:
         t1 = time.perf_counter()
         if groups:  # none: no group with a learning signal at the round cap, no update
             samples = self.build_samples(groups)  # 4. advantages and loss masks
-            n = self.learner.count_updates(len(samples), self.cfg.rollout.num_generations)
+            sizes = group_sizes(groups)  # G, more with agent episodes' extra segments
+            n = self.learner.count_updates(len(samples), sizes)
             self.rollouts.sync.before_update(n, generating=self.rollouts.prefetcher.generating)
-            metrics.update(self.learner.update(samples, step, self.cfg.rollout.num_generations))
+            metrics.update(self.learner.update(samples, step, sizes))
         else:
             metrics["actor/updates"] = 0.0
         metrics.update(self.rollouts.prefetcher.collect())  # async: the next round is in
