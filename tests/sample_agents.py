@@ -28,11 +28,13 @@ def three_requests(client, record):
     and the third request rewrites the history (a summary instead of the turns so far)."""
     messages = list(record["prompt"])
     for _ in range(2):
-        reply = client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        reply = client.chat.completions.create(
+            model="m", messages=messages, tools=TOOLS, max_tokens=8
+        )
         messages.append(reply.choices[0].message.model_dump(exclude_none=True))
         messages.append({"role": "tool", "tool_call_id": "x", "content": "12345"})
     summary = [{"role": "user", "content": "Summary: the sum is 12345. Answer it."}]
-    client.chat.completions.create(model="m", messages=summary, tools=TOOLS)
+    client.chat.completions.create(model="m", messages=summary, tools=TOOLS, max_tokens=8)
     return None
 
 

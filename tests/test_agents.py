@@ -113,7 +113,10 @@ def test_tool_calls_round_trip_in_the_openai_format(tok) -> None:
     assert group.env_rewards == [None]
     stats = group.episode_stats[0]
     assert (stats["requests"], stats["segments"], stats["tool_calls"], stats["end"]) == (
-        2, 1, 1, "done",
+        2,
+        1,
+        1,
+        "done",
     )
 
 
@@ -141,8 +144,13 @@ def test_a_history_rewrite_starts_a_new_segment_trained_with_the_episodes_advant
         assert sum(mask) == 3
     # Training: each extra segment is a sample of its own with its episode's advantage.
     scored = ScoredGroup(
-        group.prompt_ids, group.response_ids, group.logprobs, group.truncated,
-        rewards=[1.0, 0.0], correct=[True, False], model_mask=group.model_mask,
+        group.prompt_ids,
+        group.response_ids,
+        group.logprobs,
+        group.truncated,
+        rewards=[1.0, 0.0],
+        correct=[True, False],
+        model_mask=group.model_mask,
         episode_stats=group.episode_stats,
     )
     samples = build_samples([scored], step=0, keep_engine_logprobs=True)
@@ -196,8 +204,12 @@ def test_raising_hanging_and_over_limit_agents_cost_one_episode_each(tok) -> Non
     modes = ["ok", "raise", "hang", "turns"]
     engine = ScriptedEngine(tok, lambda text: "hi")
     groups, _ = play(
-        tok, engine, [record(mode=m) for m in modes], f"{AGENTS}:by_mode",
-        num_workers=1, timeout_s=4.0,
+        tok,
+        engine,
+        [record(mode=m) for m in modes],
+        f"{AGENTS}:by_mode",
+        num_workers=1,
+        timeout_s=4.0,
     )
     stats = {m: g.episode_stats[0] for m, g in zip(modes, groups, strict=True)}
     assert stats["ok"]["end"] == "done" and groups[0].env_rewards == [1.0]
@@ -210,8 +222,15 @@ def test_raising_hanging_and_over_limit_agents_cost_one_episode_each(tok) -> Non
     # The episodes before the failures keep their sampled tokens; the run goes on: a
     # second round on the same host (its hung worker replaced) plays normally.
     engine2 = ScriptedEngine(tok, lambda text: "hi")
-    groups2, _ = play(tok, engine2, [record(mode="turns")], f"{AGENTS}:by_mode",
-                      num_workers=1, max_tokens=7, max_turns=10)
+    groups2, _ = play(
+        tok,
+        engine2,
+        [record(mode="turns")],
+        f"{AGENTS}:by_mode",
+        num_workers=1,
+        max_tokens=7,
+        max_turns=10,
+    )
     (s,) = groups2[0].episode_stats
     # "hi<eos>" (3 tokens), then "\nU: again\nA: " does not fit in the 7 left with room
     assert s["end"] == "env_failure" and s["failure"].startswith("budget: request 2")

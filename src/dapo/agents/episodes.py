@@ -43,6 +43,7 @@ from dapo.agents.protocol import ApiError, completion, parse_request, split_tool
 from dapo.agents.runners import AgentRunner
 from dapo.agents.tracker import Conversation, Prepared, Segment, message_key
 from dapo.environments import ChatRenderer, RenderError, ToolCall, parse_hermes, prompt_messages
+from dapo.errors import ConfigError
 from dapo.rollout.base import Group, RolloutEngine, SamplingParams
 from dapo.seeding import mix_seed
 
@@ -63,6 +64,13 @@ class AgentHost:
     ) -> None:
         if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"`rollout.agent_timeout_s` must be > 0 seconds, got {timeout_s!r}")
+        try:
+            import openai  # noqa: F401 (the agents' client)
+        except ImportError:
+            raise ConfigError(
+                "`rollout.agent`: agents get an openai client, and the openai package is not "
+                "installed. Fix: pip install 'dapo[agents]' (or pip install openai)"
+            ) from None
         self.events: queue.Queue = queue.Queue()
         self.runner = AgentRunner(agent, self.events, num_workers=num_workers, timeout_s=timeout_s)
         self.endpoint = AgentEndpoint(self.events, model, wait_s=timeout_s + 60.0)
@@ -128,8 +136,11 @@ def run_agent_episodes(
     now = time.monotonic()
     episodes: list[_Episode] = []
     by_token: dict[str, _Episode] = {}
-    renderer_for = lambda tools: host.renderer(tokenizer, tools)  # noqa: E731
-    for g, record in enumerate(records):
+
+    def renderer_for(tools: list[dict[str, Any]] | None) -> ChatRenderer:
+        return host.renderer(tokenizer, tools)
+
+    for g in range(len(records)):
         for _ in range(params.n):
             token = host.endpoint.new_token()
             e = _Episode(g, token, Conversation(renderer_for), now + host.timeout_s)
@@ -251,8 +262,8 @@ class _Loop:
             except RenderError as exc:
                 raise ApiError(400, f"messages: {exc}", "messages") from None
             left = budget - e.conv.used - len(prepared.appended)
-            room = math.inf if self.max_length is None else self.max_length - len(
-                prepared.prompt_ids
+            room = (
+                math.inf if self.max_length is None else self.max_length - len(prepared.prompt_ids)
             )
             own = min(left, room)
             if own < 1:
@@ -309,8 +320,13 @@ class _Loop:
         finish = ("tool_calls" if calls else "stop") if eos else "length"
         ident = f"{e.token}-{e.requests}"
         body = completion(
-            ident, self.host.endpoint.model, content, calls, finish,
-            len(prepared.prompt_ids), len(ids),
+            ident,
+            self.host.endpoint.model,
+            content,
+            calls,
+            finish,
+            len(prepared.prompt_ids),
+            len(ids),
         )
         call.answer(200, body)
 
@@ -324,7 +340,9 @@ def _segment_dict(s: Segment) -> dict[str, Any]:
     }
 
 
-def _groups(records: Sequence[Any], episodes: list[_Episode], renderer: ChatRenderer) -> list[Group]:
+def _groups(
+    records: Sequence[Any], episodes: list[_Episode], renderer: ChatRenderer
+) -> list[Group]:
     groups = []
     n = len(episodes) // max(1, len(records))
     for g, record in enumerate(records):

@@ -45,8 +45,9 @@ def check_reward(value: Any) -> float | None:
     )
 
 
-def run_sync(agent: Callable[..., Any], token: str, base_url: str, key: str, record: Any,
-             timeout_s: float) -> Finished:
+def run_sync(
+    agent: Callable[..., Any], token: str, base_url: str, key: str, record: Any, timeout_s: float
+) -> Finished:
     """Call a sync agent with an ``openai.OpenAI`` client for its episode."""
     start = time.perf_counter()
     try:
@@ -59,13 +60,17 @@ def run_sync(agent: Callable[..., Any], token: str, base_url: str, key: str, rec
             client.close()
         return token, result, None, time.perf_counter() - start
     except Exception as exc:
-        return token, None, "raised: " + workers.describe_exception(exc, 400), (
-            time.perf_counter() - start
+        return (
+            token,
+            None,
+            "raised: " + workers.describe_exception(exc, 400),
+            (time.perf_counter() - start),
         )
 
 
-async def run_async(agent: Callable[..., Any], token: str, base_url: str, key: str, record: Any,
-                    timeout_s: float) -> Finished:
+async def run_async(
+    agent: Callable[..., Any], token: str, base_url: str, key: str, record: Any, timeout_s: float
+) -> Finished:
     """Await an ``async def`` agent with an ``openai.AsyncOpenAI`` client for its episode."""
     start = time.perf_counter()
     try:
@@ -80,8 +85,11 @@ async def run_async(agent: Callable[..., Any], token: str, base_url: str, key: s
             await client.close()
         return token, result, None, time.perf_counter() - start
     except Exception as exc:
-        return token, None, "raised: " + workers.describe_exception(exc, 400), (
-            time.perf_counter() - start
+        return (
+            token,
+            None,
+            "raised: " + workers.describe_exception(exc, 400),
+            (time.perf_counter() - start),
         )
 
 

@@ -99,7 +99,10 @@ def build_samples(
                 failed = g.episode_stats[j]["end"] == "env_failure"
                 factors.append(0.0 if failed else keep_list[k + j])
                 s = Sample(
-                    g.prompt_ids, resp, adv[k + j], [factors[j] * m for m in model],
+                    g.prompt_ids,
+                    resp,
+                    adv[k + j],
+                    [factors[j] * m for m in model],
                     model_mask=model,
                 )
             samples.append(s)

@@ -46,9 +46,7 @@ def plan_updates(
     if isinstance(group_size, int):
         n_groups, rest = divmod(n_samples, group_size)
         if rest:
-            raise TrainingError(
-                f"{n_samples} samples do not make groups of {group_size} responses"
-            )
+            raise TrainingError(f"{n_samples} samples do not make groups of {group_size} responses")
         lengths = [group_size] * n_groups
     else:
         lengths = list(group_size)

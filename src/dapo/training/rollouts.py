@@ -14,9 +14,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from dapo.agents import AgentHost, run_agent_episodes
 from dapo.config import Config
 from dapo.data.prompts import encode_prompts, load_prompt_set
-from dapo.agents import AgentHost, run_agent_episodes
 from dapo.environments import PARSERS, EnvironmentPool, load_environment
 from dapo.environments.loading import import_spec
 from dapo.errors import DynamicSamplingWarning, TrainingError, VLLMEngineError, VLLMUnavailableError
