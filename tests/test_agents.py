@@ -293,3 +293,46 @@ def test_the_trainer_sees_the_engines_log_probs_on_agent_trajectories(tool_model
     assert metrics["agent/requests_mean"] == 3.0
     assert metrics["agent/segments_mean"] == 2.0
     assert metrics["perf/agent_s"] > 0
+
+
+def test_async_agents_get_an_async_client_and_run_concurrently(tok) -> None:
+    clients = []
+
+    async def agent(client, rec):
+        clients.append(type(client).__name__)
+        messages = list(rec["prompt"])
+        r = await client.chat.completions.create(model="m", messages=messages)
+        messages += [r.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "again"}]
+        await client.chat.completions.create(model="m", messages=messages)
+        return 0.5
+
+    engine = ScriptedEngine(tok, lambda text: "hi")
+    (group,), _ = play(tok, engine, [record()], agent, n=3, gather_s=10.0)
+    assert clients == ["AsyncOpenAI"] * 3
+    assert engine.calls == [3, 3]  # both rounds of requests batched
+    assert group.env_rewards == [0.5] * 3
+    assert [s["requests"] for s in group.episode_stats] == [2] * 3
+    assert tok.decode(group.response_ids[0]) == "hi<eos>\nU: again\nA: hi<eos>"
+
+
+def test_an_agent_function_is_given_through_the_python_api(tool_model, tmp_path) -> None:
+    import dapo
+
+    def my_agent(client, rec):
+        return 1.0
+
+    trainer = dapo.make_trainer(
+        model=str(tool_model),
+        output_dir=str(tmp_path / "run"),
+        agent=my_agent,
+        **{"rollout.max_turns": 2, "data.train": "builtin:calculator", "evaluate": False},
+    )
+    try:
+        assert trainer.rollouts.agents.runner.fn is my_agent
+        assert (
+            trainer.cfg.rollout.agent
+            == "<agent: test_an_agent_function_is_given_through_the_python_api.<locals>.my_agent>"
+        )
+    finally:
+        trainer.close()
