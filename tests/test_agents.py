@@ -336,3 +336,33 @@ def test_an_agent_function_is_given_through_the_python_api(tool_model, tmp_path)
         )
     finally:
         trainer.close()
+
+
+def test_two_ranks_each_serve_their_episodes_and_train_every_segment_once(tool_model, tmp_path):
+    """Under 2 ranks each rank plays its share of the episodes on its own endpoint, every
+    rank sees the same batch, and together they train every sample (segments too) once."""
+    from ranks import torchrun
+
+    out = tmp_path / "run"
+    here = Path(__file__).parent
+    torchrun(
+        str(here / "dist_worker.py"),
+        "dynamic",
+        str(tool_model),
+        str(out),
+        f"{here / 'sample_environments.py'}:half_right",
+        "data.train=builtin:calculator",
+        f"rollout.agent={AGENTS}:three_requests",
+        "rollout.max_turns=3",
+        "rollout.max_completion_length=80",
+        "algorithm.overlong_buffer=8",
+        cwd=tmp_path,
+    )
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(ranks[0]) == len(ranks[1]) == 3
+    assert all(m["agent/requests_mean"] == 3 and m["agent/segments_mean"] == 2 for m in metrics)
+    for a, b in zip(*ranks, strict=True):
+        assert a["uids"] == b["uids"] and len(a["uids"]) == 4
+        # 4 prompts x 4 episodes x 2 segments
+        assert sorted(a["trained_rows"] + b["trained_rows"]) == list(range(32))
