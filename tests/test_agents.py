@@ -366,3 +366,21 @@ def test_two_ranks_each_serve_their_episodes_and_train_every_segment_once(tool_m
         assert a["uids"] == b["uids"] and len(a["uids"]) == 4
         # 4 prompts x 4 episodes x 2 segments
         assert sorted(a["trained_rows"] + b["trained_rows"]) == list(range(32))
+
+
+def test_episodes_that_open_differently_still_train_every_segment(tok) -> None:
+    import itertools
+
+    count = itertools.count()
+
+    def agent(client, rec):  # the second episode opens with a system message
+        first = next(count) == 0
+        opening = [] if first else [{"role": "system", "content": "be brief"}]
+        client.chat.completions.create(model="m", messages=[*opening, *rec["prompt"]])
+
+    engine = ScriptedEngine(tok, lambda text: "hi")
+    (group,), _ = play(tok, engine, [record()], agent, n=2)
+    opened = [bool(ids) for ids in group.response_ids]
+    extras = [len(s["extra_segments"]) for s in group.episode_stats]
+    assert sorted(zip(opened, extras)) == [(False, 1), (True, 0)]
+    assert tok.decode(group.prompt_ids) in ("U: Add 1+2.\nA: ", "S: be brief\nU: Add 1+2.\nA: ")

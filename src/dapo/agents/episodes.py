@@ -32,6 +32,7 @@ import dataclasses
 import json
 import math
 import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -76,6 +77,8 @@ class AgentHost:
         self.endpoint = AgentEndpoint(self.events, model, wait_s=timeout_s + 60.0)
         self.parser, self.timeout_s = parser, float(timeout_s)
         self._renderers: dict[tuple[int, str], ChatRenderer] = {}
+        # One round at a time (a round generated ahead and an evaluation share the host).
+        self.lock = threading.Lock()
         self.engine_calls = 0  # every engine call made for agents (tests and metrics)
 
     def renderer(self, tokenizer: Any, tools: list[dict[str, Any]] | None) -> ChatRenderer:
@@ -133,6 +136,20 @@ def run_agent_episodes(
 ) -> list[Group]:
     """Play ``params.n`` agent episodes per record; one :class:`Group` per record, in order
     (as :func:`dapo.rollout.episodes.run_episodes` returns them)."""
+    with host.lock:
+        return _play(engine, tokenizer, records, params, host, max_turns, max_length, gather_s)
+
+
+def _play(
+    engine: RolloutEngine,
+    tokenizer: Any,
+    records: Sequence[Any],
+    params: SamplingParams,
+    host: AgentHost,
+    max_turns: int,
+    max_length: int | None,
+    gather_s: float,
+) -> list[Group]:
     now = time.monotonic()
     episodes: list[_Episode] = []
     by_token: dict[str, _Episode] = {}
@@ -352,6 +369,14 @@ def _groups(
         if seqs:
             limit = min(len(s.prompt_ids) for s in finals if s is not None)
             prefix = _common_prefix(seqs, limit)
+            if not prefix:  # openings differ from their first token: the first one's
+                # prompt is the group's; the episodes it does not open train their final
+                # segment as an extra one.
+                prefix = next(s for s in finals if s is not None).prompt_ids
+                finals = [
+                    s if s is not None and s.prompt_ids[: len(prefix)] == prefix else None
+                    for s in finals
+                ]
         else:
             try:
                 prefix = renderer.opening(prompt_messages(record))
