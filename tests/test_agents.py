@@ -382,5 +382,5 @@ def test_episodes_that_open_differently_still_train_every_segment(tok) -> None:
     (group,), _ = play(tok, engine, [record()], agent, n=2)
     opened = [bool(ids) for ids in group.response_ids]
     extras = [len(s["extra_segments"]) for s in group.episode_stats]
-    assert sorted(zip(opened, extras)) == [(False, 1), (True, 0)]
+    assert sorted(zip(opened, extras, strict=True)) == [(False, 1), (True, 0)]
     assert tok.decode(group.prompt_ids) in ("U: Add 1+2.\nA: ", "S: be brief\nU: Add 1+2.\nA: ")
