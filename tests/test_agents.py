@@ -197,7 +197,8 @@ def test_a_request_with_another_temperature_is_refused_naming_the_field(tok) -> 
     (exc,) = errors
     assert exc.status_code == 400 and exc.body["param"] == "temperature"
     assert "`temperature` = 0.3" in exc.message and "rollout.temperature" in exc.message
-    assert group.episode_stats[0]["end"] == "done" and group.episode_stats[0]["requests"] == 1
+    assert group.episode_stats[0]["end"] == "done", group.episode_stats[0]["failure"]
+    assert group.episode_stats[0]["requests"] == 1
 
 
 def test_raising_hanging_and_over_limit_agents_cost_one_episode_each(tok) -> None:

@@ -111,6 +111,15 @@ def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:  # noqa: N802
             token, path = self._route()
+            try:  # read first: a connection whose body was read stays usable after an error
+                length = int(self.headers.get("Content-Length", ""))
+                if not 0 <= length <= MAX_BODY_BYTES:
+                    raise ValueError(f"a body of {length} bytes")
+                data = self.rfile.read(length)
+            except ValueError as exc:
+                self.close_connection = True
+                self._reply(400, _error(f"the request body is not readable ({exc})"))
+                return
             if not self._authorized():
                 return
             if path != "/chat/completions" or token is None:
@@ -123,10 +132,7 @@ def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
                 )
                 return
             try:
-                length = int(self.headers.get("Content-Length", ""))
-                if not 0 <= length <= MAX_BODY_BYTES:
-                    raise ValueError(f"a body of {length} bytes")
-                body = json.loads(self.rfile.read(length))
+                body = json.loads(data)
             except ValueError as exc:
                 self._reply(400, _error(f"the request body is not readable JSON ({exc})"))
                 return
@@ -138,8 +144,6 @@ def _handler(endpoint: AgentEndpoint) -> type[BaseHTTPRequestHandler]:
             self._reply(call.status, call.reply)
 
         def _reply(self, status: int, body: dict[str, Any]) -> None:
-            if status != 200 and self.command == "POST":
-                self.close_connection = True
             data = json.dumps(body).encode()
             try:
                 self.send_response(status)
