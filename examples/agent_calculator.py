@@ -57,7 +57,8 @@ def run_tool(name: str, arguments: str) -> str:
 
 def agent(client, record):
     """One episode: the record's prompt, then tool calls until the model answers."""
-    messages = list(record["prompt"])
+    prompt = record["prompt"]  # chat messages, or a text
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     for _ in range(MAX_REQUESTS):
         response = client.chat.completions.create(
             model="policy", messages=messages, tools=TOOLS

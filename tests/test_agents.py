@@ -10,6 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from vllm_check import needs_vllm
 
 from dapo.agents import AgentHost, run_agent_episodes
 from dapo.data.records import PromptRecord
@@ -249,6 +250,18 @@ def test_the_agent_config_key_excludes_environments_and_allows_turns() -> None:
 
 
 def test_the_trainer_sees_the_engines_log_probs_on_agent_trajectories(tool_model, tmp_path):
+    trainer_matches_engine_on_agents(tool_model, tmp_path, "hf")
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_the_trainer_sees_the_vllm_engines_log_probs_on_agent_trajectories(tool_model, tmp_path):
+    trainer_matches_engine_on_agents(tool_model, tmp_path, "vllm")
+
+
+def trainer_matches_engine_on_agents(tool_model, tmp_path, engine: str) -> None:
+    """Agent episodes with tool messages and a history rewrite: the trainer's log-probs of
+    every sampled token (extra segments too) are the engine's; then a training step."""
     from dapo.config import load_config
     from dapo.training.forward import compute_logprobs
     from dapo.training.trainer import Trainer
@@ -272,6 +285,7 @@ def test_the_trainer_sees_the_engines_log_probs_on_agent_trajectories(tool_model
             "checkpoint.save_every=0",
             "checkpoint.save_final_model=false",
             "reward.num_workers=1",
+            f"rollout.engine={engine}",
         ]
     )
     trainer = Trainer(cfg, log=lambda _: None)

@@ -163,12 +163,12 @@ def _play(
             e = _Episode(g, token, Conversation(renderer_for), now + host.timeout_s)
             episodes.append(e)
             by_token[token] = e
-    for e in episodes:
-        url = host.endpoint.base_url(e.token)
-        host.runner.start(e.token, url, host.endpoint.key, _record_dict(records[e.group]))
-        e.deadline = time.monotonic() + host.timeout_s  # a worker's start-up not included
     loop = _Loop(engine, tokenizer, params, host, by_token, max_turns, max_length)
     try:
+        for e in episodes:
+            url = host.endpoint.base_url(e.token)
+            host.runner.start(e.token, url, host.endpoint.key, _record_dict(records[e.group]))
+            e.deadline = time.monotonic() + host.timeout_s  # a worker's start-up not included
         loop.run(gather_s)
     finally:
         for e in episodes:
