@@ -60,9 +60,7 @@ def agent(client, record):
     prompt = record["prompt"]  # chat messages, or a text
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     for _ in range(MAX_REQUESTS):
-        response = client.chat.completions.create(
-            model="policy", messages=messages, tools=TOOLS
-        )
+        response = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         choice = response.choices[0]
         messages.append(choice.message.model_dump(exclude_none=True))
         if choice.finish_reason != "tool_calls":
