@@ -197,7 +197,6 @@ class _Loop:
         self.renderer = host.renderer(tokenizer, None)
         self.eos = self.renderer.eos_token_id
         self.live = {t for t, e in by_token.items() if e.end is None}
-        self.calls_made = 0
 
     def run(self, gather_s: float) -> None:
         last_event = time.monotonic()
@@ -211,7 +210,7 @@ class _Loop:
                 self.handle(item)
                 last_event = time.monotonic()
             self.time_outs()
-            waiting = [self.by_token[t] for t in sorted(self.live) if self.by_token[t].calls]
+            waiting = [e for t, e in self.by_token.items() if t in self.live and e.calls]
             if waiting and (
                 len(waiting) == len(self.live) or time.monotonic() - last_event >= gather_s
             ):
@@ -239,6 +238,9 @@ class _Loop:
             else:
                 e.reward = reward
                 e.end = "budget" if e.cut_by_budget else "done"
+                for call in e.calls:  # requests the agent left behind
+                    call.answer(404, ApiError(404, "the episode is over").body())
+                e.calls.clear()
             self.live.discard(token)
         elif kind == "worker_exit":
             tokens, text = rest
@@ -257,9 +259,6 @@ class _Loop:
                 e.fail(f"timeout: the agent ran past rollout.agent_timeout_s={self.host.timeout_s}")
                 self.host.runner.abandon(token)
                 self.live.discard(token)
-
-    def refuse(self, e: _Episode, call: Call, exc: ApiError) -> None:
-        call.answer(exc.status, exc.body())
 
     def admit(self, e: _Episode) -> tuple[Call, Prepared, int, bool] | None:
         """The episode's next request made ready to sample: its prompt, cap and whether the
@@ -290,7 +289,7 @@ class _Loop:
                 )
                 raise ApiError(400, e.over_limit, "max_tokens", "episode_limit")
         except ApiError as exc:
-            self.refuse(e, call, exc)
+            call.answer(exc.status, exc.body())
             return None
         e.requests += 1
         cap = int(own if req.max_tokens is None else min(own, req.max_tokens))
