@@ -3,6 +3,7 @@ agent, they use only the openai client they are given (no dapo import)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import openai
@@ -39,7 +40,7 @@ def three_requests(client, record):
 
 
 def by_mode(client, record):
-    """What ``record["extra"]["mode"]`` says: ok (one request, reward 1), raise, hang, or
+    """What ``record["extra"]["mode"]`` says: ok (one request, reward 1), raise, hang, exit, or
     turns (requests until the endpoint refuses one; the refusal is caught)."""
     mode = record["extra"]["mode"]
     messages = list(record["prompt"])
@@ -48,6 +49,8 @@ def by_mode(client, record):
         raise ValueError("the agent's own bug")
     if mode == "hang":
         time.sleep(600)
+    if mode == "exit":
+        os._exit(3)  # kills its worker process
     if mode == "turns":
         try:
             for _ in range(50):

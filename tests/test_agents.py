@@ -399,3 +399,52 @@ def test_episodes_that_open_differently_still_train_every_segment(tok) -> None:
     extras = [len(s["extra_segments"]) for s in group.episode_stats]
     assert sorted(zip(opened, extras, strict=True)) == [(False, 1), (True, 0)]
     assert tok.decode(group.prompt_ids) in ("U: Add 1+2.\nA: ", "S: be brief\nU: Add 1+2.\nA: ")
+
+
+def test_an_agent_that_kills_its_worker_costs_that_workers_episodes_only(tok) -> None:
+    engine = ScriptedEngine(tok, lambda text: "hi")
+    host = AgentHost(f"{AGENTS}:by_mode", num_workers=2, timeout_s=30.0)
+    try:
+        params = SamplingParams(n=1, max_tokens=50, seed=0)
+        records = [record(mode="exit"), record(mode="ok")]  # one per worker (round-robin)
+        groups = run_agent_episodes(engine, tok, records, params, host, max_turns=3)
+        ends = [g.episode_stats[0] for g in groups]
+        assert ends[0]["end"] == "env_failure"
+        assert ends[0]["failure"] == "the agent's worker process exited with code 3"
+        assert ends[1]["end"] == "done"
+        # The dead worker is replaced for the next round.
+        again = run_agent_episodes(engine, tok, [record(mode="ok")] * 2, params, host, max_turns=3)
+        assert [g.episode_stats[0]["end"] for g in again] == ["done", "done"]
+    finally:
+        host.close()
+
+
+def test_groups_with_extra_segments_survive_a_checkpoint(tok) -> None:
+    def agent(client, rec):
+        client.chat.completions.create(model="m", messages=rec["prompt"])
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "S"}])
+
+    (group,), _ = play(tok, ScriptedEngine(tok, lambda text: "ok"), [record()], agent, n=2)
+    scored = ScoredGroup(
+        group.prompt_ids,
+        group.response_ids,
+        group.logprobs,
+        group.truncated,
+        rewards=[1.0, 0.0],
+        correct=[True, False],
+        model_mask=group.model_mask,
+        episode_stats=group.episode_stats,
+        step=0,
+    )
+    back = ScoredGroup.from_state(json.loads(json.dumps(scored.to_state())))
+    before = build_samples([scored], step=1, keep_engine_logprobs=True)
+    after = build_samples([back], step=1, keep_engine_logprobs=True)
+    assert len(before) == len(after) == 4
+    for a, b in zip(before, after, strict=True):
+        assert (a.prompt_ids, a.response_ids, a.advantage, a.loss_mask) == (
+            b.prompt_ids,
+            b.response_ids,
+            b.advantage,
+            b.loss_mask,
+        )
+        assert torch.equal(a.old_logprobs, b.old_logprobs)  # carried over: the engine's
