@@ -178,9 +178,9 @@ def test_concurrent_agents_are_batched_into_one_engine_call(tok) -> None:
         client.chat.completions.create(model="m", messages=list(rec["prompt"]))
 
     engine = ScriptedEngine(tok, lambda text: "hi")
-    groups, host = play(tok, engine, [record("a"), record("b")], agent, n=4, gather_s=10.0)
-    assert engine.calls == [8]  # eight episodes, one request each, one engine call
-    assert [s["end"] for g in groups for s in g.episode_stats] == ["done"] * 8
+    groups, host = play(tok, engine, [record("a"), record("b")], agent, n=32, gather_s=10.0)
+    assert engine.calls == [64]  # 64 episodes connecting at once, one request each: one call
+    assert [s["end"] for g in groups for s in g.episode_stats] == ["done"] * 64
 
 
 def test_a_request_with_another_temperature_is_refused_naming_the_field(tok) -> None:

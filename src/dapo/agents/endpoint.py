@@ -40,6 +40,12 @@ class Call:
         self.done.set()
 
 
+class _Server(ThreadingHTTPServer):
+    # Hundreds of agents connect at once; the default backlog of 5 drops connections.
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 class AgentEndpoint:
     """The endpoint: puts each request on ``events`` as a :class:`Call` and serves its answer.
 
@@ -49,8 +55,7 @@ class AgentEndpoint:
     def __init__(self, events: queue.Queue, model: str = "dapo-policy", wait_s: float = 3600.0):
         self.events, self.model, self.wait_s = events, model, wait_s
         self.key = "dapo-" + secrets.token_urlsafe(24)
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), _handler(self))
         self.port = self.server.server_address[1]
         self._thread = threading.Thread(
             target=self.server.serve_forever, name="dapo-agent-endpoint", daemon=True
