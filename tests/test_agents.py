@@ -40,7 +40,8 @@ class ScriptedEngine:
             text = self.reply(self.tok.decode(p))
             ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
             ids = ids[: params.max_tokens]
-            out.append(Group(p, [ids], [[-0.5] * len(ids)], [False]))
+            n = params.n
+            out.append(Group(p, [ids] * n, [[-0.5] * len(ids)] * n, [False] * n))
         return out
 
     def load_weights(self, named_tensors) -> None:
@@ -448,3 +449,35 @@ def test_groups_with_extra_segments_survive_a_checkpoint(tok) -> None:
             b.loss_mask,
         )
         assert torch.equal(a.old_logprobs, b.old_logprobs)  # carried over: the engine's
+
+
+def test_the_example_agent_plays_the_calculator_environments_episodes_token_for_token(tok):
+    """examples/agent_calculator.py over the endpoint gives the very sequences (and masks)
+    of the built-in calculator environment over run_episodes, for the same model turns."""
+    import re
+
+    from dapo.data.tasks.calculator import calculator_records, tool_call_text
+    from dapo.environments import EnvironmentPool, load_environment
+    from dapo.rollout.episodes import run_episodes
+
+    def reply(text: str) -> str:
+        if "T: " in text:
+            return "Answer: " + text.rsplit("T: ", 1)[1].split("\n")[0]
+        numbers = re.search(r"Add ([\d+]+)\.", text).group(1).split("+")
+        return tool_call_text([int(x) for x in numbers])
+
+    records = calculator_records("train", 3)
+    params = SamplingParams(n=2, max_tokens=160, seed=0)
+    example = Path(__file__).parents[1] / "examples" / "agent_calculator.py"
+    agent_groups, _ = play(
+        tok, ScriptedEngine(tok, reply), records, f"{example}:agent", n=2, max_tokens=160
+    )
+    with EnvironmentPool(load_environment("calculator"), num_workers=0) as pool:
+        env_groups = run_episodes(
+            ScriptedEngine(tok, reply), tok, records, params, pool, max_turns=3
+        )
+    for a, e in zip(agent_groups, env_groups, strict=True):
+        assert a.prompt_ids == e.prompt_ids
+        assert a.response_ids == e.response_ids and a.model_mask == e.model_mask
+        assert a.final_texts == e.final_texts and a.final_texts[0].startswith("Answer: ")
+        assert [s["tool_calls"] for s in a.episode_stats] == [1, 1]
