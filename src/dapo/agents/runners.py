@@ -18,6 +18,7 @@ import pickle
 import queue
 import subprocess
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo.agents.worker import run_async, run_sync, worker_main
+from dapo.environments import EnvironmentWarning
 from dapo.environments.loading import import_spec
 from dapo.errors import ConfigError
 from dapo.workers import exit_text, retire, start_worker, stop_workers
@@ -92,6 +94,14 @@ class AgentRunner:
         self.fn, self.payload, self.name = load_agent_spec(agent)
         self.events, self.timeout_s = events, float(timeout_s)
         self.is_async = inspect.iscoroutinefunction(self.fn)
+        if num_workers > 0 and not self.is_async and self.payload is None:
+            warnings.warn(
+                f"agent {self.name!r} cannot be sent to worker processes (not picklable; "
+                "functions defined in __main__ need the cloudpickle package): its episodes run "
+                "on threads of this process (a crash there stops the run)",
+                EnvironmentWarning,
+                stacklevel=2,
+            )
         self.num_workers = 0 if self.is_async or self.payload is None else num_workers
         self._workers: list[_Worker | None] = [None] * self.num_workers
         self._next = 0
