@@ -58,6 +58,7 @@ def make_trainer(
     tokenizer: Any = None,
     environment: Any = None,
     tools: Any = None,
+    agent: Any = None,
     **overrides: Any,
 ) -> Trainer:
     """A :class:`~dapo.training.trainer.Trainer` built as :func:`train` builds it, for
@@ -85,6 +86,10 @@ def make_trainer(
         # config.yaml and the resume check name the model that is trained.
         name = getattr(model, "name_or_path", "") or f"<{type(model).__name__} object>"
         overrides["model.name_or_path"] = name
+    if isinstance(agent, str):
+        overrides["rollout.agent"], agent = agent, None
+    elif agent is not None:  # config.yaml records which function it was
+        overrides["rollout.agent"] = f"<agent: {getattr(agent, '__qualname__', repr(agent))}>"
     objects = [
         key
         for key, value in (("rollout.environment", environment), ("rollout.tools", tools))
@@ -99,6 +104,7 @@ def make_trainer(
         reward_funcs=_reward_funcs(reward_funcs),
         environment=environment,
         tools=_as_list(tools, "tools"),
+        agent=agent,
         callbacks=_as_list(callbacks, "callbacks"),
     )
     check_callbacks(inputs.callbacks)
@@ -116,6 +122,7 @@ def train(
     tokenizer: Any = None,
     environment: Any = None,
     tools: Any = None,
+    agent: Any = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Train a policy; the run's summary (what ``summary.json`` holds).
@@ -140,6 +147,8 @@ def train(
     - ``environment`` / ``tools``: an environment class or factory and tool functions for
       multi-turn episodes, as ``rollout.environment`` / ``rollout.tools`` take them; they
       count as set for ``rollout.max_turns`` > 1 (``rollout={"max_turns": 3}``).
+    - ``agent``: an agent function ``agent(client, record) -> reward | None`` (or ``async
+      def``) driving each episode through an OpenAI client, as ``rollout.agent`` takes it.
     - ``callbacks``: functions ``fn(step, metrics)`` (a True return stops the run cleanly)
       or objects with ``on_step`` / ``on_evaluate`` / ``on_save`` (:mod:`dapo.training.inputs`).
     """
@@ -154,6 +163,7 @@ def train(
         tokenizer=tokenizer,
         environment=environment,
         tools=tools,
+        agent=agent,
         **overrides,
     )
     summary = trainer.run()

@@ -128,6 +128,21 @@ class RolloutConfig:
         "or module:function returning the calls of a text.",
         nonempty=True,
     )
+    agent: str | None = opt(
+        None,
+        "An agent program as the environment: module:function (or path/file.py:function), "
+        "agent(client, record) -> reward | None, sync or async def, called once per episode "
+        "with an openai.OpenAI (AsyncOpenAI) client pointed at this run's OpenAI-compatible "
+        "endpoint; None scores the last assistant message with the reward functions. "
+        "rollout.max_turns bounds its requests, max_completion_length its tokens. Excludes "
+        "rollout.environment and rollout.tools.",
+    )
+    agent_timeout_s: float = opt(
+        300.0,
+        "Seconds an agent's episode may take; past it the episode fails (env_failure) and "
+        "its requests are refused.",
+        gt=0,
+    )
     max_turns: int = opt(
         1,
         "Model turns per episode at most; an episode still running after them is truncated "
@@ -143,8 +158,8 @@ class RolloutConfig:
     )
     env_workers: int = opt(
         1,
-        "Worker processes hosting the environments (time-outs, crash isolation); 0 runs them "
-        "in the training process, without time-outs.",
+        "Worker processes hosting the environments or sync agents (time-outs, crash "
+        "isolation); 0 runs them in the training process (environments without time-outs).",
         ge=0,
     )
     generation_batch_size: int = opt(

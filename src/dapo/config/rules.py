@@ -61,15 +61,25 @@ def _check_rollout(cfg: Config, objects: Collection[str] = ()) -> None:
                 UserWarning,
                 stacklevel=2,
             )
+    if r.agent is not None:
+        require(
+            r.environment is None and not r.tools,
+            "rollout.agent",
+            r.agent,
+            "the agent is the episode's environment and runs its own tools: unset "
+            "rollout.environment and rollout.tools, or unset rollout.agent",
+        )
     require(
         r.max_turns == 1
         or r.environment is not None
         or bool(r.tools)
+        or r.agent is not None
         or bool({"rollout.environment", "rollout.tools"} & set(objects)),
         "rollout.max_turns",
         r.max_turns,
         "more than one turn needs something to answer the model: set rollout.environment "
-        "(module:Class or a built-in, e.g. calculator) or rollout.tools, or use max_turns=1",
+        "(module:Class or a built-in, e.g. calculator), rollout.tools or rollout.agent, or use "
+        "max_turns=1",
     )
     require(
         not r.partial_rollouts or r.max_staleness > 0,

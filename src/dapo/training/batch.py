@@ -65,7 +65,9 @@ def build_samples(
     keep_engine_logprobs: bool = False,
     exact_sampling_logprobs: bool = True,
 ) -> list[Sample]:
-    """One :class:`Sample` per response of ``groups``, in order.
+    """One :class:`Sample` per response of ``groups``, in order; after each group's, the
+    earlier segments of its agent episodes (``episode_stats[i]["extra_segments"]``), each
+    with its episode's advantage (:func:`group_sizes` counts them).
 
     ``keep_engine_logprobs`` attaches the engine's sampling log-probs (for the mismatch
     metric and the importance-sampling correction, ``algorithm.is_cap``). A group carried
@@ -83,26 +85,63 @@ def build_samples(
     if overlong_filter:
         keep = overlong_filter_mask(keep, truncated)
     keep_list = keep[:, 0].tolist()
-    samples, k = [], 0
+    samples: list[Sample] = []
+    logprobs: list[list[float]] = []  # each sample's engine log-probs
+    stale: list[bool] = []  # each sample's group was generated before `step`
+    k = 0
     for g in groups:
         masks = g.model_mask or [None] * g.size
+        factors = []  # each response's loss factor (overlong filtering, failed episodes)
         for j, (resp, lp, model) in enumerate(
             zip(g.response_ids, g.sample_logprobs, masks, strict=True)
         ):
             if model is None:
-                s = Sample(g.prompt_ids, resp, adv[k], [keep_list[k]] * len(resp))
+                factors.append(keep_list[k + j])
+                s = Sample(g.prompt_ids, resp, adv[k + j], [factors[j]] * len(resp))
             else:  # environment tokens are in no loss, nor is an episode its environment failed
-                keep_k = 0.0 if g.episode_stats[j]["end"] == "env_failure" else keep_list[k]
+                failed = g.episode_stats[j]["end"] == "env_failure"
+                factors.append(0.0 if failed else keep_list[k + j])
                 s = Sample(
-                    g.prompt_ids, resp, adv[k], [keep_k * m for m in model], model_mask=model
+                    g.prompt_ids,
+                    resp,
+                    adv[k + j],
+                    [factors[j] * m for m in model],
+                    model_mask=model,
                 )
-            if keep_engine_logprobs:
-                s.sampling_logprobs = torch.tensor(lp)
-            if g.step < step and exact_sampling_logprobs:
-                s.old_logprobs = torch.tensor(lp)
             samples.append(s)
-            k += 1
+            logprobs.append(lp)
+        # Agent episodes that rewrote their history: each earlier segment is a sample of
+        # its own, with its episode's advantage and loss factor.
+        for j, stats in enumerate(g.episode_stats or []):
+            for seg in stats.get("extra_segments") or []:
+                model = seg["model_mask"]
+                samples.append(
+                    Sample(
+                        seg["prompt_ids"],
+                        seg["response_ids"],
+                        adv[k + j],
+                        [factors[j] * m for m in model],
+                        model_mask=model,
+                    )
+                )
+                logprobs.append(seg["logprobs"])
+        k += g.size
+        stale.extend([g.step < step] * (len(logprobs) - len(stale)))
+    for s, lp, old in zip(samples, logprobs, stale, strict=True):
+        if keep_engine_logprobs:
+            s.sampling_logprobs = torch.tensor(lp)
+        if old and exact_sampling_logprobs:
+            s.old_logprobs = torch.tensor(lp)
     return samples
+
+
+def group_sizes(groups: list[ScoredGroup]) -> list[int]:
+    """How many samples :func:`build_samples` makes of each group: its responses, and the
+    extra segments of agent episodes."""
+    return [
+        g.size + sum(len(s.get("extra_segments") or []) for s in g.episode_stats or [])
+        for g in groups
+    ]
 
 
 def group_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
@@ -138,6 +177,12 @@ def episode_metrics(episodes: list[dict]) -> dict[str, float]:
         / max(1, sum(e["tokens"] for e in episodes)),
         "env/failures": float(sum(e["end"] == "env_failure" for e in episodes)),
     }
+    agents = [e for e in episodes if "requests" in e]
+    if agents:
+        out["agent/requests_mean"] = mean([float(e["requests"]) for e in agents])
+        out["agent/segments_mean"] = mean([float(e["segments"]) for e in agents])
+        out["agent/tool_calls"] = mean([float(e["tool_calls"]) for e in agents])
+        out["perf/agent_s"] = sum(float(e["agent_seconds"]) for e in agents)
     for end in ("done", "max_turns", "budget", "env_failure", "bad_tool_call"):
         out[f"env/ended_{end}"] = mean([float(e["end"] == end) for e in episodes])
     return out

@@ -44,6 +44,7 @@ class RunInputs:
     reward_funcs: list[Any] = field(default_factory=list)  # callables, or (callable, weight)
     environment: Any = None  # an environment class or factory (else rollout.environment)
     tools: list[Any] = field(default_factory=list)  # tool functions, added to rollout.tools
+    agent: Any = None  # an agent function (client, record) -> reward | None (else rollout.agent)
     # Functions fn(step, metrics) or objects with on_step / on_evaluate / on_save (above).
     callbacks: list[Any] = field(default_factory=list)
 

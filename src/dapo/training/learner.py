@@ -254,14 +254,18 @@ class Learner:
 
     # --- the update ----------------------------------------------------------------------
 
-    def count_updates(self, n_samples: int, group_size: int) -> int:
+    def count_updates(self, n_samples: int, group_size: int | list[int]) -> int:
         """Optimizer updates :meth:`update` makes on ``n_samples`` responses."""
         t = self.train
-        return n_updates(n_samples // group_size, t.mini_batch_size) * t.epochs
+        n_groups = n_samples // group_size if isinstance(group_size, int) else len(group_size)
+        return n_updates(n_groups, t.mini_batch_size) * t.epochs
 
-    def update(self, samples: list[Sample], step: int, group_size: int) -> dict[str, float]:
+    def update(
+        self, samples: list[Sample], step: int, group_size: int | list[int]
+    ) -> dict[str, float]:
         """Mini-batches x epochs of exact-normalised optimizer updates on a rollout step's
-        samples (groups of ``group_size`` consecutive responses); the step's metrics."""
+        samples (groups of ``group_size`` consecutive responses, or of each listed size);
+        the step's metrics."""
         t = self.train
         lr = lr_at(step, t)
         for group in self.optimizer.param_groups:

@@ -23,7 +23,7 @@ from dapo.training.batch import Sample
 
 def plan_updates(
     n_samples: int,
-    group_size: int,
+    group_size: int | Sequence[int],
     prompts_per_step: int,
     mini_batch_size: int,
     epochs: int,
@@ -39,10 +39,21 @@ def plan_updates(
     differ by at most one group (29 groups with mini-batches of 16: 15 + 14, not 16 + 13),
     so no update is a sliver and no sample is used more often than in a full batch. Each
     update is still normalised by its own global token count.
+
+    ``group_size`` may list each group's number of consecutive samples instead (agent
+    episodes add a sample per extra segment: :func:`dapo.training.batch.group_sizes`).
     """
-    n_groups, rest = divmod(n_samples, group_size)
-    if rest:
-        raise TrainingError(f"{n_samples} samples do not make groups of {group_size} responses")
+    if isinstance(group_size, int):
+        n_groups, rest = divmod(n_samples, group_size)
+        if rest:
+            raise TrainingError(f"{n_samples} samples do not make groups of {group_size} responses")
+        lengths = [group_size] * n_groups
+    else:
+        lengths = list(group_size)
+        n_groups = len(lengths)
+        if sum(lengths) != n_samples:
+            raise TrainingError(f"{n_samples} samples are not groups of sizes {lengths}")
+    starts = [sum(lengths[:g]) for g in range(n_groups)]
     if n_groups > prompts_per_step:
         raise TrainingError(f"{n_groups} groups exceed train.prompts_per_step={prompts_per_step}")
     count = n_updates(n_groups, mini_batch_size)
@@ -56,7 +67,7 @@ def plan_updates(
         for size in sizes:
             gids = order[start : start + size]
             start += size
-            plan.append((epoch, [g * group_size + j for g in gids for j in range(group_size)]))
+            plan.append((epoch, [starts[g] + j for g in gids for j in range(lengths[g])]))
     return plan
 
 

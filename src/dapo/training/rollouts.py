@@ -16,9 +16,17 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from dapo.agents import AgentHost, run_agent_episodes
 from dapo.config import Config
 from dapo.data.prompts import encode_prompts, load_prompt_set
-from dapo.environments import ChatRenderer, EnvironmentPool, EnvironmentSpec, prompt_messages
+from dapo.environments import (
+    PARSERS,
+    ChatRenderer,
+    EnvironmentPool,
+    EnvironmentSpec,
+    prompt_messages,
+)
+from dapo.environments.loading import import_spec
 from dapo.errors import (
     DynamicSamplingError,
     DynamicSamplingWarning,
@@ -99,6 +107,19 @@ class Rollouts:
             None
             if spec is None
             else EnvironmentPool(spec, num_workers=r.env_workers, timeout_s=r.env_timeout_s)
+        )
+        # Agent episodes: an OpenAI-client program behind this rank's own endpoint.
+        agent = inputs.agent if inputs.agent is not None else r.agent
+        self.agents = (
+            None
+            if agent is None
+            else AgentHost(
+                agent,
+                num_workers=r.env_workers,
+                timeout_s=r.agent_timeout_s,
+                parser=PARSERS.get(r.tool_parser)
+                or import_spec(r.tool_parser, "rollout.tool_parser"),
+            )
         )
         self.sampler = DynamicSampler(
             cfg.train.prompts_per_step,
@@ -276,6 +297,17 @@ class Rollouts:
     ) -> list[Group]:
         """Responses from the engine, or episodes of turns with the environment (token-in,
         token-out: :func:`dapo.rollout.episodes.run_episodes`)."""
+        if self.agents is not None:
+            r = self.cfg.rollout
+            return run_agent_episodes(
+                self.engine,
+                self.tokenizer,
+                records,
+                params,
+                self.agents,
+                max_turns=r.max_turns,
+                max_length=self.cfg.data.max_prompt_length + r.max_completion_length,
+            )
         if self.environments is None:
             return self.engine.generate(ids, params)
         return run_episodes(
@@ -294,7 +326,7 @@ class Rollouts:
     ) -> dict[str, Any]:
         """This rank's avg@n accuracy on ``records``: responses scored by the reward
         functions, or held-out episode success."""
-        if self.environments is None:
+        if self.environments is None and self.agents is None:
             return engine_accuracy(
                 self.engine, self.tokenizer, records, ids, self.scorer.rewards, params
             )
@@ -327,4 +359,6 @@ class Rollouts:
         self.scorer.close()
         if self.environments is not None:
             self.environments.close()
+        if self.agents is not None:
+            self.agents.close()
         close_engine(self.engine)

@@ -34,7 +34,7 @@ from dapo.parallel import distributed as D
 from dapo.parallel import sharding
 from dapo.rollout import SamplingParams
 from dapo.seeding import Stream, seed_everything, stream_seed
-from dapo.training.batch import Sample, build_samples
+from dapo.training.batch import Sample, build_samples, group_sizes
 from dapo.training.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -71,7 +71,8 @@ class Trainer:
         )
         tokenizer_name = cfg.model.tokenizer or cfg.model.name_or_path
         builtin_without = builtin_chat_template(tokenizer_name) is False
-        if spec is not None and inputs.tokenizer is None and builtin_without:
+        chat = spec is not None or r.agent is not None or inputs.agent is not None
+        if chat and inputs.tokenizer is None and builtin_without:
             raise no_template_error(tokenizer_name)
         model_path = ""
         if inputs.model is None or inputs.tokenizer is None:
@@ -79,7 +80,7 @@ class Trainer:
         self.tokenizer = inputs.tokenizer or load_tokenizer(
             cfg.model.tokenizer or model_path, trust_remote_code=cfg.model.trust_remote_code
         )
-        if spec is not None and not getattr(self.tokenizer, "chat_template", None):
+        if chat and not getattr(self.tokenizer, "chat_template", None):
             raise no_template_error(tokenizer_name)
         # The teacher (algorithm.teacher) is checked against the tokenizer before the policy loads.
         teacher = load_teacher(cfg, self.tokenizer, self.log)
@@ -153,13 +154,14 @@ class Trainer:
         self.advantages = []
         if groups:  # none: no group with a learning signal at the round cap, no update
             samples = self.build_samples(groups)  # 4. advantages and loss masks
-            size = self.cfg.rollout.num_generations
-            self.advantages = [
-                [s.advantage for s in samples[i : i + size]] for i in range(0, len(samples), size)
-            ]
-            n = self.learner.count_updates(len(samples), self.cfg.rollout.num_generations)
+            sizes = group_sizes(groups)  # G, more with agent episodes' extra segments
+            start = 0
+            for g, size in zip(groups, sizes, strict=True):  # per group, for transcripts
+                self.advantages.append([s.advantage for s in samples[start : start + g.size]])
+                start += size
+            n = self.learner.count_updates(len(samples), sizes)
             self.rollouts.sync.before_update(n, generating=self.stream is not None)
-            metrics.update(self.learner.update(samples, step, self.cfg.rollout.num_generations))
+            metrics.update(self.learner.update(samples, step, sizes))
         else:
             metrics["actor/updates"] = 0.0
         metrics.update(self.rollouts.sync.after_update(step + 1))  # 6. a separate engine follows

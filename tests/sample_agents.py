@@ -1,0 +1,62 @@
+"""Agents for tests/test_agents.py, importable by agent worker processes. Like a user's
+agent, they use only the openai client they are given (no dapo import)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import openai
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add whole numbers exactly.",
+            "parameters": {
+                "type": "object",
+                "properties": {"terms": {"type": "string", "description": "e.g. 1+2"}},
+                "required": ["terms"],
+            },
+        },
+    }
+]
+
+
+def three_requests(client, record):
+    """Three requests whatever the model says: each reply is followed by a tool message,
+    and the third request rewrites the history (a summary instead of the turns so far)."""
+    messages = list(record["prompt"])
+    for _ in range(2):
+        reply = client.chat.completions.create(
+            model="m", messages=messages, tools=TOOLS, max_tokens=8
+        )
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": "x", "content": "12345"})
+    summary = [{"role": "user", "content": "Summary: the sum is 12345. Answer it."}]
+    client.chat.completions.create(model="m", messages=summary, tools=TOOLS, max_tokens=8)
+    return None
+
+
+def by_mode(client, record):
+    """What ``record["extra"]["mode"]`` says: ok (one request, reward 1), raise, hang, exit, or
+    turns (requests until the endpoint refuses one; the refusal is caught)."""
+    mode = record["extra"]["mode"]
+    messages = list(record["prompt"])
+    reply = client.chat.completions.create(model="m", messages=messages)
+    if mode == "raise":
+        raise ValueError("the agent's own bug")
+    if mode == "hang":
+        time.sleep(600)
+    if mode == "exit":
+        os._exit(3)  # kills its worker process
+    if mode == "turns":
+        try:
+            for _ in range(50):
+                messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+                messages.append({"role": "user", "content": "again"})
+                reply = client.chat.completions.create(model="m", messages=messages)
+        except openai.BadRequestError:
+            return 1.0
+    return 1.0
