@@ -468,9 +468,12 @@ def test_a_script_calling_dapo_train_runs_on_two_ranks(random_tiny_model, tmp_pa
     )
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["seen"] for r in ranks] == [[1, 2], [1, 2]]
-    assert (
-        ranks[0]["summary"] == ranks[1]["summary"] == json.loads((out / "summary.json").read_text())
-    )
+    # The same summary on every rank but each rank's own clock (wall_seconds, 0.1 s apart
+    # on a busy machine).
+    summaries = [r["summary"] for r in ranks] + [json.loads((out / "summary.json").read_text())]
+    for summary in summaries:
+        summary.pop("wall_seconds")
+    assert summaries[0] == summaries[1] == summaries[2]
     assert ranks[0]["summary"]["steps"] == 2
     assert (out / "checkpoints" / "step_000002").is_dir()
     assert [r["step"] for r in metric_rows(out)] == [1, 2]
