@@ -84,16 +84,17 @@ def test_whatever_the_loss_reports_is_logged() -> None:
 
 
 def test_the_update_reaches_the_model_in_four_frames(random_tiny_model, tmp_path) -> None:
-    """train_step -> Learner.update -> Learner.optimizer_step -> response_states -> model:
-    no frame of dapo's between train_step and the model's forward beyond these four, for the
-    gradient passes and for the old log-probs' pass (two updates per step here)."""
+    """train_step -> Learner.optimize -> Learner.optimizer_step -> response_states -> model,
+    and train_step -> Learner.prepare -> compute_logprobs -> response_states for the old
+    log-probs: no frame of dapo's between train_step and the model's forward beyond these
+    four, for the gradient passes and the prepare stage (two updates per step here)."""
     cfg = small_config(random_tiny_model, tmp_path / "run", "algorithm.dynamic_sampling=false")
     trainer = Trainer(cfg, log=lambda _: None)
     stacks: list[list[str]] = []
 
     def hook(module, args, kwargs):
         names = [f.function for f in inspect.stack() if "/src/dapo/" in f.filename]
-        if "train_step" in names and "update" in names:  # not generation's forwards
+        if "train_step" in names and {"optimize", "prepare"} & set(names):  # not generation
             stacks.append(names[: names.index("train_step") + 1])
 
     handle = trainer.model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -105,8 +106,8 @@ def test_the_update_reaches_the_model_in_four_frames(random_tiny_model, tmp_path
     assert stacks  # the hook saw the update's forwards
     deepest = max(stacks, key=len)
     assert max(len(s) for s in stacks) <= 4, deepest
-    assert ["response_states", "optimizer_step", "update", "train_step"] in stacks
-    assert ["response_states", "compute_logprobs", "update", "train_step"] in stacks
+    assert ["response_states", "optimizer_step", "optimize", "train_step"] in stacks
+    assert ["response_states", "compute_logprobs", "prepare", "train_step"] in stacks
 
 
 def test_resuming_with_another_model_is_refused_in_one_line(random_tiny_model, tmp_path) -> None:

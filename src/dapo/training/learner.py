@@ -121,6 +121,16 @@ class StepResult:
     fresh: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class PreparedBatch:
+    """A rollout step's samples ready for the update loop (:meth:`Learner.prepare`)."""
+
+    samples: list[Sample]
+    plan: list[tuple[int, list[int]]]  # (epoch, sample indices) of every optimizer update
+    shares: list[list[int]]  # this rank's positions in each update's mini-batch
+    metrics: dict[str, float]  # what preparing measured (engine mismatch, IS weights, ...)
+
+
 class NonFiniteUpdates(TrainingError):
     """``train.max_nonfinite_updates`` updates in a row had a non-finite loss or gradient."""
 
@@ -260,16 +270,14 @@ class Learner:
         n_groups = n_samples // group_size if isinstance(group_size, int) else len(group_size)
         return n_updates(n_groups, t.mini_batch_size) * t.epochs
 
-    def update(
+    def prepare(
         self, samples: list[Sample], step: int, group_size: int | list[int]
-    ) -> dict[str, float]:
-        """Mini-batches x epochs of exact-normalised optimizer updates on a rollout step's
-        samples (groups of ``group_size`` consecutive responses, or of each listed size);
-        the step's metrics."""
+    ) -> PreparedBatch:
+        """Everything the update loop needs, attached once before it: the plan of
+        mini-batches, this rank's share of each, and on this rank's samples the ratio's old
+        (proximal) log-probs, the reference's (``beta > 0``), the teacher's per-token
+        advantages and the importance weights against the behaviour policy."""
         t = self.train
-        lr = lr_at(step, t)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         plan = plan_updates(
             len(samples),
             group_size,
@@ -280,11 +288,15 @@ class Learner:
         )
         # This rank's share of each mini-batch (positions in it): token-balanced over ranks.
         shares = [D.token_share([samples[i].length for i in idx], self.dist) for _, idx in plan]
-        mine = sorted({idx[j] for (_, idx), share in zip(plan, shares, strict=True) for j in share})
+        mine = [
+            samples[i]
+            for i in sorted({idx[j] for (_, idx), sh in zip(plan, shares, strict=True) for j in sh})
+        ]
         metrics: dict[str, float] = {}
         if len(plan) > 1 or self.needs_old_logprobs:
-            # The ratio is taken against the policy that produced the batch: this one, now.
-            todo = [samples[i] for i in mine if samples[i].old_logprobs is None]
+            # The ratio is taken against the policy at the start of the update (the proximal
+            # policy): this one, now, unless a sample brings the behaviour policy's as its own.
+            todo = [s for s in mine if s.old_logprobs is None]
             old = compute_logprobs(self.model, todo, self.forward)
             for s, lp in zip(todo, old, strict=True):
                 s.old_logprobs = lp
@@ -292,12 +304,31 @@ class Learner:
                 metrics.update(logprob_mismatch(todo, old))
         if self.settings.beta > 0:
             with self.reference() as reference:
-                ref = compute_logprobs(reference, [samples[i] for i in mine], self.forward)
-            for i, lp in zip(mine, ref, strict=True):
-                samples[i].ref_logprobs = lp
+                ref = compute_logprobs(reference, mine, self.forward)
+            for s, lp in zip(mine, ref, strict=True):
+                s.ref_logprobs = lp
         if self.teacher is not None:  # per-token advantages from the teacher's log-probs
-            metrics.update(self.teacher.attach([samples[i] for i in mine]))
-        metrics.update(attach_is_weights([samples[i] for i in mine], self.settings))
+            metrics.update(self.teacher.attach(mine))
+        metrics.update(attach_is_weights(mine, self.settings))
+        return PreparedBatch(samples, plan, shares, metrics)
+
+    def update(
+        self, samples: list[Sample], step: int, group_size: int | list[int]
+    ) -> dict[str, float]:
+        """:meth:`prepare`, then :meth:`optimize`: a rollout step's samples (groups of
+        ``group_size`` consecutive responses, or of each listed size) trained on; the
+        step's metrics."""
+        return self.optimize(self.prepare(samples, step, group_size), step)
+
+    def optimize(self, batch: PreparedBatch, step: int) -> dict[str, float]:
+        """Mini-batches x epochs of exact-normalised optimizer updates on a prepared batch;
+        the step's metrics."""
+        t = self.train
+        lr = lr_at(step, t)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        samples, plan, shares = batch.samples, batch.plan, batch.shares
+        metrics = dict(batch.metrics)
         per_update: dict[str, list[float]] = {"pg_loss": [], "loss": [], "grad_norm": []}
         totals = UpdateStats()
         fresh: list[tuple[Sample, torch.Tensor]] = []

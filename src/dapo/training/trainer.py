@@ -161,10 +161,11 @@ class Trainer:
                 start += size
             n = self.learner.count_updates(len(samples), sizes)
             self.rollouts.sync.before_update(n, generating=self.stream is not None)
-            metrics.update(self.learner.update(samples, step, sizes))
+            batch = self.learner.prepare(samples, step, sizes)  # 5. old, ref, teacher, IS weights
+            metrics.update(self.learner.optimize(batch, step))  # 6. the optimizer updates
         else:
             metrics["actor/updates"] = 0.0
-        metrics.update(self.rollouts.sync.after_update(step + 1))  # 6. a separate engine follows
+        metrics.update(self.rollouts.sync.after_update(step + 1))  # 7. a separate engine follows
         t2 = time.perf_counter()
         tokens = sum(len(g.prompt_ids) * g.size + sum(map(len, g.response_ids)) for g in groups)
         metrics["train/stale_groups"] = float(sum(g.step < step for g in groups))
