@@ -59,13 +59,13 @@ def run_steps(cfg, steps: int, slow_update_s: float = 0.0) -> list[tuple[int, li
     """``steps`` rollout steps; each step's trained groups. ``slow_update_s`` makes every
     update that much slower, so that batches filled ahead wait in the queue."""
     trainer = Trainer(cfg, log=lambda _: None)
-    update = trainer.learner.update
+    optimize = trainer.learner.optimize
 
     def slow(*args, **kwargs):
         time.sleep(slow_update_s)
-        return update(*args, **kwargs)
+        return optimize(*args, **kwargs)
 
-    trainer.learner.update = slow
+    trainer.learner.optimize = slow
     out = []
     try:
         for _ in range(steps):
