@@ -200,8 +200,8 @@ def simulate(
     import random
 
     from dapo.data.prompts import PromptStream
-    from dapo.training.dynamic_sampling import DynamicSampler, ScoredGroup
-    from dapo.training.prompt_history import PromptHistory, should_skip
+    from dapo.producer.dynamic_sampling import DynamicSampler, ScoredGroup
+    from dapo.producer.prompt_history import PromptHistory, should_skip
 
     rng = random.Random(seed)
     rates = []

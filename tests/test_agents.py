@@ -15,10 +15,10 @@ from vllm_check import needs_vllm
 from dapo.agents import AgentHost, run_agent_episodes
 from dapo.data.records import PromptRecord
 from dapo.data.tasks.calculator import CHAT_TEMPLATE
+from dapo.handover import ScoredGroup
 from dapo.models.tiny import build_tokenizer
 from dapo.rollout.base import Group, SamplingParams
 from dapo.training.batch import build_samples, group_sizes
-from dapo.training.dynamic_sampling import ScoredGroup
 from dapo.training.microbatch import plan_updates
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -584,7 +584,7 @@ def test_sub_packages_are_attributes_of_dapo_without_torch():
 
 
 def test_no_evaluation_of_in_memory_data_is_not_said_of_a_file(random_tiny_model, tmp_path):
-    from dapo.training.inputs import RunInputs
+    from dapo.run_inputs import RunInputs
     from dapo.training.trainer import Trainer
 
     heard: list[str] = []

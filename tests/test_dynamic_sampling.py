@@ -1,4 +1,4 @@
-"""Tests for ``dapo.training.dynamic_sampling``: the dynamic sampler that fills a batch with mixed groups.
+"""Tests for ``dapo.producer.dynamic_sampling``: the dynamic sampler that fills a batch with mixed groups.
 
 The sampler is driven by a fake ``produce(k)`` that hands out synthetic
 :class:`ScoredGroup` objects with chosen correctness patterns and records everything it
@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo.training.dynamic_sampling import (
+from dapo.producer.dynamic_sampling import (
     DynamicSampler,
     DynamicSamplingError,
     ScoredGroup,
     is_uniform,
 )
+from dapo.training.checkpoint import load_state_file
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -381,7 +382,7 @@ def test_carry_over_pickled_whole_by_release_a5216fc_still_loads():
     trainer_state.pt (tests/fixtures/trainer_state_a5216fc.pt: 2 groups carried at step 2 of
     `dapo train seed=2 train.steps=2 train.prompts_per_step=4 train.mini_batch_size=4
     rollout.num_generations=4 evaluate=false checkpoint.save_every=1`)."""
-    state = torch.load(FIXTURES / "trainer_state_a5216fc.pt", weights_only=False)
+    state = load_state_file(FIXTURES / "trainer_state_a5216fc.pt")
     pickled = state["sampler"]["carry"]
     assert len(pickled) == 2 and all(type(g) is ScoredGroup for g in pickled)
     expected = [dict(vars(g)) for g in pickled]

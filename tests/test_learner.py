@@ -15,6 +15,7 @@ from dapo.algorithms import LossSettings
 from dapo.config import TrainConfig
 from dapo.models.tiny import build_model, build_tokenizer
 from dapo.training.batch import Sample
+from dapo.training.checkpoint import load_state_file
 from dapo.training.forward import ForwardOptions, response_logprobs
 from dapo.training.learner import Learner
 from dapo.training.microbatch import collate
@@ -171,7 +172,7 @@ def test_a_checkpoint_of_release_a5216fc_resumes_with_its_carry_over(tmp_path) -
     Trainer(load_config(overrides=[*args, "train.steps=2"]), log=lambda _: None).run()
     ckpt = tmp_path / "checkpoints" / "step_000002"
     (ckpt / "trainer_state.pt").write_bytes((FIXTURES / "trainer_state_a5216fc.pt").read_bytes())
-    legacy = torch.load(FIXTURES / "trainer_state_a5216fc.pt", weights_only=False)
+    legacy = load_state_file(FIXTURES / "trainer_state_a5216fc.pt")
     carried = [(g.prompt_ids, g.response_ids) for g in legacy["sampler"]["carry"]]
     trainer = Trainer(
         load_config(overrides=[*args, "train.steps=3", "resume=true"]), log=lambda _: None

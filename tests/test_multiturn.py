@@ -19,8 +19,8 @@ from vllm_check import needs_vllm
 
 from dapo.algorithms import LossSettings
 from dapo.config import load_config
+from dapo.handover import ScoredGroup
 from dapo.training.batch import build_samples
-from dapo.training.dynamic_sampling import ScoredGroup
 from dapo.training.forward import compute_logprobs
 from dapo.training.microbatch import loss_denominator
 from dapo.training.trainer import Trainer

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dapo.data.prompts import PromptStream
-from dapo.training.prompt_history import PromptHistory, should_skip, skip_probability
+from dapo.producer.prompt_history import PromptHistory, should_skip, skip_probability
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ALL_RIGHT, ALL_WRONG, MIXED = [True] * 4, [False] * 4, [True, False, True, True]
@@ -77,7 +77,7 @@ def test_decisions_differ_across_positions_keys_and_seeds():
 
 def _decisions_in_a_fresh_process(hash_seed: str) -> list[bool]:
     code = (
-        "from dapo.training.prompt_history import should_skip;"
+        "from dapo.producer.prompt_history import should_skip;"
         "print(''.join('1' if should_skip(7, pos, f'uid-{pos % 13}', pos % 5, 0.9) else '0' "
         "for pos in range(500)))"
     )

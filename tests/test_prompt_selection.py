@@ -11,7 +11,7 @@ import pytest
 from vllm_check import needs_vllm  # tests/vllm_check.py
 
 from dapo.config import load_config
-from dapo.training.prompt_history import PromptHistory, should_skip
+from dapo.producer.prompt_history import PromptHistory, should_skip
 from dapo.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,8 +101,8 @@ def test_skipped_prompts_are_never_generated_and_rounds_stay_full(
         engine_prompts.extend(list(p) for p in prompt_ids)
         return generate(prompt_ids, params)
 
-    def record_score(groups, records, step):
-        scored = score(groups, records, step)
+    def record_score(groups, records, step, **kwargs):
+        scored = score(groups, records, step, **kwargs)
         for g in scored:
             mine.record(g.record.uid, g.correct)
         return scored

@@ -132,10 +132,10 @@ def test_pad_equals_eos_a_finished_response_keeps_eos_as_its_last_trained_token(
     from dapo.algorithms import LossSettings
     from dapo.config import DataConfig
     from dapo.data.prompts import encode_prompts, load_prompt_set
+    from dapo.handover import ScoredGroup
     from dapo.models import load_policy, load_tokenizer
     from dapo.rollout import HFEngine, SamplingParams
     from dapo.training.batch import build_samples
-    from dapo.training.dynamic_sampling import ScoredGroup
     from dapo.training.forward import ForwardOptions, compute_logprobs
     from dapo.training.microbatch import collate, loss_denominator
 

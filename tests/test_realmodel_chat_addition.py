@@ -51,9 +51,9 @@ def test_prompts_render_as_a_chat_and_sampled_answers_get_the_dapo_math_reward(s
     from dapo.data.tasks import chat_addition as C
     from dapo.data.tasks import load_task
     from dapo.models import load_policy, load_tokenizer
+    from dapo.producer.scoring import GroupScorer
     from dapo.rewards import dapo_math_score
     from dapo.rollout import HFEngine, SamplingParams
-    from dapo.training.scoring import GroupScorer
 
     tok = load_tokenizer(smollm2)
     records = load_task(C.NAME, "test", n=200)

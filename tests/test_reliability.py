@@ -902,6 +902,10 @@ BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
         ["rollout.max_staleness=1", "rollout.top_p=0.9", "algorithm.is_cap=null"],
         ["`rollout.max_staleness` = 1", "algorithm.is_cap"],
     ),
+    "loglinear-without-streaming": (
+        ["algorithm.proximal_logprobs=loglinear"],
+        ["`algorithm.proximal_logprobs` = 'loglinear'", "rollout.max_staleness > 0"],
+    ),
     "staleness-with-sync-every": (
         ["rollout.engine=vllm", "rollout.max_staleness=1", "rollout.vllm_sync_every=2"],
         ["`rollout.vllm_sync_every` = 2", "use 1"],
@@ -1025,7 +1029,7 @@ def test_round_cap_messages_are_the_documented_ones():
     """Both round_cap settings, a step without signal and the stop after max_empty_steps
     give the messages of docs/errors.md (the trainer warns with "rollout step S: " + note)."""
     from dapo.errors import DynamicSamplingError
-    from dapo.training.dynamic_sampling import DynamicSampler, ScoredGroup
+    from dapo.producer.dynamic_sampling import DynamicSampler, ScoredGroup
 
     def group(correct: list[bool]) -> ScoredGroup:
         n = len(correct)

@@ -331,3 +331,53 @@ def test_streaming_config_defaults_and_the_former_name():
     assert load_config(overrides=[]).algorithm.is_cap is None  # synchronous: unchanged
     cfg = load_config({"rollout": {"async_steps": 1, "engine": "vllm"}})
     assert cfg.rollout.max_staleness == 1 and cfg.algorithm.is_cap == 5.0
+
+
+def test_loglinear_proximal_logprobs_by_hand():
+    """AReaL's interpolation: alpha = (v_prox - v_behave) / (v_theta - v_behave)."""
+    from dapo.algorithms import loglinear_proximal
+
+    behave = torch.tensor([[-1.0, -2.0, -0.5]])
+    current = torch.tensor([[-1.5, -1.0, -0.5]])
+    versions = torch.tensor([[3.0, 5.0, 4.0]])  # sampled 2, 0 and 1 versions before step 5
+    # At the step's first update the weights are the proximal policy: alpha = 1.
+    torch.testing.assert_close(loglinear_proximal(behave, current, versions, 5, 0.0), current)
+    # Half-way through: alpha = 2/2.5, 0 (sampled this step), 1/1.5.
+    got = loglinear_proximal(behave, current, versions, 5, 0.5)
+    alpha = torch.tensor([[2 / 2.5, 0.0, 1 / 1.5]])
+    torch.testing.assert_close(got, behave + alpha * (current - behave))
+    assert float(got[0, 1]) == -2.0  # a token of this step: its behaviour policy is proximal
+
+
+def test_loglinear_equals_recompute_at_a_steps_first_update(random_tiny_model):
+    """At the first update of a step the log-linear proximal log-probs are the weights' own,
+    so the loss and gradient equal the recomputed decoupled objective's (truncate, token)."""
+    from learner_utils import learner
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(random_tiny_model)
+    gen = torch.Generator().manual_seed(1)
+    samples = []
+    for i in range(4):
+        ids = torch.randint(2, 60, (6 + i,), generator=gen).tolist()
+        s = Sample([5, 6, 7], ids, advantage=[1.0, -1.0, 0.5, 2.0][i], loss_mask=[1.0] * len(ids))
+        s.versions = torch.full((len(ids),), float(2 + i % 2))  # 1 or 2 versions behind step 4
+        samples.append(s)
+    exact = compute_logprobs(model, samples, ForwardOptions(pad_id=0))
+    for s, lp in zip(samples, exact, strict=True):
+        s.sampling_logprobs = lp + 0.3 * torch.randn(lp.shape, generator=gen)  # older policy
+    grads = {}
+    for mode in ("recompute", "loglinear"):
+        settings = LossSettings(is_cap=2.0, is_mode="truncate", proximal_logprobs=mode)
+        batch = [copy.copy(s) for s in samples]
+        if mode == "recompute":
+            for s, lp in zip(batch, exact, strict=True):
+                s.old_logprobs = lp
+            attach_is_weights(batch, settings)
+        model.zero_grad()
+        lrn = learner(model, settings, token_budget=4096)
+        result = lrn.optimizer_step(batch, version=4, progress=0.0)
+        grads[mode] = (result.stats.parts["loss"], [p.grad.clone() for p in model.parameters()])
+    assert grads["recompute"][0] == pytest.approx(grads["loglinear"][0], rel=1e-5, abs=1e-7)
+    for a, b in zip(grads["recompute"][1], grads["loglinear"][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)

@@ -10,7 +10,7 @@ import torch
 from dapo.config import load_config
 from dapo.errors import DynamicSamplingWarning
 from dapo.metrics.logger import read_metrics
-from dapo.training.dynamic_sampling import DynamicSamplingError, is_uniform
+from dapo.producer.dynamic_sampling import DynamicSamplingError, is_uniform
 from dapo.training.trainer import Trainer, TrainingError
 
 REWARDS = Path(__file__).with_name("trainer_rewards.py")

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from dapo.data.records import PromptRecord
+from dapo.handover import ScoredGroup
 from dapo.metrics import MetricsLogger, TranscriptWriter, read_transcripts, transcript_records
 from dapo.metrics.transcripts import format_transcript
 from dapo.models.tiny import build_tokenizer
-from dapo.training.dynamic_sampling import ScoredGroup
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id

@@ -25,7 +25,8 @@ from dapo.errors import ModelError
 from dapo.models import load_tokenizer
 from dapo.parallel import distributed as D
 from dapo.rewards.user import callable_name
-from dapo.training.inputs import RunInputs, check_callbacks
+from dapo.run_inputs import RunInputs
+from dapo.training.inputs import check_callbacks
 from dapo.training.trainer import Trainer
 
 __all__ = ["make_config", "make_trainer", "train"]

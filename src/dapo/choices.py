@@ -18,6 +18,8 @@ RoundCap = Literal["train", "stop"]
 PolicyLoss = Literal["ppo", "gspo", "cispo"]
 ISLevel = Literal["token", "sequence", "geometric"]
 ISMode = Literal["truncate", "mask"]
+# algorithm.proximal_logprobs: the decoupled objective's proximal log-probs
+ProximalLogprobs = Literal["recompute", "loglinear"]
 EntropyControl = Literal["none", "clip_cov", "kl_cov"]
 Engine = Literal["hf", "vllm", "vllm-server"]
 # auto resolves to one of the others at start-up (dapo.models.precision)

@@ -14,7 +14,7 @@ micro-batch. Their public names are re-exported here
 
 from dapo.algorithms.advantages import EPS, group_advantages
 from dapo.algorithms.aggregation import aggregate_loss, masked_mean, masked_sum
-from dapo.algorithms.corrections import is_weights
+from dapo.algorithms.corrections import is_weights, loglinear_proximal
 from dapo.algorithms.distill import distill_advantages, distill_metrics, distill_sums
 from dapo.algorithms.entropy import (
     clip_cov_keys,
@@ -77,6 +77,7 @@ __all__ = [
     "group_advantages",
     "gspo_token_loss",
     "is_weights",
+    "loglinear_proximal",
     "kl_cov_keys",
     "kl_cov_select",
     "kl_cov_token_loss",

@@ -73,3 +73,32 @@ def is_weights(
             return rho.clamp(max=cap) * mask, mask.clone(), over
         keep = mask * (1.0 - over)
         return rho * keep, keep, over
+
+
+def loglinear_proximal(
+    behaviour: torch.Tensor,
+    current: torch.Tensor,
+    versions: torch.Tensor,
+    version: int,
+    progress: float,
+) -> torch.Tensor:
+    """AReaL's log-linear approximation of the proximal policy's log-probs (decoupled PPO
+    without the proximal forward pass).
+
+    The proximal policy is the one at the start of the update (rollout step ``version``);
+    a token was sampled by ``versions`` (the behaviour policy, ``behaviour`` its log-prob);
+    the weights being trained are ``progress`` in [0, 1) of the way through this step's
+    updates (``current`` their log-prob, detached). Interpolating in log space along the
+    versions::
+
+        alpha = (v_prox - v_behave) / (v_theta - v_behave)
+        log pi_prox ~= log pi_behave + alpha * (log pi_theta - log pi_behave)
+
+    with v_prox = version, v_theta = version + progress. It is exact where it can be: at the
+    first update (progress 0) alpha = 1 and pi_prox = pi_theta; a token sampled this step
+    (v_behave = v_prox) gets alpha = 0 and pi_prox = pi_behave.
+    """
+    ahead = (float(version) - versions).clamp(min=0).to(current.dtype)
+    span = ahead + float(progress)
+    alpha = torch.where(span > 0, ahead / span.clamp(min=1e-12), torch.ones_like(span))
+    return behaviour + alpha * (current - behaviour)

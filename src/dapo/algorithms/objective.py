@@ -20,7 +20,15 @@ from dapo.algorithms.aggregation import aggregate_loss, masked_mean
 from dapo.algorithms.entropy import clip_cov_token_loss, kl_cov_token_loss
 from dapo.algorithms.kl import kl_penalty
 from dapo.algorithms.policy_loss import REGISTRY, Stats
-from dapo.choices import EntropyControl, ISLevel, ISMode, KLKind, LossAgg, PolicyLoss
+from dapo.choices import (
+    EntropyControl,
+    ISLevel,
+    ISMode,
+    KLKind,
+    LossAgg,
+    PolicyLoss,
+    ProximalLogprobs,
+)
 from dapo.config.algorithm import AlgorithmConfig
 
 _ALGO = AlgorithmConfig()  # the defaults, written once, in the config
@@ -44,6 +52,7 @@ class LossSettings:
     is_level: ISLevel = _ALGO.is_level  # engine-vs-trainer importance weights (corrections.py)
     is_mode: ISMode = _ALGO.is_mode
     is_cap: float | None = _ALGO.is_cap  # None: no correction
+    proximal_logprobs: ProximalLogprobs = _ALGO.proximal_logprobs  # streaming's proximal policy
     entropy_coef: float = _ALGO.entropy_coef
     entropy_control: EntropyControl = _ALGO.entropy_control
     clip_cov_ratio: float = _ALGO.clip_cov_ratio

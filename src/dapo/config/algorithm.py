@@ -18,6 +18,7 @@ from dapo.choices import (
     KLKind,
     LossAgg,
     PolicyLoss,
+    ProximalLogprobs,
     RoundCap,
 )
 from dapo.config.fields import opt
@@ -178,6 +179,14 @@ class AlgorithmConfig:
         "2025) uses token truncate with C = 2; TRL defaults to sequence mask with C = 3.",
         ge=1,
         hint="e.g. 2.0 to truncate, 3.0 to mask",
+    )
+    proximal_logprobs: ProximalLogprobs = opt(
+        "recompute",
+        "Streaming rollouts (rollout.max_staleness > 0) with algorithm.is_cap: how the "
+        "proximal policy's log-probs (the ratio's denominator, the weights at the start of "
+        "the update) are had. recompute: a forward pass before the update (exact). loglinear: "
+        "AReaL's approximation from the behaviour log-probs and the version gap, no extra "
+        "pass (exact at the first update of a step; needs is_level=token, is_mode=truncate).",
     )
     is_level: ISLevel = opt(
         "token",

@@ -88,6 +88,19 @@ def _check_rollout(cfg: Config, objects: Collection[str] = ()) -> None:
         "partial rollouts continue responses across weight updates, which only happen during "
         "generation with streaming rollouts: set rollout.max_staleness >= 1, or leave it false",
     )
+    if a.proximal_logprobs == "loglinear":
+        require(
+            r.max_staleness > 0
+            and a.is_cap is not None
+            and a.is_level == "token"
+            and a.is_mode == "truncate",
+            "algorithm.proximal_logprobs",
+            a.proximal_logprobs,
+            "the log-linear proximal policy is computed inside the update, token by token, so "
+            "it needs streaming rollouts (rollout.max_staleness > 0) with a token-level, "
+            "truncating correction: algorithm.is_cap=5 algorithm.is_level=token "
+            "algorithm.is_mode=truncate; or use recompute",
+        )
     if r.max_staleness:
         exact = r.top_p == 1.0 and r.top_k == 0
         require(

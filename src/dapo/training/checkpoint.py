@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import re
 import shutil
+import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -399,10 +401,31 @@ def load_checkpoint(
     return read_trainer_state(path)
 
 
+# Modules whose classes older releases pickled into trainer_state.pt, and where they are now.
+MOVED_MODULES = {"dapo.training.dynamic_sampling": "dapo.handover"}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(MOVED_MODULES.get(module, module), name)
+
+
+# What torch.load needs of a pickle module: its Unpickler (and load, for the legacy format).
+_PICKLE = types.SimpleNamespace(
+    __name__="pickle", Unpickler=_Unpickler, load=lambda f, **kw: _Unpickler(f, **kw).load()
+)
+
+
+def load_state_file(path: str | Path) -> Any:
+    """A ``trainer_state.pt`` (or other pickle) dapo wrote, also one of an older release whose
+    classes have moved since (:data:`MOVED_MODULES`)."""
+    return torch.load(path, weights_only=False, pickle_module=_PICKLE)
+
+
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
     """The trainer state of the checkpoint ``path`` (plain data: step, data position, RNG,
     carry-over, the run's resolved config), without touching model or optimizer."""
-    return _read(Path(path) / "trainer_state.pt", lambda p: torch.load(p, weights_only=False))
+    return _read(Path(path) / "trainer_state.pt", load_state_file)
 
 
 def _load_whole(

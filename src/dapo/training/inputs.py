@@ -1,5 +1,5 @@
-"""What a run can be given as Python objects instead of config strings (``dapo.train``), and
-the callbacks :meth:`Trainer.run <dapo.training.trainer.Trainer.run>` calls.
+"""A model given as an object (``dapo.train(model=...)``), and the callbacks
+:meth:`Trainer.run <dapo.training.trainer.Trainer.run>` calls.
 
 A callback is either a plain function ``fn(step, metrics)``, called after every rollout step,
 or an object with any of the hooks below (others are not needed):
@@ -20,7 +20,6 @@ stops all of them.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,22 +30,6 @@ from dapo.models.activation_checkpointing import checkpoint_layers
 from dapo.parallel import distributed as D
 
 HOOKS = ("on_step", "on_evaluate", "on_save")
-
-
-@dataclass
-class RunInputs:
-    """Python objects that stand in for (or add to) config strings; all optional."""
-
-    model: torch.nn.Module | None = None  # a loaded transformers model (else model.name_or_path)
-    tokenizer: Any = None  # its tokenizer (else model.tokenizer / model.name_or_path's)
-    train_dataset: Any = None  # a datasets.Dataset, a list of row dicts, ... (else data.train)
-    eval_dataset: Any = None  # (else data.eval)
-    reward_funcs: list[Any] = field(default_factory=list)  # callables, or (callable, weight)
-    environment: Any = None  # an environment class or factory (else rollout.environment)
-    tools: list[Any] = field(default_factory=list)  # tool functions, added to rollout.tools
-    agent: Any = None  # an agent function (client, record) -> reward | None (else rollout.agent)
-    # Functions fn(step, metrics) or objects with on_step / on_evaluate / on_save (above).
-    callbacks: list[Any] = field(default_factory=list)
 
 
 def prepare_given_model(

@@ -293,9 +293,11 @@ class Learner:
             for i in sorted({idx[j] for (_, idx), sh in zip(plan, shares, strict=True) for j in sh})
         ]
         metrics: dict[str, float] = {}
-        if len(plan) > 1 or self.needs_old_logprobs:
+        loglinear = self.settings.proximal_logprobs == "loglinear"
+        if (len(plan) > 1 or self.needs_old_logprobs) and not loglinear:
             # The ratio is taken against the policy at the start of the update (the proximal
             # policy): this one, now, unless a sample brings the behaviour policy's as its own.
+            # (loglinear: approximated inside the loop, optimizer_step.)
             todo = [s for s in mine if s.old_logprobs is None]
             old = compute_logprobs(self.model, todo, self.forward)
             for s, lp in zip(todo, old, strict=True):
@@ -309,7 +311,8 @@ class Learner:
                 s.ref_logprobs = lp
         if self.teacher is not None:  # per-token advantages from the teacher's log-probs
             metrics.update(self.teacher.attach(mine))
-        metrics.update(attach_is_weights(mine, self.settings))
+        if not loglinear:
+            metrics.update(attach_is_weights(mine, self.settings))
         return PreparedBatch(samples, plan, shares, metrics)
 
     def update(
@@ -339,6 +342,8 @@ class Learner:
                 share=share,
                 with_entropy=epoch == 0,
                 seed=stream_seed(self.seed, Stream.COV_DRAW, step, n),
+                version=step,
+                progress=n / len(plan),
             )
             if not result.applied:  # skipped: the weights stay at the last good state
                 skipped += 1
@@ -377,6 +382,8 @@ class Learner:
         share: list[int] | None = None,
         with_entropy: bool = True,
         seed: int = 0,
+        version: int = 0,
+        progress: float = 0.0,
     ) -> StepResult:
         """One exact optimizer step on a mini-batch, on one process or across data-parallel ranks.
 
@@ -386,6 +393,8 @@ class Learner:
         ranks: the summed gradient is the one a single process computes on the whole
         mini-batch. Non-finite gradients are not applied (``applied=False``). ``seed`` draws
         Clip-Cov's random token choice (:func:`~dapo.training.token_weights.cov_selection`).
+        ``version`` and ``progress`` (this update's place among the step's, in [0, 1)) place
+        the weights for the log-linear proximal policy (``algorithm.proximal_logprobs``).
 
         With DDP only the last micro-batch's backward synchronises gradients, so each rank
         all-reduces exactly once whatever its number of micro-batches; a rank with no samples
@@ -410,8 +419,12 @@ class Learner:
             if n >= len(chunks):
                 zero_backward(self.model, opts.pad_id)
                 continue
+            loglinear = s.proximal_logprobs == "loglinear"
             mb = collate(
-                [mine[i] for i in chunks[n]], opts.pad_id, [selected[i] for i in chunks[n]]
+                [mine[i] for i in chunks[n]],
+                opts.pad_id,
+                [selected[i] for i in chunks[n]],
+                behaviour=loglinear,
             )
             mb = mb.to(device_of(self.model))
             sync = ddp is None or n == len(chunks) - 1
@@ -427,7 +440,16 @@ class Learner:
                     chunk_size=opts.logits_chunk_size,
                 )
                 old = logp.detach()  # ratio 1 for rows without old log-probs: this forward's
-                if mb.old_logprobs is not None:
+                is_w = mb.is_weights
+                if loglinear and mb.behaviour_logprobs is not None and mb.versions is not None:
+                    old = alg.loglinear_proximal(
+                        mb.behaviour_logprobs, old, mb.versions, version, progress
+                    )
+                    assert s.is_cap is not None  # the config requires it with loglinear
+                    is_w = torch.exp((old - mb.behaviour_logprobs).clamp(max=20.0)).clamp(
+                        max=s.is_cap
+                    )
+                elif mb.old_logprobs is not None:
                     old = torch.where(mb.has_old[:, None], mb.old_logprobs, old)
                 loss, terms = alg.compute_loss(
                     logp,
@@ -436,7 +458,7 @@ class Learner:
                     mb.loss_mask,
                     s,
                     denominator=denominator,
-                    is_weights=mb.is_weights,
+                    is_weights=is_w,
                     selected=mb.selected,
                     ref_logprobs=mb.ref_logprobs,
                     entropy=entropy if s.entropy_coef > 0 else None,

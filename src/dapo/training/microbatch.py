@@ -150,6 +150,9 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None  # [b, R], beta > 0
     is_weights: torch.Tensor | None  # [b, R] engine-vs-trainer importance weights
     selected: torch.Tensor | None  # [b, R] bool: the Clip-Cov / KL-Cov selection
+    # algorithm.proximal_logprobs=loglinear: the behaviour policy's log-probs and versions.
+    behaviour_logprobs: torch.Tensor | None = None  # [b, R]
+    versions: torch.Tensor | None = None  # [b, R]
 
     @property
     def width(self) -> int:
@@ -200,11 +203,16 @@ def advantages(samples: Sequence[Sample], width: int) -> torch.Tensor:
 
 
 def collate(
-    samples: Sequence[Sample], pad_id: int, selected: Sequence[torch.Tensor | None] | None = None
+    samples: Sequence[Sample],
+    pad_id: int,
+    selected: Sequence[torch.Tensor | None] | None = None,
+    *,
+    behaviour: bool = False,
 ) -> MicroBatch:
     """One micro-batch's tensors (on the CPU; :meth:`MicroBatch.to` moves them).
 
     ``selected``: each sample's Clip-Cov / KL-Cov token selection, when entropy control is on.
+    ``behaviour``: also the behaviour log-probs and versions (the log-linear proximal policy).
     """
     width = max(len(s.response_ids) for s in samples)
     prompt_ids, prompt_mask = left_pad([s.prompt_ids for s in samples], pad_id)
@@ -238,5 +246,9 @@ def collate(
         has_old=torch.tensor([s.old_logprobs is not None for s in samples]),
         ref_logprobs=optional([s.ref_logprobs for s in samples], 0.0),
         is_weights=optional([s.is_weight for s in samples], 1.0),
+        behaviour_logprobs=optional([s.sampling_logprobs for s in samples], 0.0)
+        if behaviour
+        else None,
+        versions=optional([s.versions for s in samples], 0.0) if behaviour else None,
         selected=chosen,
     )

@@ -25,6 +25,7 @@ from dapo.atomic import write_text_atomic
 from dapo.config import Config
 from dapo.environments import load_environment, no_template_error, parse_hermes
 from dapo.errors import TrainingError
+from dapo.handover import ScoredGroup
 from dapo.metrics import MetricsLogger, plot_dashboard
 from dapo.metrics.transcripts import TranscriptWriter, transcript_records
 from dapo.models import load_tokenizer, resolve_model_path
@@ -32,7 +33,10 @@ from dapo.models.loading import builtin_chat_template
 from dapo.models.precision import precision_of
 from dapo.parallel import distributed as D
 from dapo.parallel import sharding
+from dapo.producer.rollouts import Rollouts
+from dapo.producer.stream import RolloutStream, staleness_metrics
 from dapo.rollout import SamplingParams
+from dapo.run_inputs import RunInputs
 from dapo.seeding import Stream, seed_everything, stream_seed
 from dapo.training.batch import Sample, build_samples, group_sizes
 from dapo.training.checkpoint import (
@@ -42,12 +46,9 @@ from dapo.training.checkpoint import (
     save_checkpoint,
     step_dir,
 )
-from dapo.training.dynamic_sampling import ScoredGroup
-from dapo.training.inputs import Callbacks, RunInputs
+from dapo.training.inputs import Callbacks
 from dapo.training.learner import Learner, NonFiniteUpdates
 from dapo.training.resume import check_resume
-from dapo.training.rollouts import Rollouts
-from dapo.training.stream import RolloutStream, staleness_metrics
 from dapo.training.teacher import load_teacher
 
 

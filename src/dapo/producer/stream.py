@@ -2,7 +2,7 @@
 
 A producer thread fills the batches of the coming rollout steps, one after the other, with
 the same code, prompt order, seeds and dynamic-sampling decisions as a synchronous run
-(:meth:`dapo.training.rollouts.Rollouts.fill_batch`), while the trainer trains on the
+(:meth:`dapo.producer.rollouts.Rollouts.fill_batch`), while the trainer trains on the
 batch before. Versions count rollout steps: version v is the policy after v steps of
 updates, the one the trainer updates at step v. The bound, by capacity rather than by
 discarding: the producer starts filling batch k only once the engine holds version
@@ -35,11 +35,9 @@ from typing import Any
 import torch
 
 from dapo.errors import TrainingError
+from dapo.handover import RolloutBatch, ScoredGroup
 from dapo.parallel import distributed as D
 from dapo.rollout.versioned import VersionedEngine
-from dapo.training.dynamic_sampling import ScoredGroup
-
-Filled = tuple[list[ScoredGroup], dict[str, float]]
 
 
 class RolloutStream:
@@ -52,7 +50,7 @@ class RolloutStream:
 
     def __init__(
         self,
-        fill: Callable[[int], Filled],
+        fill: Callable[[int], RolloutBatch],
         engine: VersionedEngine,
         *,
         max_staleness: int,
@@ -68,7 +66,7 @@ class RolloutStream:
             end,
             group,
         )
-        self.ready: dict[int, Filled] = {}
+        self.ready: dict[int, RolloutBatch] = {}
         self.next_step = 0  # the batch the producer fills next
         self.capacity_wait_s = 0.0  # since the last take
         self._cond = threading.Condition()
@@ -93,7 +91,7 @@ class RolloutStream:
         )
         self._thread.start()
 
-    def take(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
+    def take(self, step: int) -> RolloutBatch:
         """Batch ``step`` (waiting for it) and its metrics, with the time waited."""
         t0 = time.perf_counter()
         with self._cond:
@@ -105,12 +103,15 @@ class RolloutStream:
             groups, metrics = self.ready.pop(step)
             capacity, self.capacity_wait_s = self.capacity_wait_s, 0.0
             self._cond.notify_all()
-        return groups, {
-            **metrics,
-            "perf/data_wait_s": time.perf_counter() - t0,
-            "perf/capacity_wait_s": capacity,
-            "stream/queued_batches": float(len(self.ready)),
-        }
+        return RolloutBatch(
+            groups,
+            {
+                **metrics,
+                "perf/data_wait_s": time.perf_counter() - t0,
+                "perf/capacity_wait_s": capacity,
+                "stream/queued_batches": float(len(self.ready)),
+            },
+        )
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -137,7 +138,9 @@ class RolloutStream:
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         self.ready = {
-            int(k): ([ScoredGroup.from_state(g) for g in v["groups"]], dict(v["metrics"]))
+            int(k): RolloutBatch(
+                [ScoredGroup.from_state(g) for g in v["groups"]], dict(v["metrics"])
+            )
             for k, v in (state or {}).items()
         }
 

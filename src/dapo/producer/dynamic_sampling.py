@@ -14,15 +14,14 @@ there are none; ``max_empty_steps`` such empty steps in a row stop the run) and
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dapo.choices import RoundCap
-from dapo.data.records import PromptRecord
 from dapo.errors import DynamicSamplingError
+from dapo.handover import ScoredGroup
 
 ADVICE = (
     "Raise algorithm.max_gen_rounds, raise rollout.num_generations (more responses per "
@@ -30,54 +29,6 @@ ADVICE = (
     "or easier ones (or a stronger model) if most are all wrong, or set "
     "algorithm.dynamic_sampling=false."
 )
-
-
-@dataclass
-class ScoredGroup:
-    """One prompt's G responses after scoring (what the trainer needs to train on them)."""
-
-    prompt_ids: list[int]
-    response_ids: list[list[int]]
-    sample_logprobs: list[list[float]]
-    truncated: list[bool]
-    rewards: list[float]  # correctness + length shaping
-    correct: list[bool]
-    record: PromptRecord | None = None
-    step: int = 0  # rollout step that generated it (carried-over groups are older)
-    penalty: list[float] = field(default_factory=list)  # the length shaping in `rewards`
-    # Multi-turn episodes (see dapo.rollout.Group): 1 on the model's tokens, 0 on the
-    # environment's; per-episode statistics. None for single-turn groups.
-    model_mask: list[list[int]] | None = None
-    episode_stats: list[dict[str, Any]] | None = None
-    # The policy version that sampled each response token (streaming rollouts).
-    versions: list[list[int]] | None = None
-
-    def to_state(self) -> dict[str, Any]:
-        """Plain data for a checkpoint (no pickled objects)."""
-        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        if isinstance(self.record, PromptRecord):
-            state["record"] = dataclasses.asdict(self.record)
-        return state
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any] | ScoredGroup) -> ScoredGroup:
-        """A group from :meth:`to_state`'s data; a group object (a checkpoint of release
-        a5216fc pickled them whole) is taken as it is, fields added since then set to their
-        defaults."""
-        if isinstance(state, cls):
-            for f in dataclasses.fields(cls):
-                if f.name not in vars(state):
-                    default = f.default_factory() if callable(f.default_factory) else f.default
-                    setattr(state, f.name, default)
-            return state
-        data = dict(state)
-        if isinstance(data.get("record"), dict):
-            data["record"] = PromptRecord(**data["record"])
-        return cls(**data)
-
-    @property
-    def size(self) -> int:
-        return len(self.response_ids)
 
 
 def is_uniform(group: ScoredGroup, metric: str = "acc") -> bool:
@@ -264,7 +215,7 @@ class DynamicSampler:
     def drop_older_than(self, version: int) -> int:
         """Drop carried-over groups with a token sampled before ``version`` (too stale for
         the next batch under a staleness bound); how many were dropped."""
-        kept = [g for g in self.carry if min(_oldest(g), g.step) >= version]
+        kept = [g for g in self.carry if g.oldest_version >= version]
         dropped = len(self.carry) - len(kept)
         self.carry = kept
         return dropped
@@ -280,9 +231,3 @@ class DynamicSampler:
         self.carry = [ScoredGroup.from_state(g) for g in state["carry"]]
         self.keep_rate = float(state["keep_rate"])
         self.empty_in_a_row = int(state["empty_in_a_row"])
-
-
-def _oldest(group: ScoredGroup) -> int:
-    """The oldest version among a group's tokens (its step when versions are not known)."""
-    found = [min(v) for v in group.versions or [] if v]
-    return min(found) if found else group.step

@@ -8,9 +8,9 @@ from typing import Any
 
 from dapo.config import Config
 from dapo.data.records import PromptRecord
+from dapo.handover import ScoredGroup
 from dapo.rewards import RewardScorer, soft_overlong_punishment
 from dapo.rollout import Group
-from dapo.training.dynamic_sampling import ScoredGroup
 
 # The reward of an episode whose environment failed (raised, hung, answered garbage); its
 # loss is masked out (build_samples), so it costs that episode only.

@@ -5,7 +5,7 @@ skipping and curriculum), the rollout engine and, for multi-turn runs, the envir
 the group scorer (reward workers), the dynamic sampler and its carry-over, and the weight
 sync of a separate engine. :meth:`Rollouts.fill_batch` is stages 1-3 of a rollout step; with
 streaming rollouts (``rollout.max_staleness``) a producer thread calls it for the coming
-steps (:mod:`dapo.training.stream`).
+steps (:mod:`dapo.producer.stream`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import copy
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from dapo.agents import AgentHost, run_agent_episodes
 from dapo.config import Config
@@ -35,19 +37,29 @@ from dapo.errors import (
     VLLMUnavailableError,
 )
 from dapo.evaluation.run import engine_accuracy
+from dapo.handover import RolloutBatch, ScoredGroup
 from dapo.parallel import distributed as D
 from dapo.parallel import sharding
+from dapo.producer.dynamic_sampling import DynamicSampler
+from dapo.producer.engine_sync import EngineSync
+from dapo.producer.metrics import group_metrics
+from dapo.producer.prompt_selection import PromptSelector
+from dapo.producer.scoring import GroupScorer
 from dapo.rollout import Group, SamplingParams, close_engine, make_engine
 from dapo.rollout.episodes import run_episodes
 from dapo.rollout.versioned import VersionedEngine
+from dapo.run_inputs import RunInputs
 from dapo.seeding import mix_seed
-from dapo.training.batch import group_metrics
-from dapo.training.dynamic_sampling import DynamicSampler, ScoredGroup
-from dapo.training.engine_sync import EngineSync
-from dapo.training.inputs import RunInputs
-from dapo.training.learner import Learner
-from dapo.training.prompt_selection import PromptSelector
-from dapo.training.scoring import GroupScorer
+
+
+class Policy(Protocol):
+    """What the producer needs of the policy being trained (the learner has it)."""
+
+    model: torch.nn.Module  # the module the hf engine samples from (or copies)
+    peft: Any  # the LoRA wrapper, or None
+
+    def engine_weights(self, separate: bool) -> Any:
+        """``(name, tensor)`` pairs of the policy as a separate engine loads them."""
 
 
 class Rollouts:
@@ -57,7 +69,7 @@ class Rollouts:
         self,
         cfg: Config,
         tokenizer: Any,
-        learner: Learner,
+        learner: Policy,
         inputs: RunInputs,
         log: Callable[[str], None],
         spec: EnvironmentSpec | None = None,
@@ -164,7 +176,7 @@ class Rollouts:
                 "eval_dataset=...) to measure held-out accuracy before and after training"
             )
 
-    def fill_batch(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
+    def fill_batch(self, step: int) -> RolloutBatch:
         """Generate and score rounds of prompts until the batch is full (dynamic sampling);
         the batch and the metrics of everything generated."""
         generated: list[ScoredGroup] = []
@@ -221,25 +233,28 @@ class Rollouts:
                 "sampling/skip_rate": len(skipped) / max(1, len(skipped) + len(generated)),
             }
         )
-        return batch, {
-            **skips,
-            **group_metrics(generated),
-            **failed,
-            "perf/gen_s": timing["gen"],
-            "perf/score_s": timing["score"],
-            "perf/rollout_tokens_per_s": tokens / max(timing["gen"], 1e-9),
-            "sampling/generated_samples_total": float(self.samples_generated),
-            "rollout/staleness": float(max(staleness, default=0)),
-            **fill.as_metrics(),
-            **(
-                {
-                    "stream/dropped_groups": float(dropped),
-                    "stream/partial_responses": float(self.engine.continued - continued),
-                }
-                if n
-                else {}
-            ),
-        }
+        return RolloutBatch(
+            batch,
+            {
+                **skips,
+                **group_metrics(generated),
+                **failed,
+                "perf/gen_s": timing["gen"],
+                "perf/score_s": timing["score"],
+                "perf/rollout_tokens_per_s": tokens / max(timing["gen"], 1e-9),
+                "sampling/generated_samples_total": float(self.samples_generated),
+                "rollout/staleness": float(max(staleness, default=0)),
+                **fill.as_metrics(),
+                **(
+                    {
+                        "stream/dropped_groups": float(dropped),
+                        "stream/partial_responses": float(self.engine.continued - continued),
+                    }
+                    if n
+                    else {}
+                ),
+            },
+        )
 
     def _check_failures(
         self,

@@ -15,7 +15,7 @@ from dapo.config import Config
 from dapo.data.curriculum import Curriculum, field_difficulties
 from dapo.data.prompts import PromptStream, history_keys
 from dapo.data.records import PromptRecord
-from dapo.training.prompt_history import PromptHistory, should_skip
+from dapo.producer.prompt_history import PromptHistory, should_skip
 
 
 class PromptSelector:

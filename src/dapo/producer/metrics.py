@@ -1,0 +1,56 @@
+"""The metrics of what the producer generated: rewards, accuracy, lengths, episodes."""
+
+from __future__ import annotations
+
+import torch
+
+from dapo.handover import ScoredGroup
+
+
+def group_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
+    """Rewards, accuracy, length shaping and lengths over every response of ``groups``."""
+    rewards = [x for g in groups for x in g.rewards]
+    lengths = [float(len(x)) for g in groups for x in g.response_ids]
+    return {
+        "reward/mean": mean(rewards),
+        "reward/std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
+        "reward/acc": mean([float(x) for g in groups for x in g.correct]),
+        # The shaping actually added to the rewards: 0 when it is off.
+        "reward/overlong_penalty_mean": mean([x for g in groups for x in g.penalty]),
+        "response_length/mean": mean(lengths),
+        "response_length/max": max(lengths, default=0.0),
+        "response_length/clip_ratio": mean([float(x) for g in groups for x in g.truncated]),
+        **episode_metrics([e for g in groups for e in g.episode_stats or []]),
+    }
+
+
+def episode_metrics(episodes: list[dict]) -> dict[str, float]:
+    """Turns, tool calls and errors, environment time and token share, and how episodes
+    ended, over multi-turn episodes (nothing for single-turn groups)."""
+    if not episodes:
+        return {}
+    turns = [float(e["turns"]) for e in episodes]
+    out = {
+        "env/turns_mean": mean(turns),
+        "env/turns_max": max(turns),
+        "env/tool_calls": mean([float(e["tool_calls"]) for e in episodes]),
+        "env/tool_errors": mean([float(e["tool_errors"]) for e in episodes]),
+        "perf/env_s": sum(float(e["env_seconds"]) for e in episodes),
+        "env/token_share": sum(e["env_tokens"] for e in episodes)
+        / max(1, sum(e["tokens"] for e in episodes)),
+        "env/failures": float(sum(e["end"] == "env_failure" for e in episodes)),
+    }
+    agents = [e for e in episodes if "requests" in e]
+    if agents:
+        out["agent/requests_mean"] = mean([float(e["requests"]) for e in agents])
+        out["agent/segments_mean"] = mean([float(e["segments"]) for e in agents])
+        out["agent/tool_calls"] = mean([float(e["tool_calls"]) for e in agents])
+        out["perf/agent_s"] = sum(float(e["agent_seconds"]) for e in agents)
+    for end in ("done", "max_turns", "budget", "env_failure", "bad_tool_call"):
+        out[f"env/ended_{end}"] = mean([float(e["end"] == end) for e in episodes])
+    return out
+
+
+def mean(xs: list[float]) -> float:
+    """The mean of ``xs``; 0.0 for none (a metric of an empty step)."""
+    return sum(xs) / len(xs) if xs else 0.0
