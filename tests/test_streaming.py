@@ -55,21 +55,23 @@ def small_config(model: Path, out: Path, *extra: str):
     )
 
 
-def run_steps(cfg, steps: int, slow_update_s: float = 0.0) -> list[tuple[int, list]]:
-    """``steps`` rollout steps; each step's trained groups. ``slow_update_s`` makes every
-    update that much slower, so that batches filled ahead wait in the queue."""
+def run_steps(cfg, steps: int, fill_queue: bool = False) -> list[tuple[int, list]]:
+    """``steps`` rollout steps; each step's trained groups. ``fill_queue``: before each step,
+    wait until the producer has filled the queue as far as the bound allows, so that every
+    batch waits there (the staleness is then N, whatever the machine's speed)."""
     trainer = Trainer(cfg, log=lambda _: None)
-    optimize = trainer.learner.optimize
-
-    def slow(*args, **kwargs):
-        time.sleep(slow_update_s)
-        return optimize(*args, **kwargs)
-
-    trainer.learner.optimize = slow
+    n, end = cfg.rollout.max_staleness, cfg.train.steps
     out = []
     try:
         for _ in range(steps):
             step = trainer.step
+            if fill_queue:
+                if not trainer.stream.running:
+                    trainer.stream.start(step)
+                deadline = time.monotonic() + 300
+                while min(step + n, end - 1) not in trainer.stream.ready:
+                    assert time.monotonic() < deadline, "the producer did not fill the queue"
+                    time.sleep(0.05)
             _, groups = trainer.train_step()
             out.append((step, groups))
     finally:
@@ -85,9 +87,9 @@ def oldest(step: int, groups: list) -> int:
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
 def test_no_trained_token_is_older_than_n_versions_hf(tiny_path, tmp_path, n, partial):
-    """hf (a copy of the policy samples): with updates slowed down, the producer fills the
-    queue up to the bound and every batch waits there; still no trained token is more than
-    N versions older than the weights it updates, and the bound is reached."""
+    """hf (a copy of the policy samples): the producer fills the queue up to the bound and
+    every batch waits there; still no trained token is more than N versions older than the
+    weights it updates, and the bound is reached."""
     cfg = small_config(
         tiny_path,
         tmp_path,
@@ -96,10 +98,10 @@ def test_no_trained_token_is_older_than_n_versions_hf(tiny_path, tmp_path, n, pa
         "rollout.partial_chunk_tokens=8",
         "train.steps=6",
     )
-    steps = run_steps(cfg, 6, slow_update_s=0.5)
+    steps = run_steps(cfg, 6, fill_queue=True)
     ages = [oldest(step, groups) for step, groups in steps]
-    assert max(ages) <= n and ages[0] == 0, ages
-    assert n in ages[1:], ages  # the queue filled up: the bound is what held it
+    # Batch k was filled as soon as the bound allowed: with version k - N (0 for k < N).
+    assert ages == [min(step, n) for step, _ in steps], ages
 
 
 @needs_vllm
@@ -115,9 +117,9 @@ def test_no_trained_token_is_older_than_n_versions_vllm(tiny_path, tmp_path):
         "rollout.partial_chunk_tokens=8",
         "train.steps=5",
     )
-    steps = run_steps(cfg, 5, slow_update_s=0.5)
+    steps = run_steps(cfg, 5, fill_queue=True)
     ages = [oldest(step, groups) for step, groups in steps]
-    assert max(ages) <= 2 and ages[0] == 0 and 2 in ages, ages
+    assert ages == [min(step, 2) for step, _ in steps], ages
 
 
 @pytest.fixture
