@@ -65,8 +65,10 @@ class Variant:
 
     @property
     def name(self) -> str:
-        return f"N{self.n}" + ("-partial" if self.partial else "") + (
-            "" if self.corrected else "-uncorrected"
+        return (
+            f"N{self.n}"
+            + ("-partial" if self.partial else "")
+            + ("" if self.corrected else "-uncorrected")
         )
 
     @property
@@ -302,7 +304,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (Path(args.runs_dir) / t / v.name / f"seed{s}" / "summary.json").exists()
         for t, v, s in jobs
     )
-    print(f"{len(jobs)} runs ({done} already done), {args.jobs} at a time, {threads} thread(s) each")
+    print(
+        f"{len(jobs)} runs ({done} already done), {args.jobs} at a time, {threads} thread(s) each"
+    )
     with ThreadPoolExecutor(args.jobs) as pool:
         dirs = list(pool.map(lambda job: train_run(*job, args, threads), jobs))
     by_job = dict(zip(jobs, dirs, strict=True))

@@ -152,7 +152,9 @@ def test_sweep_trains_each_variant_and_reports_its_metrics(
     for name, row in rows.items():
         run = runs / "addition" / name / "seed0"
         summary = json.loads((run / "summary.json").read_text())
-        assert row["gain"] == [pytest.approx(summary["accuracy_after"] - summary["accuracy_before"])]
+        assert row["gain"] == [
+            pytest.approx(summary["accuracy_after"] - summary["accuracy_before"])
+        ]
         steps = [r for r in metrics(run) if "actor/updates" in r]
         grad = sum(r["actor/updates"] for r in steps)
         assert row["gradient_steps_mean"] == grad
