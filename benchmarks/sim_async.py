@@ -327,12 +327,12 @@ def speedups(
     for n in ns:
         row: dict[str, Any] = {"n": n}
         for partial in (False, True):
-            if n == 0 and partial:
-                r = base
-            else:
-                r = simulate(p, n, partial=partial, continuous=continuous, steps=steps)
-            key = "partial" if partial else "whole"
-            row[key] = {
+            r = (
+                base
+                if n == 0
+                else simulate(p, n, partial=partial, continuous=continuous, steps=steps)
+            )
+            row["partial" if partial else "whole"] = {
                 "step_s": r.step_s,
                 "steps_per_hour": r.steps_per_hour,
                 "speedup": base.step_s / r.step_s,
@@ -366,21 +366,17 @@ def parts(p: Params) -> dict[str, float]:
 
 
 def table(result: dict[str, Any], colocated_s: float | None = None) -> str:
+    q = result["parts"]
     lines = [
         f"## {result['params']['name']}"
         + (" (request-level producer)" if result["continuous"] else ""),
-        "",
+        f"\nSynchronous step {result['sync_step_s']:.3g} s: generation {q['gen_s']:.3g} s (mean "
+        f"response {q['mean_len']:.0f} tokens, {q['truncated']:.1%} cut at the limit), update "
+        f"{q['train_s']:.3g} s, push {q['sync_s']:.3g} s, scoring {q['producer_s']:.3g} s.\n",
         "| N | steps/hour | speed-up | engines busy | steps/hour, partial | speed-up, partial "
         "| engines busy, partial |",
         "|---|---|---|---|---|---|---|",
     ]
-    q = result["parts"]
-    head = (
-        f"Synchronous step {result['sync_step_s']:.3g} s: generation {q['gen_s']:.3g} s (mean "
-        f"response {q['mean_len']:.0f} tokens, {q['truncated']:.1%} cut at the limit), update "
-        f"{q['train_s']:.3g} s, push {q['sync_s']:.3g} s, scoring {q['producer_s']:.3g} s."
-    )
-    lines[1:1] = ["", head]
     for row in result["rows"]:
         w, pr = row["whole"], row["partial"]
         lines.append(
@@ -520,22 +516,13 @@ def calibration(report: dict[str, Any], tolerance: float = 0.15) -> list[dict[st
     for mode, r in report["results"].items():
         if r.get("engine") != "vllm-server":
             continue
-        pred = simulate(p, r["n"], partial=r.get("partial", False)).step_s
-        measured = base["median_step_s"] / r["median_step_s"]
-        predicted = sync_pred / pred
-        rows.append(
-            {
-                "mode": mode,
-                "n": r["n"],
-                "partial": r.get("partial", False),
-                "measured_step_s": r["median_step_s"],
-                "predicted_step_s": pred,
-                "measured_speedup": measured,
-                "predicted_speedup": predicted,
-                "error": predicted / measured - 1,
-                "within": abs(predicted / measured - 1) <= tolerance,
-            }
-        )
+        partial = r.get("partial", False)
+        pred = simulate(p, r["n"], partial=partial).step_s
+        measured, predicted = base["median_step_s"] / r["median_step_s"], sync_pred / pred
+        row = {"mode": mode, "n": r["n"], "partial": partial, "error": predicted / measured - 1}
+        row |= {"measured_step_s": r["median_step_s"], "predicted_step_s": pred}
+        row |= {"measured_speedup": measured, "predicted_speedup": predicted}
+        rows.append(row | {"within": abs(row["error"]) <= tolerance})
     return rows
 
 
