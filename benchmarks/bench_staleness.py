@@ -17,7 +17,7 @@ continued across an update, and whether the gain is within the seed spread of N 
 curves to JSON and a plot of held-out accuracy against gradient steps, one panel per task
 and one line per variant (colour: N; dashed: partial rollouts; dotted: uncorrected).
 
-    python benchmarks/bench_staleness.py --jobs 2                 # 2 tasks x 10 variants x 2 seeds
+    python benchmarks/bench_staleness.py --jobs 2                 # 2 tasks x 8 variants x 2 seeds
     python benchmarks/bench_staleness.py --tasks addition --ns 0,1 --seeds 0 --steps 4
 
 Runs go to ``--runs-dir``; a run whose ``summary.json`` exists is not repeated (as in
@@ -114,6 +114,7 @@ def train_run(
         f"train.steps={args.steps}",
         f"train.prompts_per_step={args.prompts}",
         f"train.mini_batch_size={args.prompts // args.updates_per_step}",
+        f"train.lr={args.lr}",
         f"rollout.num_generations={args.generations}",
         f"logging.eval_every={args.eval_every}",
         f"data.max_eval_prompts={args.eval_prompts}",
@@ -269,7 +270,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--updates-per-step", type=int, default=4, help="optimizer updates per rollout step"
     )
-    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=1e-4,
+        help="learning rate (the ablation ladder's, for 4 updates)",
+    )
+    parser.add_argument(
+        "--eval-every", type=int, default=8, help="rollout steps between evaluations"
+    )
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--eval-k", type=int, default=4, help="held-out avg@k: samples per problem")
     parser.add_argument("--model", default="", help="one model for every task (default: its own)")

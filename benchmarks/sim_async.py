@@ -489,9 +489,10 @@ def calibrated_cpu(report: dict[str, Any], seq_share: float = 0.5) -> Params:
         producer_s=max(0.0, sync["median_step_s"] - sync["median_gen_s"] - sync["median_train_s"]),
         chunk_tokens=s.get("chunk_tokens", 32),
     )
-    # Generation time alone (nothing else costs anything) for the unit iteration.
+    # Generation time alone (nothing else costs anything) for the unit iteration, on the
+    # batches that calibration() simulates.
     alone = replace(p, train_fixed_s=0.0, sync_s=0.0, producer_s=0.0)
-    unit = simulate(alone, 0, steps=8, warmup=2).step_s
+    unit = simulate(alone, 0).step_s
     scale = sync["median_gen_s"] / unit
     return replace(p, decode_base_s=p.decode_base_s * scale, decode_seq_s=p.decode_seq_s * scale)
 

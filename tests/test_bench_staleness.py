@@ -147,6 +147,7 @@ def test_sweep_trains_each_variant_and_reports_its_metrics(
     assert cfg("N1-uncorrected")["algorithm"]["is_cap"] is None
     assert cfg("N1-partial")["rollout"]["partial_rollouts"] is True
     assert cfg("N1")["logging"]["eval_every"] == 2 and cfg("N1")["train"]["mini_batch_size"] == 1
+    assert cfg("N0")["train"]["lr"] == 1e-4 and cfg("N0")["data"]["eval"] == "builtin:addition"
 
     # The figures are the runs' own: gain from the summary, staleness from metrics.jsonl.
     for name, row in rows.items():
