@@ -19,7 +19,7 @@ Costs:
 - pushing the weights takes ``sync_s``, during which no engine decodes (a weight swap holds
   the engine, as :class:`dapo.rollout.versioned.VersionedEngine`'s lock does).
 
-Policies (``n`` = ``rollout.max_staleness``), as in :mod:`dapo.training.stream`: batch k
+Policies (``n`` = ``rollout.max_staleness``), as in :mod:`dapo.producer.stream`: batch k
 starts once the engines hold version ``>= k - n`` (n = 0: synchronous, generate then
 train then push), and once batch k - 1 has finished generating and been scored (the
 producer fills one batch at a time; ``continuous=True`` instead lets batch k's requests
