@@ -169,7 +169,7 @@ def _check(words: list[str], where: str, monkeypatch: pytest.MonkeyPatch) -> Non
         with contextlib.redirect_stdout(io.StringIO()):
             assert cli.main(["presets"]) == 0
     else:
-        assert command in ("eval", "plot", "vllm-serve"), f"{where}: dapo {command}"
+        assert command in ("eval", "plot", "show", "vllm-serve"), f"{where}: dapo {command}"
         _parse_only(command, argv, monkeypatch)
 
 
