@@ -79,6 +79,7 @@ EXPECTED = {
 def test_the_lookup_matches_keys_and_patterns_only() -> None:
     assert lookup("reward/acc") is not None and lookup("reward/acc").key == "reward/acc"
     assert lookup("env/ended_max_turns").key == "env/ended_{reason}"
+    assert lookup("stream/staleness_12").key == "stream/staleness_{age}"  # a number too
     assert not is_registered("env/ended_")  # the placeholder stands for a name
     assert not is_registered("reward/accuracy") and not is_registered("Reward/acc")
     keys = [m.key for m in METRICS]
