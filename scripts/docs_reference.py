@@ -25,7 +25,7 @@ from dapo.config.loading import aliases  # noqa: E402
 from dapo.config.schema import Config  # noqa: E402
 from dapo.metrics.registry import METRICS  # noqa: E402
 
-CLI_COMMANDS = ("train", "eval", "presets", "plot", "vllm-serve")
+CLI_COMMANDS = ("train", "eval", "presets", "plot", "show", "vllm-serve")
 
 
 def _cell(text: str) -> str:
@@ -138,7 +138,7 @@ def metrics_reference() -> str:
         "",
         "Every key a run can write to `metrics.jsonl`, TensorBoard and W&B, generated from "
         "`dapo.metrics.registry` (the logger warns about a key missing from it, and a test "
-        "fails on one). `{reason}` stands for a name. Each record also has `step` and `time`.",
+        "fails on one). `{reason}` stands for a name, `{age}` for a number. Each record also has `step` and `time`.",
         "",
     ]
     groups: dict[str, list[Any]] = {}

@@ -169,7 +169,7 @@ def _check(words: list[str], where: str, monkeypatch: pytest.MonkeyPatch) -> Non
         with contextlib.redirect_stdout(io.StringIO()):
             assert cli.main(["presets"]) == 0
     else:
-        assert command in ("eval", "plot", "vllm-serve"), f"{where}: dapo {command}"
+        assert command in ("eval", "plot", "show", "vllm-serve"), f"{where}: dapo {command}"
         _parse_only(command, argv, monkeypatch)
 
 
@@ -225,11 +225,12 @@ def test_every_example_is_run_below() -> None:
     examples = {p.name for p in (ROOT / "examples").iterdir() if p.suffix in (".py", ".yaml")}
     covered = {"calculator.yaml", "tool_use.yaml", "chat_addition.yaml", "train_from_python.py"}
     covered |= {"tool_env.py"}  # the environment and tool of tool_use.yaml
+    covered |= {"agent_calculator.yaml", "agent_calculator.py", "distill.yaml"}
     assert examples == covered
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["calculator.yaml", "tool_use.yaml"])
+@pytest.mark.parametrize("name", ["calculator.yaml", "tool_use.yaml", "agent_calculator.yaml"])
 def test_multiturn_example_configs_train(name: str, tool_model: Path, tmp_path: Path) -> None:
     """With builtin:tiny-tool's architecture and template (untrained: no warm-up here)."""
     argv = [sys.executable, "-m", "dapo", "train", str(ROOT / "examples" / name), *TINY]
@@ -237,6 +238,18 @@ def test_multiturn_example_configs_train(name: str, tool_model: Path, tmp_path: 
     done = _run(argv, ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "run" / "summary.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_distillation_example_config_trains(tmp_path: Path) -> None:
+    """examples/distill.yaml with builtin:tiny as its own teacher: the same tokenizer as the
+    example's builtin:tiny-long, without that model's minutes of warm-up on a fresh machine."""
+    argv = [sys.executable, "-m", "dapo", "train", str(ROOT / "examples" / "distill.yaml"), *TINY]
+    argv += ["algorithm.teacher=builtin:tiny", f"output_dir={tmp_path / 'run'}"]
+    done = _run(argv, ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert any("distill/reverse_kl" in line for line in lines)
 
 
 @pytest.mark.slow

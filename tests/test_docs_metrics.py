@@ -14,6 +14,8 @@ from vllm_check import needs_vllm  # tests/vllm_check.py
 from dapo.metrics import MetricsLogger
 from dapo.metrics.registry import METRICS, is_registered, lookup
 
+ROOT = Path(__file__).resolve().parent.parent
+
 TINY = {
     "train.steps": 2,
     "train.prompts_per_step": 4,
@@ -41,12 +43,43 @@ PATHS = {
         "data.curriculum": "easy_first",
         "data.difficulty_key": "carries",
     },
+    # Streaming on the hf engine (it samples from a copy of the policy, pushed every step);
+    # short chunks so that partial rollouts continue responses across an update.
+    "streaming_partial": {
+        "rollout.max_staleness": 1,
+        "rollout.partial_rollouts": True,
+        "rollout.partial_chunk_tokens": 8,
+    },
+    # A teacher equal to the student: the distill/* keys, with a zero signal.
+    "distill_teacher": {"algorithm.teacher": "builtin:tiny"},
+}
+
+EXPECTED = {
+    "streaming_partial": {
+        "stream/staleness_mean",
+        "stream/staleness_max",
+        "stream/staleness_0",
+        "stream/staleness_1",
+        "stream/versions_per_response",
+        "stream/dropped_groups",
+        "stream/partial_responses",
+        "stream/queued_batches",
+        "perf/data_wait_s",
+        "perf/capacity_wait_s",
+    },
+    "distill_teacher": {
+        "distill/reverse_kl",
+        "distill/teacher_share",
+        "distill/teacher_logprob",
+        "perf/teacher_s",
+    },
 }
 
 
 def test_the_lookup_matches_keys_and_patterns_only() -> None:
     assert lookup("reward/acc") is not None and lookup("reward/acc").key == "reward/acc"
     assert lookup("env/ended_max_turns").key == "env/ended_{reason}"
+    assert lookup("stream/staleness_12").key == "stream/staleness_{age}"  # a number too
     assert not is_registered("env/ended_")  # the placeholder stands for a name
     assert not is_registered("reward/accuracy") and not is_registered("Reward/acc")
     keys = [m.key for m in METRICS]
@@ -80,6 +113,8 @@ def test_every_key_a_training_logs_is_registered(name: str, tmp_path: Path) -> N
     dapo.train(**{**TINY, **PATHS[name]}, output_dir=str(tmp_path / "run"))
     keys = _logged_keys(tmp_path / "run")
     assert {"reward/acc", "actor/pg_loss", "val/acc"} <= keys
+    assert {"reward/failures", "reward/failures_total"} <= keys
+    assert EXPECTED.get(name, set()) <= keys
     assert not [k for k in keys if not is_registered(k)]
 
 
@@ -99,21 +134,45 @@ def test_every_key_a_multiturn_training_logs_is_registered(
     )
     keys = _logged_keys(tmp_path / "run")
     assert "env/turns_mean" in keys and any(k.startswith("env/ended_") for k in keys)
-    assert "actor/pg_loss" in keys
+    assert {"actor/pg_loss", "env/failures_total"} <= keys
+    assert not [k for k in keys if not is_registered(k)]
+
+
+@pytest.mark.slow
+def test_every_key_an_agent_training_logs_is_registered(tool_model: Path, tmp_path: Path) -> None:
+    """An OpenAI-client agent (examples/agent_calculator.py) as the environment."""
+    import dapo
+
+    dapo.train(
+        **TINY,
+        model=str(tool_model),
+        output_dir=str(tmp_path / "run"),
+        data={"train": "builtin:calculator", "eval": "builtin:calculator"},
+        rollout={
+            "agent": str(ROOT / "examples" / "agent_calculator.py") + ":agent",
+            "max_turns": 3,
+            "max_completion_length": 96,
+        },
+        algorithm={"dynamic_sampling": False},
+    )
+    keys = _logged_keys(tmp_path / "run")
+    agent = {"agent/requests_mean", "agent/segments_mean", "agent/tool_calls", "perf/agent_s"}
+    assert agent | {"env/failures_total", "actor/pg_loss"} <= keys
     assert not [k for k in keys if not is_registered(k)]
 
 
 @pytest.mark.slow
 @needs_vllm
-def test_every_key_a_vllm_asynchronous_training_logs_is_registered(tmp_path: Path) -> None:
-    """The engine's keys: log-prob mismatch, weight sync, staleness, the round generated ahead."""
+def test_every_key_a_vllm_streaming_training_logs_is_registered(tmp_path: Path) -> None:
+    """The engine's keys: log-prob mismatch, weight sync, staleness, the batch filled ahead."""
     import dapo
 
     dapo.train(
         **TINY,
-        **{"rollout.engine": "vllm", "rollout.async_steps": 1},
+        **{"rollout.engine": "vllm", "rollout.max_staleness": 1},
         output_dir=str(tmp_path / "run"),
     )
     keys = _logged_keys(tmp_path / "run")
-    assert {"rollout/logprob_mismatch", "perf/weight_sync_s", "perf/async_wait_s"} <= keys
+    engine = {"rollout/logprob_mismatch", "perf/weight_sync_s", "perf/data_wait_s"}
+    assert engine | {"stream/staleness_mean", "stream/queued_batches"} <= keys
     assert not [k for k in keys if not is_registered(k)]

@@ -2,7 +2,8 @@
 against and the docs' metrics reference is generated from.
 
 A key is a literal name (``reward/acc``) or a pattern with one ``{placeholder}`` standing for
-a lowercase name (``env/ended_{reason}``). ``step`` and ``time`` are the record's own fields.
+a lowercase name or number (``env/ended_{reason}``, ``stream/staleness_{age}``). ``step``
+and ``time`` are the record's own fields.
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("reward/std", "Standard deviation of the rewards of this step's generated responses."),
     Metric(
         "reward/failures",
-        "Reward calls that raised, returned a non-number or timed out (each scores -1).",
+        "Reward calls this step that raised, returned a non-number or timed out (each scores -1).",
+    ),
+    Metric(
+        "reward/failures_total",
+        "Reward calls that failed since the run started (resumed runs included).",
     ),
     Metric(
         "reward/overlong_penalty_mean",
@@ -126,13 +131,15 @@ METRICS: tuple[Metric, ...] = (
     # rollout engine
     Metric(
         "rollout/staleness",
-        "Rollout steps between the policy that sampled this step's new groups and the policy "
-        "trained: 0 synchronous, 1 with rollout.async_steps=1.",
+        "Rollout steps between the oldest policy the engine held at the start of one of this "
+        "step's generation rounds and the policy trained: 0 synchronous, up to "
+        "rollout.max_staleness when streaming.",
     ),
     Metric(
         "rollout/logprob_mismatch",
         "Mean absolute difference of the engine's and the trainer's log-probs over response tokens.",
-        "rollout.engine = vllm or vllm-server, or the hf engine when train.precision is not fp32",
+        "rollout.engine = vllm or vllm-server; the hf engine when train.precision is not fp32 "
+        "or algorithm.is_cap is set (streaming rollouts set it)",
     ),
     Metric(
         "rollout/mismatch_kl",
@@ -168,9 +175,89 @@ METRICS: tuple[Metric, ...] = (
         "env/failures", "Episodes ended by an environment that raised, hung or died.", "multi-turn"
     ),
     Metric(
+        "env/failures_total",
+        "Episodes ended by a failed environment or agent since the run started.",
+        "multi-turn and agents",
+    ),
+    Metric(
         "env/ended_{reason}",
         "Share of episodes that ended this way: done, max_turns, budget, env_failure or bad_tool_call.",
         "multi-turn",
+    ),
+    # agents (rollout.agent)
+    Metric(
+        "agent/requests_mean",
+        "Mean chat-completion requests an agent made per episode.",
+        "rollout.agent set",
+    ),
+    Metric(
+        "agent/segments_mean",
+        "Mean token sequences per episode: 1, plus one for every request that does not extend "
+        "the conversation so far (a rewritten history); each is trained as a sample.",
+        "rollout.agent set",
+    ),
+    Metric(
+        "agent/tool_calls",
+        "Mean tool calls per episode found in the model's replies to the agent.",
+        "rollout.agent set",
+    ),
+    # streaming rollouts (rollout.max_staleness)
+    Metric(
+        "stream/staleness_mean",
+        "Mean staleness of the trained tokens: rollout steps between the policy version that "
+        "sampled each token and the version being updated (at most rollout.max_staleness).",
+        "rollout.max_staleness >= 1",
+    ),
+    Metric(
+        "stream/staleness_max",
+        "Largest staleness of a trained token this step.",
+        "rollout.max_staleness >= 1",
+    ),
+    Metric(
+        "stream/staleness_{age}",
+        "Share of the trained tokens sampled {age} versions before the weights updated (one "
+        "key per age 0..N; together they sum to 1).",
+        "rollout.max_staleness >= 1",
+    ),
+    Metric(
+        "stream/versions_per_response",
+        "Mean number of policy versions that sampled one response: 1 unless partial rollouts "
+        "continued it under newer weights.",
+        "rollout.max_staleness >= 1",
+    ),
+    Metric(
+        "stream/dropped_groups",
+        "Dynamic sampling's carried-over groups dropped for being more than "
+        "rollout.max_staleness versions old.",
+        "rollout.max_staleness >= 1",
+    ),
+    Metric(
+        "stream/partial_responses",
+        "Responses of this batch continued under newer weights than they began with.",
+        "rollout.max_staleness >= 1 (0 without rollout.partial_rollouts)",
+    ),
+    Metric(
+        "stream/queued_batches",
+        "Batches filled ahead and waiting when the trainer took this one.",
+        "rollout.max_staleness >= 1",
+    ),
+    # on-policy distillation (algorithm.teacher)
+    Metric(
+        "distill/reverse_kl",
+        "Per-token reverse KL estimate log pi_student - log pi_teacher of the sampled tokens, "
+        "mean over the loss tokens; falls as the student learns the teacher.",
+        "algorithm.teacher set",
+    ),
+    Metric(
+        "distill/teacher_share",
+        "The teacher's share of the summed advantage magnitude: sum|lambda x gap| / "
+        "(sum|lambda x gap| + sum|A_task|); 1 with algorithm.distill_only.",
+        "algorithm.teacher set",
+    ),
+    Metric(
+        "distill/teacher_logprob",
+        "Mean teacher log-prob of the sampled tokens over the loss tokens.",
+        "algorithm.teacher set",
     ),
     # timings and throughput
     Metric("perf/step_s", "Wall time of the rollout step (seconds)."),
@@ -178,22 +265,35 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/score_s", "Time spent scoring (reward functions)."),
     Metric("perf/train_s", "Time spent in the optimizer updates."),
     Metric("perf/env_s", "Time spent in the environments' reset and step.", "multi-turn"),
+    Metric(
+        "perf/agent_s",
+        "Agent time summed over the step's episodes (seconds; episodes run concurrently).",
+        "rollout.agent set",
+    ),
+    Metric(
+        "perf/teacher_s",
+        "Time the teacher took to score the step's samples (the slowest rank).",
+        "algorithm.teacher set",
+    ),
     Metric("perf/rollout_tokens_per_s", "Generated tokens per second of generation."),
     Metric("perf/train_tokens_per_s", "Trained tokens per second of training."),
     Metric(
         "perf/weight_sync_s",
-        "Time to push the weights to the vLLM engine or server.",
-        "rollout.engine = vllm or vllm-server",
+        "Time to push the weights to the engine (vLLM, the rollout server, or the hf "
+        "engine's copy of the policy when streaming).",
+        "rollout.engine = vllm or vllm-server, or rollout.max_staleness >= 1",
     ),
     Metric(
-        "perf/async_gen_s",
-        "Time the next step's first round took to generate in the background.",
-        "rollout.async_steps = 1",
+        "perf/data_wait_s",
+        "How long the trainer waited for this step's batch to be filled (generation not hidden "
+        "behind training).",
+        "rollout.max_staleness >= 1",
     ),
     Metric(
-        "perf/async_wait_s",
-        "How long the trainer waited for the round generated ahead after its update.",
-        "rollout.async_steps = 1",
+        "perf/capacity_wait_s",
+        "How long the producer waited for newer weights before it could start a batch (it "
+        "was rollout.max_staleness batches ahead), since the last batch taken.",
+        "rollout.max_staleness >= 1",
     ),
     # evaluation
     Metric(
