@@ -19,8 +19,8 @@ def record_outcomes(overrides: list[str], class_key: str | None) -> list[dict[st
     trainer = Trainer(cfg, log=lambda _: None)
     score = trainer.rollouts.scorer.score
 
-    def recording(groups, records, step):  # type: ignore[no-untyped-def]
-        scored = score(groups, records, step)
+    def recording(groups, records, step, **kwargs):  # type: ignore[no-untyped-def]
+        scored = score(groups, records, step, **kwargs)
         for g in scored:
             rows.append(
                 {

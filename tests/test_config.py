@@ -801,7 +801,7 @@ def test_loss_settings_take_their_defaults_and_types_from_the_algorithm_config()
         "temperature",
         "max_len",
     }
-    assert len(shared) == 17
+    assert len(shared) == 18
     for name in shared:
         assert getattr(settings, name) == getattr(algo, name), name
         assert loss_hints[name] == algo_hints[name], name

@@ -37,6 +37,7 @@ KL_KINDS: tuple[str, ...] = get_args(KLKind)  # algorithm.kl_estimator
 POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLoss)  # algorithm.policy_loss
 IS_LEVELS: tuple[str, ...] = get_args(ISLevel)  # algorithm.is_level
 IS_MODES: tuple[str, ...] = get_args(ISMode)  # algorithm.is_mode
+PROXIMAL_LOGPROBS: tuple[str, ...] = get_args(ProximalLogprobs)  # algorithm.proximal_logprobs
 ENTROPY_CONTROLS: tuple[str, ...] = get_args(EntropyControl)  # algorithm.entropy_control
 ENGINES: tuple[str, ...] = get_args(Engine)  # rollout.engine: dapo.rollout.make_engine
 PRECISIONS: tuple[str, ...] = get_args(Precision)  # train.precision: dapo.models.precision
