@@ -81,18 +81,19 @@ def encode_prompts(
     dropped = len(records) - len(kept)
     if records and not kept:
         lengths = [len(ids) for ids in all_ids]
-        seen = (
-            " as the model sees them (chat template, the tools' schemas)"
-            if ids_of is not None
-            else ""
-        )
+        seen, fix = "", ""
+        if ids_of is not None:  # a multi-turn opening: its tools' schemas count too
+            seen = " as the model sees them (chat template, the tools' schemas)"
+            fix = (
+                "; data.max_prompt_length + rollout.max_completion_length must fit the "
+                "model's context), shorten the tools' docstrings"
+            )
         raise DataError(
             f"all {len(records)} prompts are longer than data.max_prompt_length="
             f"{max_prompt_length} tokens{seen} (shortest {min(lengths)}, longest "
             f"{max(lengths)}). Fix: raise data.max_prompt_length to at least {min(lengths)} "
-            f"({max(lengths)} keeps every prompt; data.max_prompt_length + "
-            "rollout.max_completion_length must fit the model's context), shorten the tools' "
-            "docstrings, or check the tokenizer/chat template."
+            f"({max(lengths)} keeps every prompt{fix or ')'}, or check the tokenizer/chat "
+            "template."
         )
     if stats is not None:
         stats.too_long = dropped
