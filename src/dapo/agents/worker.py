@@ -82,12 +82,7 @@ def run_sync(
         result = check_reward(agent(client, record))
         return token, result, None, time.perf_counter() - start
     except Exception as exc:
-        return (
-            token,
-            None,
-            "raised: " + workers.describe_exception(exc, 400),
-            (time.perf_counter() - start),
-        )
+        return _raised(token, exc, start)
 
 
 async def run_async(
@@ -107,12 +102,17 @@ async def run_async(
             await client.close()
         return token, result, None, time.perf_counter() - start
     except Exception as exc:
-        return (
-            token,
-            None,
-            "raised: " + workers.describe_exception(exc, 400),
-            (time.perf_counter() - start),
-        )
+        return _raised(token, exc, start)
+
+
+def _raised(token: str, exc: Exception, start: float) -> Finished:
+    """The outcome of an agent that raised: no reward, the exception, the time it ran."""
+    return (
+        token,
+        None,
+        "raised: " + workers.describe_exception(exc, 400),
+        time.perf_counter() - start,
+    )
 
 
 def worker_main(conn: Connection) -> None:
