@@ -350,8 +350,8 @@ class Rollouts:
         return {"acc": sum(correct) / max(len(correct), 1), "n": len(correct)}
 
     def state_dict(self) -> dict[str, Any]:
-        """The data position, carry-over and counters, as plain data; every rank must call it
-        (the round generated ahead is gathered)."""
+        """The data position, carry-over and counters, as plain data (the batches a streaming
+        producer filled ahead are the stream's: :mod:`dapo.producer.stream`)."""
         return {
             **self.prompts.state_dict(),  # "stream" and "history"
             "sampler": self.sampler.state_dict(),
@@ -361,7 +361,7 @@ class Rollouts:
             "samples_generated": self.samples_generated,
         }
 
-    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.load_state_dict(state)
         self.sampler.load_state_dict(state["sampler"])
         self.scorer.failures = state["reward_failures"]

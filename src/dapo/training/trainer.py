@@ -250,7 +250,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
-        self.rollouts.load_state_dict(state, self.step)
+        self.rollouts.load_state_dict(state)
         if self.stream is not None:
             self.stream.load_state_dict(state.get("rollout_queue"))
         self.summary = dict(state["summary"])
