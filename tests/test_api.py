@@ -278,6 +278,27 @@ def test_hooks_see_every_step_evaluation_and_checkpoint(random_tiny_model, tmp_p
     assert all(p.is_dir() for p in saves)
 
 
+def test_zero_steps_only_evaluates_once(random_tiny_model, tmp_path):
+    """train.steps=0 "only evaluates": one evaluation, before == after, no training step."""
+    hooks = Hooks()
+    out = tmp_path / "run"
+    summary = dapo.train(
+        model=str(random_tiny_model),
+        output_dir=str(out),
+        train_dataset=rows("train", 16),
+        eval_dataset=rows("test", 4),
+        reward_funcs=[parity],
+        callbacks=hooks,
+        **{**SMALL, "train.steps": 0},
+    )
+    assert [(kind, step) for kind, step, _ in hooks.calls] == [("evaluate", 0)]
+    assert summary["steps"] == 0 and summary["samples_generated"] == 0
+    assert summary["accuracy_after"] == summary["accuracy_before"]
+    assert [r for r in metric_rows(out) if "val/acc" in r] == [
+        {"step": 0, "time": metric_rows(out)[0]["time"], "val/acc": summary["accuracy_before"]}
+    ]
+
+
 def test_a_callback_stops_the_run_which_resumes_as_if_never_stopped(random_tiny_model, tmp_path):
     kw = {
         **SMALL,

@@ -161,8 +161,11 @@ def _print_summary(summary: dict, out: Path) -> None:
     if any(failures.values()):
         counts = ", ".join(f"{what} {n}" for what, n in failures.items() if n)
         print(f"failures: {counts} (see reward/failures and env/failures in metrics.jsonl)")
-    print(f"final model (transformers format): {out / 'final_model'}")
-    print(f"rollouts (dapo show {out}): {out / 'rollouts.jsonl'}")
+    if (out / "final_model").is_dir():
+        print(f"final model (transformers format): {out / 'final_model'}")
+    transcripts = out / "rollouts.jsonl"
+    if transcripts.is_file() and transcripts.stat().st_size:
+        print(f"rollouts (dapo show {out}): {transcripts}")
 
 
 _EVAL_DESCRIPTION = """\

@@ -164,8 +164,8 @@ class MetricsLogger:
         verbose: bool = False,
     ) -> None:
         total_steps = operator.index(total_steps)
-        if total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        if total_steps < 0:  # 0: a run that only evaluates (train.steps=0)
+            raise ValueError(f"total_steps must be >= 0, got {total_steps}")
         if resume_step is not None:
             resume_step = operator.index(resume_step)
             if resume_step < 0:

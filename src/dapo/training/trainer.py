@@ -316,9 +316,10 @@ class Trainer:
             if per_step and self.dist.is_main
             else None
         )
+        before: dict[str, float] | None = None  # the weights' accuracy, while no step ran
         try:
             if self.rollouts.eval_records and "accuracy_before" not in self.summary:
-                ev = self.evaluate()
+                ev = before = self.evaluate()
                 self.summary["accuracy_before"] = ev["acc"]
                 logger.message(
                     f"held-out accuracy before training: {ev['acc']:.1%} ({ev['n']} samples)"
@@ -326,6 +327,7 @@ class Trainer:
                 logger.log(self.step, {"val/acc": ev["acc"]})
                 callbacks.on_evaluate(self.step, ev)
             while self.step < cfg.train.steps and not self.budget_spent():
+                before = None
                 try:
                     metrics, groups = self.train_step()
                 except NonFiniteUpdates as exc:
@@ -354,14 +356,17 @@ class Trainer:
                 if callbacks.on_step(self.step, metrics):  # every rank stops together
                     logger.message(f"stopped: {callbacks.requested}")
                     break
-            if self.rollouts.eval_records:
+            if self.rollouts.eval_records and before is not None:  # train.steps=0
+                self.summary["accuracy_after"] = before["acc"]
+            elif self.rollouts.eval_records:
                 ev = self.evaluate()
                 self.summary["accuracy_after"] = ev["acc"]
                 logger.log(self.step, {"val/acc": ev["acc"]})
                 callbacks.on_evaluate(self.step, ev)
             final = step_dir(self.out / "checkpoints", self.step)
             existed = final.is_dir()
-            self._save_final()
+            if cfg.train.steps > 0:  # train.steps=0 trains nothing, so saves nothing
+                self._save_final()
             if not existed and final.is_dir():
                 callbacks.on_save(self.step, final)
             if callbacks.requested:  # not in the checkpoint: a resumed run goes on
