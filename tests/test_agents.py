@@ -354,6 +354,19 @@ def test_an_agent_function_is_given_through_the_python_api(tool_model, tmp_path)
         trainer.close()
 
 
+def test_an_unknown_tool_parser_for_agents_is_named_before_any_model_loads(tmp_path) -> None:
+    import dapo
+    from dapo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"`rollout.tool_parser` = 'hermse' .*\(hermes\)"):
+        dapo.make_trainer(
+            model=str(tmp_path / "no-model-here"),  # never reached
+            output_dir=str(tmp_path / "run"),
+            agent=f"{AGENTS}:by_mode",
+            **{"rollout.max_turns": 2, "rollout.tool_parser": "hermse"},
+        )
+
+
 def test_two_ranks_each_serve_their_episodes_and_train_every_segment_once(tool_model, tmp_path):
     """Under 2 ranks each rank plays its share of the episodes on its own endpoint, every
     rank sees the same batch, and together they train every sample (segments too) once."""

@@ -17,7 +17,12 @@ from dapo.environments.base import (
     ToolEnvironment,
     prompt_messages,
 )
-from dapo.environments.loading import BUILTIN_ENVIRONMENTS, EnvironmentSpec, load_environment
+from dapo.environments.loading import (
+    BUILTIN_ENVIRONMENTS,
+    EnvironmentSpec,
+    load_environment,
+    load_parser,
+)
 from dapo.environments.pool import EnvironmentPool, Outcome
 from dapo.environments.rendering import ChatRenderer, RenderError, no_template_error
 from dapo.environments.tools import PARSERS, ToolCall, ToolCallParseError, parse_hermes
@@ -37,6 +42,7 @@ __all__ = [
     "ToolCallParseError",
     "ToolEnvironment",
     "load_environment",
+    "load_parser",
     "no_template_error",
     "parse_hermes",
     "prompt_messages",

@@ -121,7 +121,7 @@ def load_environment(
             "model calls tools by name. Fix: give each tool function its own name."
         )
     schemas = [tool_schema(fn, key) for fn, key in keyed]
-    parser, parser_ref = _load_parser(tool_parser)
+    parser, parser_ref = _parser_and_ref(tool_parser)
     if not name:
         name = f"tools ({', '.join(names)})"
     return EnvironmentSpec(name, factory, fns, parser, schemas, (env_ref, tool_refs, parser_ref))
@@ -193,7 +193,13 @@ def _check_tool(fn: Any, key: str) -> Callable[..., Any]:
     return fn
 
 
-def _load_parser(tool_parser: Any) -> tuple[Callable[[str], list[ToolCall]], Ref]:
+def load_parser(tool_parser: Any) -> Callable[[str], list[ToolCall]]:
+    """``rollout.tool_parser``: a built-in format's name (:data:`PARSERS`), a
+    'module:function' spec or a function; a :class:`ConfigError` naming the field otherwise."""
+    return _parser_and_ref(tool_parser)[0]
+
+
+def _parser_and_ref(tool_parser: Any) -> tuple[Callable[[str], list[ToolCall]], Ref]:
     key = "rollout.tool_parser"
     if isinstance(tool_parser, str) and tool_parser in PARSERS:
         return PARSERS[tool_parser], ("parser", tool_parser)

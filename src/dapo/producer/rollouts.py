@@ -22,13 +22,12 @@ from dapo.agents import AgentHost, run_agent_episodes
 from dapo.config import Config
 from dapo.data.prompts import encode_prompts, load_prompt_set
 from dapo.environments import (
-    PARSERS,
     ChatRenderer,
     EnvironmentPool,
     EnvironmentSpec,
+    load_parser,
     prompt_messages,
 )
-from dapo.environments.loading import import_spec
 from dapo.errors import (
     DynamicSamplingError,
     DynamicSamplingWarning,
@@ -129,8 +128,7 @@ class Rollouts:
                 agent,
                 num_workers=r.env_workers,
                 timeout_s=r.agent_timeout_s,
-                parser=PARSERS.get(r.tool_parser)
-                or import_spec(r.tool_parser, "rollout.tool_parser"),
+                parser=load_parser(r.tool_parser),
             )
         )
         self.sampler = DynamicSampler(

@@ -23,7 +23,7 @@ import torch
 
 from dapo.atomic import write_text_atomic
 from dapo.config import Config
-from dapo.environments import load_environment, no_template_error, parse_hermes
+from dapo.environments import load_environment, load_parser, no_template_error, parse_hermes
 from dapo.errors import TrainingError
 from dapo.handover import ScoredGroup
 from dapo.metrics import MetricsLogger, plot_dashboard
@@ -72,7 +72,10 @@ class Trainer:
         )
         tokenizer_name = cfg.model.tokenizer or cfg.model.name_or_path
         builtin_without = builtin_chat_template(tokenizer_name) is False
-        chat = spec is not None or r.agent is not None or inputs.agent is not None
+        agent = r.agent is not None or inputs.agent is not None
+        if agent:
+            load_parser(r.tool_parser)  # the endpoint parses the agents' tool calls with it
+        chat = spec is not None or agent
         if chat and inputs.tokenizer is None and builtin_without:
             raise no_template_error(tokenizer_name)
         model_path = ""
