@@ -204,6 +204,8 @@ def test_distill_only_runs_with_no_reward_function(random_tiny_model, teacher_di
         assert r["sampling/trained_groups"] == 2.0  # uniform (all-zero) groups are not dropped
         assert r["distill/teacher_share"] == 1.0 and r["distill/reverse_kl"] != 0.0
         assert "perf/teacher_s" in r
+        # Nothing was scored: no reward or train accuracy that would read 0.
+        assert not {"reward/mean", "reward/acc", "reward/std"} & r.keys()
 
 
 def test_a_teacher_that_cannot_be_loaded_stops_before_training(random_tiny_model, tmp_path):

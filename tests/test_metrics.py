@@ -477,11 +477,18 @@ def test_compact_line_shows_turns_and_non_zero_failures() -> None:
         "sampling/uniform_groups": 1.0,
         "perf/step_s": 9999.4,
         "env/turns_mean": 12.345,
+        "distill/reverse_kl": 1.2345678e-05,
         "reward/failures": 999999.0,
         "env/failures": 99999.0,
     }
     line = console.compact_line(1000, 10_000, widest, console.timing(360_000.0, 1000, 9000))
     assert len(line) <= console.MAX_LINE, (len(line), line)
+
+
+def test_compact_line_shows_the_reverse_kl_to_a_teacher() -> None:
+    values = {"reward/acc": 0.5, "actor/entropy": 0.25, "distill/reverse_kl": 0.0123456}
+    line = console.compact_line(3, 10, values, "")
+    assert line == "step  3/10  acc 50.0%  entropy 0.25  kl-teacher 0.0123"
 
 
 def test_compact_line_leaves_out_missing_metrics(

@@ -8,7 +8,8 @@ The compact line, for example::
 
 (one line on the console) stays under :data:`MAX_LINE` characters for any values; a metric
 missing from a step (no update, an evaluation-only record) is left out of it. Runs with
-environments or tools add ``turns`` (assistant turns per episode), and any run with
+environments or tools add ``turns`` (assistant turns per episode), runs with a teacher
+``kl-teacher`` (``distill/reverse_kl``), and any run with
 failures ``failed reward N env M`` (that step's counts) when they are not zero.
 """
 
@@ -21,8 +22,8 @@ from typing import IO
 from tqdm import tqdm
 
 # The compact line's length bound (checked by the tests): every field at its widest, an
-# episode run's turns and both failure counts included; a usual line is about 110.
-MAX_LINE = 210
+# episode run's turns, the teacher's KL and both failure counts included; a usual line is about 110.
+MAX_LINE = 225
 
 # Group order of the verbose dump; other groups follow alphabetically.
 _GROUP_ORDER = ("val", "reward", "response_length", "actor", "sampling", "perf")
@@ -47,6 +48,8 @@ LINE_FIELDS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("reward/acc", "acc", _finite(lambda v: f"{v:.1%}")),
     ("reward/mean", "reward", _finite(lambda v: f"{v:+.3g}")),
     ("actor/entropy", "entropy", _finite(lambda v: f"{v:.3g}")),
+    # Runs with a teacher (algorithm.teacher): the reverse KL to it, what distillation lowers.
+    ("distill/reverse_kl", "kl-teacher", _finite(lambda v: f"{v:.3g}")),
     ("response_length/mean", "len", _finite(lambda v: f"{v:.0f}")),
     ("actor/clip_frac_high", "clip-high", _finite(_share)),
     ("sampling/uniform_groups", "uniform", _finite(lambda v: f"{v:.0%}")),

@@ -235,7 +235,7 @@ class Rollouts:
             batch,
             {
                 **skips,
-                **group_metrics(generated),
+                **group_metrics(generated, scored=not self.cfg.algorithm.distill_only),
                 **failed,
                 "perf/gen_s": timing["gen"],
                 "perf/score_s": timing["score"],
