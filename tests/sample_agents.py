@@ -39,6 +39,22 @@ def three_requests(client, record):
     return None
 
 
+def three_requests_scored(client, record):
+    """As three_requests, and the reward is the parity of the last reply's characters'
+    codes: groups of a random model get mixed rewards (a learning signal)."""
+    messages = list(record["prompt"])
+    for _ in range(2):
+        reply = client.chat.completions.create(
+            model="m", messages=messages, tools=TOOLS, max_tokens=8
+        )
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": "x", "content": "12345"})
+    summary = [{"role": "user", "content": "Summary: the sum is 12345. Answer it."}]
+    last = client.chat.completions.create(model="m", messages=summary, tools=TOOLS, max_tokens=8)
+    text = last.choices[0].message.content or ""
+    return float(sum(map(ord, text)) % 2)
+
+
 def by_mode(client, record):
     """What ``record["extra"]["mode"]`` says: ok (one request, reward 1), raise, hang, exit, or
     turns (requests until the endpoint refuses one; the refusal is caught)."""

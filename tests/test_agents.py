@@ -367,6 +367,57 @@ def test_an_unknown_tool_parser_for_agents_is_named_before_any_model_loads(tmp_p
         )
 
 
+def test_an_agent_run_resumed_from_its_checkpoint_logs_what_one_run_logs(tool_model, tmp_path):
+    """Three steps of agent episodes (tool replies, a history rewrite: extra segments) in one
+    go, and two + one resumed from the step-2 checkpoint file, log the same metrics: the
+    agents' sampling seeds depend on the step and round, not on what the process did before."""
+    import sys
+
+    from dapo.config import load_config
+    from dapo.training.trainer import Trainer
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    try:
+        from compare_runs import TIMING, differences, load
+    finally:
+        sys.path.pop(0)
+
+    def config(out: Path, steps: int, *extra: str):
+        return load_config(
+            overrides=[
+                f"model.name_or_path={tool_model}",
+                f"output_dir={out}",
+                "data.train=builtin:calculator",
+                "evaluate=false",
+                f"rollout.agent={AGENTS}:three_requests_scored",  # mixed groups
+                "rollout.max_turns=3",
+                "rollout.max_completion_length=60",
+                f"train.steps={steps}",
+                "train.prompts_per_step=2",
+                "train.mini_batch_size=1",
+                "rollout.num_generations=2",
+                "algorithm.dynamic_sampling=false",
+                "logging.tensorboard=false",
+                "logging.console=false",
+                "checkpoint.save_every=1",
+                "checkpoint.save_final_model=false",
+                "reward.num_workers=1",
+                *extra,
+            ]
+        )
+
+    Trainer(config(tmp_path / "whole", 3), log=lambda _: None).run()
+    Trainer(config(tmp_path / "split", 2), log=lambda _: None).run()
+    assert (tmp_path / "split" / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
+    with pytest.warns(UserWarning, match="train.steps 2 -> 3"):
+        Trainer(config(tmp_path / "split", 3, "resume=true"), log=lambda _: None).run()
+    a, b = load(tmp_path / "whole"), load(tmp_path / "split")
+    assert not differences(a, b, TIMING, 0.0)
+    steps = [r for r in a if "agent/segments_mean" in r]
+    assert len(steps) == 3 and all(r["agent/segments_mean"] == 2.0 for r in steps)
+    assert steps[-1]["reward/std"] > 0 and steps[-1]["actor/grad_norm"] > 0  # step 3 learned
+
+
 def test_two_ranks_each_serve_their_episodes_and_train_every_segment_once(tool_model, tmp_path):
     """Under 2 ranks each rank plays its share of the episodes on its own endpoint, every
     rank sees the same batch, and together they train every sample (segments too) once."""

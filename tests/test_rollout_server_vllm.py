@@ -324,3 +324,61 @@ def test_multi_turn_episodes_are_generated_on_the_server(url, tiny_path):
         first = ids.index(tok.eos_token_id) + 1
         assert mask[:first] == [1] * first and 0 in mask[first:] and mask[-1] == 1
         assert all(lp == 0.0 for lp, m in zip(g.logprobs[i], mask, strict=True) if not m)
+
+
+def test_agent_episodes_are_sampled_on_the_server_with_the_policys_log_probs(url, tiny_path):
+    """rollout.agent with vllm-server: an openai-client agent's requests (tool replies, a
+    history rewrite) are sampled on the server, every episode's request of a round in one
+    /generate; seeded, it repeats; the server's log-probs of each sampled token are those
+    of the policy's weights (transformers, fp32), extra segments included."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dapo.agents import AgentHost, run_agent_episodes
+    from dapo.data.tasks.calculator import CHAT_TEMPLATE
+    from dapo.models.tiny import build_tokenizer
+    from dapo.rollout import SamplingParams
+    from dapo.rollout.server_client import ServerEngine
+
+    tok = build_tokenizer(CHAT_TEMPLATE)  # builtin:tiny's vocabulary, with a chat template
+    engine = ServerEngine(url, max_model_len=256, eos_token_id=tok.eos_token_id, api_key=KEY)
+    agent = f"{Path(__file__).with_name('sample_agents.py')}:three_requests"
+    records = [{"prompt": [{"role": "user", "content": f"Add {i}+{i}."}]} for i in range(3)]
+    runs, calls = [], []
+    for _ in range(2):
+        host = AgentHost(agent, num_workers=0, timeout_s=120.0)
+        try:
+            params = SamplingParams(n=2, max_tokens=60, seed=3)
+            runs.append(
+                run_agent_episodes(engine, tok, records, params, host, max_turns=3, gather_s=5.0)
+            )
+            calls.append(host.engine_calls)
+        finally:
+            host.close()
+    groups = runs[0]
+    assert [g.response_ids for g in groups] == [g.response_ids for g in runs[1]]
+    assert calls == [3, 3]  # 6 episodes x 3 requests: one /generate per round of requests
+    stats = [s for g in groups for s in g.episode_stats]
+    assert [(s["end"], s["requests"], s["segments"]) for s in stats] == [("done", 3, 2)] * 6
+    segments = [
+        (g.prompt_ids, g.response_ids[i], g.logprobs[i], g.model_mask[i])
+        for g in groups
+        for i in range(len(g.response_ids))
+    ] + [
+        (x["prompt_ids"], x["response_ids"], x["logprobs"], x["model_mask"])
+        for s in stats
+        for x in s["extra_segments"]
+    ]
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    gap, sampled = 0.0, 0
+    for prompt, ids, logprobs, mask in segments:
+        seq = torch.tensor([list(prompt) + list(ids)])
+        with torch.no_grad():
+            logits = model(seq).logits[0, len(prompt) - 1 : -1].float()
+        policy = torch.log_softmax(logits, -1).gather(1, seq[0, len(prompt) :, None])[:, 0]
+        keep = torch.tensor(mask, dtype=torch.bool)
+        if keep.any():
+            gap = max(gap, float((policy - torch.tensor(logprobs))[keep].abs().max()))
+        sampled += int(keep.sum())
+    assert sampled > 0 and gap < 1e-4, (sampled, gap)
+    assert any(0 in mask for *_, mask in segments)  # the tool replies: in the sequence, not sampled

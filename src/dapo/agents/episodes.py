@@ -7,7 +7,8 @@ the episode's base URL, then serves their requests until every agent has returne
 
 - requests are gathered from all live episodes and sampled in one ``engine.generate``
   call (as soon as every live episode waits on a request, or after ``gather_s`` seconds
-  without a new request); each engine call has its own seed, ``max_tokens`` the largest
+  without a new request); each engine call has its own seed (the round's, mixed with the
+  call's place in the round), ``max_tokens`` the largest
   cap of its requests (each reply keeps its own cap's worth, as sampling with it would);
 - each request is matched against its episode's token sequence
   (:class:`~dapo.agents.tracker.Conversation`): sampled ids are kept as sampled, new
@@ -197,6 +198,9 @@ class _Loop:
         self.renderer = host.renderer(tokenizer, None)
         self.eos = self.renderer.eos_token_id
         self.live = {t for t, e in by_token.items() if e.end is None}
+        # Engine calls of this round: each call's seed depends on the round's seed and its
+        # place in the round only, so a resumed run or an extra evaluation samples the same.
+        self.calls = 0
 
     def run(self, gather_s: float) -> None:
         last_event = time.monotonic()
@@ -303,7 +307,8 @@ class _Loop:
                 batch.append((e, *ready))
         if not batch:
             return
-        seed = mix_seed(self.params.seed, _AGENT_SEED, self.host.engine_calls)
+        seed = mix_seed(self.params.seed, _AGENT_SEED, self.calls)
+        self.calls += 1
         self.host.engine_calls += 1
         params = replace(self.params, n=1, max_tokens=max(b[3] for b in batch), seed=seed)
         try:
