@@ -204,17 +204,25 @@ def test_a_request_with_another_temperature_is_refused_naming_the_field(tok) -> 
 
 
 def test_raising_hanging_and_over_limit_agents_cost_one_episode_each(tok) -> None:
+    from dapo.environments import EnvironmentWarning
+
     modes = ["ok", "raise", "hang", "turns"]
     engine = ScriptedEngine(tok, lambda text: "hi")
-    groups, _ = play(
-        tok,
-        engine,
-        [record(mode=m) for m in modes],
-        f"{AGENTS}:by_mode",
-        num_workers=1,
-        timeout_s=4.0,
-    )
-    stats = {m: g.episode_stats[0] for m, g in zip(modes, groups, strict=True)}
+    with pytest.warns(EnvironmentWarning) as heard:
+        groups, _ = play(
+            tok,
+            engine,
+            [record(mode=m) for m in [*modes, "raise"]],
+            f"{AGENTS}:by_mode",
+            num_workers=1,
+            timeout_s=4.0,
+        )
+    # Each kind of failure is told once, with its reason (two episodes raised).
+    told = sorted(str(w.message).split(": ")[1] for w in heard)
+    assert told == ["max_turns", "raised", "timeout"]
+    assert any("ValueError: the agent's own bug" in str(w.message) for w in heard)
+    stats = {m: g.episode_stats[0] for m, g in zip(modes, groups[:4], strict=True)}
+    assert groups[4].episode_stats[0]["failure"].startswith("raised: ValueError")
     assert stats["ok"]["end"] == "done" and groups[0].env_rewards == [1.0]
     assert stats["raise"]["end"] == "env_failure"
     assert stats["raise"]["failure"].startswith("raised: ValueError: the agent's own bug")
@@ -225,15 +233,16 @@ def test_raising_hanging_and_over_limit_agents_cost_one_episode_each(tok) -> Non
     # The episodes before the failures keep their sampled tokens; the run goes on: a
     # second round on the same host (its hung worker replaced) plays normally.
     engine2 = ScriptedEngine(tok, lambda text: "hi")
-    groups2, _ = play(
-        tok,
-        engine2,
-        [record(mode="turns")],
-        f"{AGENTS}:by_mode",
-        num_workers=1,
-        max_tokens=7,
-        max_turns=10,
-    )
+    with pytest.warns(EnvironmentWarning, match="failed and costs its sample: budget: request 2"):
+        groups2, _ = play(
+            tok,
+            engine2,
+            [record(mode="turns")],
+            f"{AGENTS}:by_mode",
+            num_workers=1,
+            max_tokens=7,
+            max_turns=10,
+        )
     (s,) = groups2[0].episode_stats
     # "hi<eos>" (3 tokens), then "\nU: again\nA: " does not fit in the 7 left with room
     assert s["end"] == "env_failure" and s["failure"].startswith("budget: request 2")

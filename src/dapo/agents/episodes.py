@@ -35,6 +35,7 @@ import math
 import queue
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -44,7 +45,14 @@ from dapo.agents.endpoint import AgentEndpoint, Call
 from dapo.agents.protocol import ApiError, completion, parse_request, split_tool_calls
 from dapo.agents.runners import AgentRunner
 from dapo.agents.tracker import Conversation, Prepared, Segment, message_key
-from dapo.environments import ChatRenderer, RenderError, ToolCall, parse_hermes, prompt_messages
+from dapo.environments import (
+    ChatRenderer,
+    EnvironmentWarning,
+    RenderError,
+    ToolCall,
+    parse_hermes,
+    prompt_messages,
+)
 from dapo.errors import ConfigError
 from dapo.rollout.base import Group, RolloutEngine, SamplingParams
 from dapo.seeding import mix_seed
@@ -78,6 +86,7 @@ class AgentHost:
         self.endpoint = AgentEndpoint(self.events, model, wait_s=timeout_s + 60.0)
         self.parser, self.timeout_s = parser, float(timeout_s)
         self._renderers: dict[tuple[int, str], ChatRenderer] = {}
+        self._warned: set[str] = set()  # kinds of episode failure already warned about
         # One round at a time (a round generated ahead and an evaluation share the host).
         self.lock = threading.Lock()
         self.engine_calls = 0  # every engine call made for agents (tests and metrics)
@@ -87,6 +96,21 @@ class AgentHost:
         if key not in self._renderers:
             self._renderers[key] = ChatRenderer(tokenizer, tools)
         return self._renderers[key]
+
+    def warn_failures(self, failures: Sequence[str]) -> None:
+        """One warning per kind of episode failure ("raised", "timeout", "max_turns", ...)
+        over the run, with its first reason: the run goes on, the user learns why."""
+        for failure in failures:
+            kind = failure.split(":", 1)[0]
+            if kind in self._warned:
+                continue
+            self._warned.add(kind)
+            warnings.warn(
+                f"an agent episode failed and costs its sample: {failure} (warned once per "
+                "kind of failure; env/failures counts them)",
+                EnvironmentWarning,
+                stacklevel=4,
+            )
 
     def close(self) -> None:
         self.endpoint.close()
@@ -177,6 +201,7 @@ def _play(
                 e.fail("the run stopped the episode")
                 host.runner.abandon(e.token)
         host.runner.settle()
+    host.warn_failures([e.failure for e in episodes if e.failure is not None])
     return _groups(records, episodes, host.renderer(tokenizer, None))
 
 
