@@ -24,9 +24,9 @@ TOOLS = [
 ]
 
 
-def three_requests(client, record):
-    """Three requests whatever the model says: each reply is followed by a tool message,
-    and the third request rewrites the history (a summary instead of the turns so far)."""
+def _three_requests(client, record):
+    """Two requests each followed by a tool message, then a third that rewrites the history
+    (a summary instead of the turns so far); the third reply."""
     messages = list(record["prompt"])
     for _ in range(2):
         reply = client.chat.completions.create(
@@ -35,23 +35,20 @@ def three_requests(client, record):
         messages.append(reply.choices[0].message.model_dump(exclude_none=True))
         messages.append({"role": "tool", "tool_call_id": "x", "content": "12345"})
     summary = [{"role": "user", "content": "Summary: the sum is 12345. Answer it."}]
-    client.chat.completions.create(model="m", messages=summary, tools=TOOLS, max_tokens=8)
+    return client.chat.completions.create(model="m", messages=summary, tools=TOOLS, max_tokens=8)
+
+
+def three_requests(client, record):
+    """Three requests whatever the model says: each reply is followed by a tool message,
+    and the third request rewrites the history (a summary instead of the turns so far)."""
+    _three_requests(client, record)
     return None
 
 
 def three_requests_scored(client, record):
     """As three_requests, and the reward is the parity of the last reply's characters'
     codes: groups of a random model get mixed rewards (a learning signal)."""
-    messages = list(record["prompt"])
-    for _ in range(2):
-        reply = client.chat.completions.create(
-            model="m", messages=messages, tools=TOOLS, max_tokens=8
-        )
-        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
-        messages.append({"role": "tool", "tool_call_id": "x", "content": "12345"})
-    summary = [{"role": "user", "content": "Summary: the sum is 12345. Answer it."}]
-    last = client.chat.completions.create(model="m", messages=summary, tools=TOOLS, max_tokens=8)
-    text = last.choices[0].message.content or ""
+    text = _three_requests(client, record).choices[0].message.content or ""
     return float(sum(map(ord, text)) % 2)
 
 
