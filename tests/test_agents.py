@@ -269,34 +269,46 @@ def test_the_trainer_sees_the_vllm_engines_log_probs_on_agent_trajectories(tool_
     trainer_matches_engine_on_agents(tool_model, tmp_path, "vllm")
 
 
-def trainer_matches_engine_on_agents(tool_model, tmp_path, engine: str) -> None:
-    """Agent episodes with tool messages and a history rewrite: the trainer's log-probs of
-    every sampled token (extra segments too) are the engine's; then a training step."""
+def agent_config(model: Path, out: Path, agent: str, *extra: str):
+    """A small run of ``tests/sample_agents.py``'s ``agent`` on builtin:calculator: 2 prompts x
+    2 episodes of at most 3 requests, no evaluation, dynamic sampling off."""
     from dapo.config import load_config
-    from dapo.training.forward import compute_logprobs
-    from dapo.training.trainer import Trainer
 
-    cfg = load_config(
+    return load_config(
         overrides=[
-            f"model.name_or_path={tool_model}",
-            f"output_dir={tmp_path / 'run'}",
+            f"model.name_or_path={model}",
+            f"output_dir={out}",
             "data.train=builtin:calculator",
             "evaluate=false",
-            f"rollout.agent={AGENTS}:three_requests",
+            f"rollout.agent={AGENTS}:{agent}",
             "rollout.max_turns=3",
             "rollout.max_completion_length=60",
-            "train.steps=1",
             "train.prompts_per_step=2",
             "train.mini_batch_size=1",
             "rollout.num_generations=2",
             "algorithm.dynamic_sampling=false",
             "logging.tensorboard=false",
             "logging.console=false",
-            "checkpoint.save_every=0",
             "checkpoint.save_final_model=false",
             "reward.num_workers=1",
-            f"rollout.engine={engine}",
+            *extra,
         ]
+    )
+
+
+def trainer_matches_engine_on_agents(tool_model, tmp_path, engine: str) -> None:
+    """Agent episodes with tool messages and a history rewrite: the trainer's log-probs of
+    every sampled token (extra segments too) are the engine's; then a training step."""
+    from dapo.training.forward import compute_logprobs
+    from dapo.training.trainer import Trainer
+
+    cfg = agent_config(
+        tool_model,
+        tmp_path / "run",
+        "three_requests",
+        "train.steps=1",
+        "checkpoint.save_every=0",
+        f"rollout.engine={engine}",
     )
     trainer = Trainer(cfg, log=lambda _: None)
     try:
@@ -382,7 +394,6 @@ def test_an_agent_run_resumed_from_its_checkpoint_logs_what_one_run_logs(tool_mo
     agents' sampling seeds depend on the step and round, not on what the process did before."""
     import sys
 
-    from dapo.config import load_config
     from dapo.training.trainer import Trainer
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
@@ -392,27 +403,13 @@ def test_an_agent_run_resumed_from_its_checkpoint_logs_what_one_run_logs(tool_mo
         sys.path.pop(0)
 
     def config(out: Path, steps: int, *extra: str):
-        return load_config(
-            overrides=[
-                f"model.name_or_path={tool_model}",
-                f"output_dir={out}",
-                "data.train=builtin:calculator",
-                "evaluate=false",
-                f"rollout.agent={AGENTS}:three_requests_scored",  # mixed groups
-                "rollout.max_turns=3",
-                "rollout.max_completion_length=60",
-                f"train.steps={steps}",
-                "train.prompts_per_step=2",
-                "train.mini_batch_size=1",
-                "rollout.num_generations=2",
-                "algorithm.dynamic_sampling=false",
-                "logging.tensorboard=false",
-                "logging.console=false",
-                "checkpoint.save_every=1",
-                "checkpoint.save_final_model=false",
-                "reward.num_workers=1",
-                *extra,
-            ]
+        return agent_config(  # three_requests_scored: mixed groups, a learning signal
+            tool_model,
+            out,
+            "three_requests_scored",
+            f"train.steps={steps}",
+            "checkpoint.save_every=1",
+            *extra,
         )
 
     Trainer(config(tmp_path / "whole", 3), log=lambda _: None).run()

@@ -241,17 +241,27 @@ class Hooks:
         self.calls.append(("save", step, path))
 
 
-def test_hooks_see_every_step_evaluation_and_checkpoint(random_tiny_model, tmp_path):
+def train_with_hooks(model: Path, out: Path, **settings) -> tuple[Hooks, dict]:
+    """SMALL (with ``settings``) on 16 training and 4 held-out rows; its hook calls, summary."""
     hooks = Hooks()
-    out = tmp_path / "run"
     summary = dapo.train(
-        model=str(random_tiny_model),
+        model=str(model),
         output_dir=str(out),
         train_dataset=rows("train", 16),
         eval_dataset=rows("test", 4),
         reward_funcs=[parity],
         callbacks=hooks,
-        **{**SMALL, "train.steps": 3, "logging.eval_every": 2, "checkpoint.save_every": 2},
+        **{**SMALL, **settings},
+    )
+    return hooks, summary
+
+
+def test_hooks_see_every_step_evaluation_and_checkpoint(random_tiny_model, tmp_path):
+    out = tmp_path / "run"
+    hooks, summary = train_with_hooks(
+        random_tiny_model,
+        out,
+        **{"train.steps": 3, "logging.eval_every": 2, "checkpoint.save_every": 2},
     )
     kinds = [(kind, step) for kind, step, _ in hooks.calls]
     assert kinds == [
@@ -280,17 +290,8 @@ def test_hooks_see_every_step_evaluation_and_checkpoint(random_tiny_model, tmp_p
 
 def test_zero_steps_only_evaluates_once(random_tiny_model, tmp_path):
     """train.steps=0 "only evaluates": one evaluation, before == after, no training step."""
-    hooks = Hooks()
     out = tmp_path / "run"
-    summary = dapo.train(
-        model=str(random_tiny_model),
-        output_dir=str(out),
-        train_dataset=rows("train", 16),
-        eval_dataset=rows("test", 4),
-        reward_funcs=[parity],
-        callbacks=hooks,
-        **{**SMALL, "train.steps": 0},
-    )
+    hooks, summary = train_with_hooks(random_tiny_model, out, **{"train.steps": 0})
     assert [(kind, step) for kind, step, _ in hooks.calls] == [("evaluate", 0)]
     assert summary["steps"] == 0 and summary["samples_generated"] == 0
     assert summary["accuracy_after"] == summary["accuracy_before"]

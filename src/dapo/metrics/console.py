@@ -22,7 +22,8 @@ from typing import IO
 from tqdm import tqdm
 
 # The compact line's length bound (checked by the tests): every field at its widest, an
-# episode run's turns, the teacher's KL and both failure counts included; a usual line is about 110.
+# episode run's turns, the teacher's KL and both failure counts included; a usual line is
+# about 110.
 MAX_LINE = 225
 
 # Group order of the verbose dump; other groups follow alphabetically.

@@ -11,21 +11,25 @@ def group_metrics(groups: list[ScoredGroup], scored: bool = True) -> dict[str, f
     """Rewards, accuracy, length shaping and lengths over every response of ``groups``;
     ``scored=False`` (distillation alone: no reward function ran) leaves out the rewards and
     accuracy, which would read 0."""
-    rewards = [x for g in groups for x in g.rewards]
     lengths = [float(len(x)) for g in groups for x in g.response_ids]
-    out = {
+    return {
+        **(reward_metrics(groups) if scored else {}),
+        "response_length/mean": mean(lengths),
+        "response_length/max": max(lengths, default=0.0),
+        "response_length/clip_ratio": mean([float(x) for g in groups for x in g.truncated]),
+        **episode_metrics([e for g in groups for e in g.episode_stats or []]),
+    }
+
+
+def reward_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
+    """Rewards, accuracy and the length shaping over every response of ``groups``."""
+    rewards = [x for g in groups for x in g.rewards]
+    return {
         "reward/mean": mean(rewards),
         "reward/std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
         "reward/acc": mean([float(x) for g in groups for x in g.correct]),
         # The shaping actually added to the rewards: 0 when it is off.
         "reward/overlong_penalty_mean": mean([x for g in groups for x in g.penalty]),
-    }
-    return {
-        **(out if scored else {}),
-        "response_length/mean": mean(lengths),
-        "response_length/max": max(lengths, default=0.0),
-        "response_length/clip_ratio": mean([float(x) for g in groups for x in g.truncated]),
-        **episode_metrics([e for g in groups for e in g.episode_stats or []]),
     }
 
 

@@ -359,7 +359,7 @@ class Trainer:
                 if callbacks.on_step(self.step, metrics):  # every rank stops together
                     logger.message(f"stopped: {callbacks.requested}")
                     break
-            if self.rollouts.eval_records and before is not None:  # train.steps=0
+            if self.rollouts.eval_records and before is not None:  # no step since: reuse it
                 self.summary["accuracy_after"] = before["acc"]
             elif self.rollouts.eval_records:
                 ev = self.evaluate()
