@@ -24,7 +24,11 @@ def test_the_loglinear_error_is_measured_per_update(tmp_path):
             "--max-length=40",
             f"--output-dir={tmp_path / 'run'}",
             f"--output={out}",
-            "train.lr=1e-3",
+            # The log-linear error is second order in the update's size, the gap it corrects
+            # first order: at 1e-3 the two came within 10% (error/gap 0.77-1.09 over runs, the
+            # versions mixed depending on thread timing) and the check below failed once in
+            # CI; at 1e-4 error/gap was 0.17-0.37.
+            "train.lr=1e-4",
         ]
     )
     assert code == 0 and out.exists()
