@@ -1,5 +1,6 @@
-"""Generation throughput: our transformers engine (``hf``), transformers' own
-``model.generate`` (``generate``) and vLLM (``vllm``).
+"""Generation throughput: our transformers engine (``hf``), the same engine as of an earlier
+commit (``hf-prev``, ``--baseline-ref``), transformers' own ``model.generate``
+(``generate``) and vLLM (``vllm``).
 
 All engines generate for the same prompts with the same sampling settings (temperature,
 top-p 1, no top-k, the same length limit, up to ``--batch`` sequences in one batch), in
@@ -23,7 +24,17 @@ also returns every token's sampling log-prob, ``generate`` only the tokens. Afte
 warm-up call each, the engines take turns for ``--repeats`` rounds; the table gives the
 median and the best run.
 
+``hf-prev`` is ``src/dapo/rollout/hf_engine.py`` as of ``--baseline-ref`` (default
+8883290, the engine before its static-cache decoding loop), read with ``git show`` and
+imported beside today's package (it needs only modules that still exist), so both engines
+run in one process on the same model. ``--eos-rate P`` gives every token probability P of
+being EOS (geometric lengths: most responses short, a few at the limit, as in DAPO's runs),
+which shows what continuous batching saves when prompts wait for free rows.
+
     python benchmarks/bench_engines.py                       # every model, every engine
+    python benchmarks/bench_engines.py --models tiny --engines hf,hf-prev  # against before
+    python benchmarks/bench_engines.py --models 100m --engines hf,hf-prev --eos-rate 0.04 \
+        --max-tokens 96 --prompts 32 --batch 64                # a long tail
     python benchmarks/bench_engines.py --models smollm2 --engines hf,generate --json out.json
 
 On a GPU the hf and generate engines run on it (``--device``, default cuda when there is
@@ -37,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,9 +173,53 @@ class GenerateEngine:
         return groups
 
 
-def make_engine(name: str, bench: BenchModel, max_model_len: int, batch: int) -> Any:
+BASELINE_REF = "8883290"  # the transformers engine before its static-cache decoding loop
+
+
+def previous_engine_class(ref: str) -> type:
+    """``HFEngine`` as of commit ``ref`` (its module read with ``git show``)."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "-C", str(root), "show", f"{ref}:src/dapo/rollout/hf_engine.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / f"hf_engine_{ref}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"hf_engine_{ref}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.HFEngine
+
+
+def eos_rate_hook(model: torch.nn.Module, eos: int, rate: float) -> None:
+    """Every generated token is EOS with probability ``rate`` (at temperature 1): the EOS
+    logit is set to ``logsumexp(others) + log(rate / (1 - rate))``."""
+    bias = math.log(rate / (1 - rate))
+
+    def hook(_module: Any, _inputs: Any, out: torch.Tensor) -> torch.Tensor:
+        out = out.clone()
+        others = out.clone()
+        others[..., eos] = float("-inf")
+        out[..., eos] = torch.logsumexp(others.float(), -1).to(out.dtype) + bias
+        return out
+
+    model.get_output_embeddings().register_forward_hook(hook)
+
+
+def make_engine(
+    name: str, bench: BenchModel, max_model_len: int, batch: int, baseline_ref: str
+) -> Any:
     if name == "hf":
         return HFEngine(bench.model, bench.eos, bench.pad, batch_size=batch)
+    if name == "hf-prev":
+        engine_class = previous_engine_class(baseline_ref)
+        return engine_class(bench.model, bench.eos, bench.pad, batch_size=batch)
     if name == "generate":
         return GenerateEngine(bench.model, bench.eos, bench.pad, batch)
     from dapo.rollout.vllm_engine import VLLMEngine
@@ -201,7 +257,15 @@ def main(argv: list[str] | None = None) -> dict:
         "--models", default="tiny,100m,smollm2", help="comma-separated: " + ", ".join(MODELS)
     )
     ap.add_argument(
-        "--engines", default="hf,generate,vllm", help="comma-separated: hf, generate, vllm"
+        "--engines",
+        default="hf,generate,vllm",
+        help="comma-separated: hf, hf-prev, generate, vllm",
+    )
+    ap.add_argument(
+        "--baseline-ref", default=BASELINE_REF, help="the commit hf-prev's engine is read from"
+    )
+    ap.add_argument(
+        "--eos-rate", type=float, default=0.0, help="probability of EOS at every token (0: off)"
     )
     ap.add_argument("--prompts", type=int, default=16, help="prompts per generate call")
     ap.add_argument("--n", type=int, default=8, help="responses per prompt (the group size)")
@@ -237,6 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
     for model_name in [m for m in args.models.split(",") if m]:
         bench = MODELS[model_name](args.prompts)
         bench.model.to(args.device).eval()
+        if args.eos_rate > 0:
+            eos_rate_hook(bench.model, bench.eos, args.eos_rate)
         prompts = bench.prompts
         max_model_len = max(map(len, prompts)) + args.max_tokens
         n_params = sum(p.numel() for p in bench.model.parameters())
@@ -246,7 +312,9 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             for engine_name in engines:
                 t0 = time.perf_counter()
-                built[engine_name] = make_engine(engine_name, bench, max_model_len, args.batch)
+                built[engine_name] = make_engine(
+                    engine_name, bench, max_model_len, args.batch, args.baseline_ref
+                )
                 startup[engine_name] = time.perf_counter() - t0
                 torch.set_num_threads(args.threads)
                 warm = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=99)
@@ -286,6 +354,8 @@ def main(argv: list[str] | None = None) -> dict:
             "repeats": args.repeats,
             "threads": args.threads,
             "device": args.device,
+            "baseline_ref": args.baseline_ref if "hf-prev" in engines else None,
+            "eos_rate": args.eos_rate,
         },
         **provenance(vllm=package_version("vllm")),
         "results": rows,
@@ -312,7 +382,7 @@ def format_table(rows: list[dict]) -> str:
     ]
     for model in sorted({r["model"] for r in rows}):
         by = {r["engine"]: r["tokens_per_s"] for r in rows if r["model"] == model}
-        for other in ("generate", "vllm"):
+        for other in ("hf-prev", "generate", "vllm"):
             if "hf" in by and other in by:
                 lines.append(
                     [model, "", f"hf / {other}", f"{by['hf'] / by[other]:.2f}x", "", "", "", ""]

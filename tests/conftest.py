@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# train.precision=auto resolves to fp32 on every CPU in the suite (bf16-mixed where the CPU
+# has native bf16, outside it), so that tests compute the same on every machine; subprocesses
+# inherit it. tests/test_precision.py tests the detection itself.
+os.environ.setdefault("DAPO_CPU_BF16", "0")
 
 
 @pytest.fixture(scope="session")

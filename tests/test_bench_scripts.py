@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 from benchmark_modules import import_benchmark  # tests/benchmark_modules.py
@@ -62,6 +64,35 @@ def test_bench_engines_counts_generated_tokens(tmp_path, monkeypatch):
         # 2 prompts x 2 responses of at most 8 tokens each.
         assert 4 <= row["tokens"] <= 2 * 2 * 8
         assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"], rel=0.05)
+
+
+def _has_commit(ref: str) -> bool:
+    root = Path(__file__).resolve().parent.parent
+    return (
+        subprocess.run(
+            ["git", "-C", str(root), "cat-file", "-e", ref], capture_output=True
+        ).returncode
+        == 0
+    )
+
+
+@pytest.mark.skipif(not _has_commit("8883290"), reason="the clone lacks hf-prev's commit 8883290")
+def test_bench_engines_runs_the_previous_engine_and_the_eos_rate(tmp_path):
+    """hf-prev is the engine of the baseline commit, run on the same model; --eos-rate 0.5
+    ends half the tokens, for both engines (geometric lengths, mean 2)."""
+    bench = import_benchmark("bench_engines")
+    previous = bench.previous_engine_class("8883290")
+    assert previous.__module__ == "hf_engine_8883290"
+    report = bench.main(
+        ["--models", "tiny", "--engines", "hf,hf-prev", "--prompts", "4", "--n", "4",
+         "--max-tokens", "16", "--repeats", "1", "--threads", "1", "--eos-rate", "0.5",
+         "--json", str(tmp_path / "e.json")]
+    )  # fmt: skip
+    rows = {r["engine"]: r for r in report["results"]}
+    assert set(rows) == {"hf", "hf-prev"}
+    for row in rows.values():
+        assert 16 <= row["tokens"] <= 16 * 4.5, row  # 16 responses, mean length ~2 (not 16)
+    assert report["settings"]["baseline_ref"] == "8883290"
 
 
 @pytest.mark.realmodel

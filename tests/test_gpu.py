@@ -93,10 +93,12 @@ def test_autocast_takes_the_device_of_the_model_and_bf16_only_under_bf16_mixed(m
     from dapo.models import precision
 
     entered: list[tuple[str, torch.dtype]] = []
+    caches: list[bool] = []
 
     class Recorder:
-        def __init__(self, device_type: str, dtype: torch.dtype) -> None:
+        def __init__(self, device_type: str, dtype: torch.dtype, cache_enabled: bool) -> None:
             entered.append((device_type, dtype))
+            caches.append(cache_enabled)
 
         def __enter__(self) -> None:
             return None
@@ -111,6 +113,10 @@ def test_autocast_takes_the_device_of_the_model_and_bf16_only_under_bf16_mixed(m
         with precision.autocast(set_precision(build_model(99), mode)):
             pass
         assert entered == expected, mode
+    # Under CUDA graphs no cast is cached (a cached cast would be freed when the context ends).
+    with precision.autocast(set_precision(build_model(99), "bf16-mixed"), cache=False):
+        pass
+    assert caches == [True, False]
     monkeypatch.setattr(precision, "is_fsdp", lambda m: True)  # FSDP2 casts parameters itself
     entered.clear()
     with precision.autocast(set_precision(build_model(99), "bf16-mixed")):
@@ -118,18 +124,15 @@ def test_autocast_takes_the_device_of_the_model_and_bf16_only_under_bf16_mixed(m
     assert entered == []
 
 
-def test_the_hf_engine_keeps_transformers_attention_on_cuda(monkeypatch):
-    """On CPU the engine swaps in its grouped-KV SDPA for a GQA model; on CUDA (whose fused
-    kernels take no mask with GQA) it leaves transformers' attention alone."""
+def test_the_hf_engine_swaps_its_attention_in_while_generating_only():
+    """While generating, the engine's attention (grouped-query decode over the static cache,
+    SDPA for prompts) replaces the model's on every device; afterwards the model's is back."""
     from dapo.rollout import hf_engine
 
     model = build_model(99)
     assert model.config._attn_implementation == "sdpa"
-    with hf_engine._grouped_kv_attention(model):
-        assert model.config._attn_implementation != "sdpa"  # CPU: replaced
-    monkeypatch.setattr(hf_engine, "device_of", lambda m: torch.device("cuda", 0))
-    with hf_engine._grouped_kv_attention(model):
-        assert model.config._attn_implementation == "sdpa"
+    with hf_engine.generation_attention(model):
+        assert model.config._attn_implementation == "dapo_generate"
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -440,6 +443,60 @@ def test_the_hf_engine_on_cuda_samples_with_the_trainers_logprobs(precision, bou
     )
     assert metrics["rollout/logprob_mismatch"] < bound
     assert 0 <= metrics["rollout/mismatch_kl"] < bound
+
+
+@gpu_test()
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_cuda_graphs_on_and_off_give_the_same_tokens_and_every_bucket_is_captured(
+    precision, tiny_path
+):
+    """Greedy decoding with the decode step replayed from CUDA graphs and without: the same
+    tokens, log-probs within 1e-4 (fp32) / 2e-2 (bf16-mixed); 40 responses of lengths spread
+    over 4..48 on a batch of 16 pass through buckets 16 down to 1, each captured once (a
+    second call captures nothing new); no capture fallback is said."""
+    from dapo.models import load_policy
+    from dapo.rollout import HFEngine, SamplingParams
+
+    model = set_precision(load_policy(str(tiny_path)), precision).to(CUDA)
+    prompts = addition_prompts(20)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=48)
+    lines: list[str] = []
+    on = HFEngine(model, EOS, PAD, batch_size=16, cuda_graphs="on", log=lines.append)
+    off = HFEngine(model, EOS, PAD, batch_size=16, cuda_graphs="off")
+    assert on.uses_graphs() and not off.uses_graphs()
+    a, b = on.generate(prompts, params), off.generate(prompts, params)
+    assert [g.response_ids for g in a] == [g.response_ids for g in b]
+    gap = max(
+        abs(x - y)
+        for ga, gb in zip(a, b, strict=True)
+        for la, lb in zip(ga.logprobs, gb.logprobs, strict=True)
+        for x, y in zip(la, lb, strict=True)
+    )
+    assert gap < (1e-4 if precision == "fp32" else 2e-2), gap
+    (ws,) = on.workspaces.entries.values()
+    captured = sorted({key[0] for key in ws.graphs})
+    record(f"CUDA graphs ({precision}): buckets captured, max |logprob gap|", [captured, gap])
+    assert 16 in captured and len(captured) >= 3, captured
+    before = len(ws.graphs)
+    on.generate(prompts, params)
+    assert len(ws.graphs) == before  # replayed, not captured again
+    assert not lines, lines
+
+
+@gpu_test()
+def test_cuda_graphs_fall_back_with_one_line_for_a_sharded_policy(monkeypatch, tiny_path):
+    from dapo.models import load_policy
+    from dapo.rollout import HFEngine, hf_engine
+
+    model = load_policy(str(tiny_path)).to(CUDA)
+    monkeypatch.setattr(hf_engine, "is_fsdp", lambda m: True)
+    lines: list[str] = []
+    engine = HFEngine(model, EOS, PAD, cuda_graphs="on", log=lines.append)
+    assert not engine.uses_graphs() and not engine.uses_graphs()
+    assert lines == [
+        "rollout.cuda_graphs: decoding without CUDA graphs: the policy is FSDP-sharded "
+        "(its gathered weights move at every call)"
+    ]
 
 
 @gpu_test()

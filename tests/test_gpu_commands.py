@@ -378,3 +378,24 @@ def test_the_benchmarks_are_the_issues_settings():
     ]
     assert "--sides" not in cmd_m  # all of them: fp32, bf16-mixed, bf16-mixed+ckpt and TRL
     assert cmd_e[1:4] == ["benchmarks/bench_engines.py", "--models", "tiny,100m"]
+
+
+def test_the_source_commit_is_the_projects_own_or_no_git(tmp_path):
+    """A copy of the tree inside another repository (as on the GPU machine, where git found
+    an enclosing repository's commit) reports "no git"; a tree that is its own repository
+    reports its commit."""
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    outer = tmp_path / "outer"
+    (outer / "project").mkdir(parents=True)
+    subprocess.run([*git, "init", "-q", str(outer)], check=True)
+    subprocess.run([*git, "-C", str(outer), "commit", "-q", "--allow-empty", "-m", "x"], check=True)
+    assert run.own_commit(outer / "project") == "no git"
+    assert run.own_commit(tmp_path) == "no git"  # no repository at all
+    inner = tmp_path / "own"
+    inner.mkdir()
+    subprocess.run([*git, "init", "-q", str(inner)], check=True)
+    subprocess.run([*git, "-C", str(inner), "commit", "-q", "--allow-empty", "-m", "y"], check=True)
+    head = subprocess.run(
+        ["git", "-C", str(inner), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    assert run.own_commit(inner) == head

@@ -227,7 +227,7 @@ def test_bf16_mixed_run_logs_the_engine_mismatch_without_an_extra_pass(
         # they round differently, by a small amount.
         assert 0 < row["rollout/logprob_mismatch"] < 0.2
     rows, lines = _run(tmp_path / "fp32", random_tiny_model)
-    assert "precision: fp32 (auto: no CUDA)" in lines
+    assert "precision: fp32 (auto: no CUDA, a CPU with no native bf16)" in lines
     assert all("rollout/logprob_mismatch" not in r for r in rows)
     rows, lines = _run(
         tmp_path / "pure", random_tiny_model, "train.precision=bf16", "train.lr=1e-6"

@@ -203,8 +203,9 @@ def environment(python: str, env: dict[str, str]) -> dict[str, Any]:
 
 
 def source() -> dict[str, str]:
-    """The git commit where there is one, and a hash of the sources (the copy on a GPU
-    machine has no .git)."""
+    """The git commit where the project's tree is its own repository ("no git" otherwise: the
+    copy on a GPU machine has no .git, and git would report an enclosing repository's
+    commit), and a hash of the sources (the reliable identity)."""
     digest = hashlib.sha256()
     files = [
         *ROOT.glob("src/dapo/**/*.py"),
@@ -214,17 +215,24 @@ def source() -> dict[str, str]:
     ]
     for f in sorted(p for p in files if p.is_file()):
         digest.update(str(f.relative_to(ROOT)).encode() + b"\0" + f.read_bytes())
+    return {"commit": own_commit(ROOT), "sources_sha256": digest.hexdigest()[:16]}
+
+
+def own_commit(root: Path) -> str:
+    """``root``'s commit when ``root`` is the top of a git work tree, else "no git"."""
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
+        top = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "--short", "HEAD"],
+            cwd=root,
             capture_output=True,
             text=True,
             check=True,
-        ).stdout.strip()
+        ).stdout.split()
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {"commit": commit or "unknown", "sources_sha256": digest.hexdigest()[:16]}
+        return "no git"
+    if len(top) != 2 or Path(top[0]).resolve() != root.resolve():
+        return "no git"
+    return top[1]
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ DynamicSamplingMetric = Literal["acc", "reward"]
 Curriculum = Literal["none", "easy_first"]
 # rollout.vllm_quantization: vLLM quantizes the served weights (fp8: online, per tensor)
 VLLMQuantization = Literal["none", "fp8"]
+CudaGraphs = Literal["auto", "on", "off"]  # rollout.cuda_graphs (the hf engine on CUDA)
 
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)  # algorithm.advantage_scale
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAgg)  # algorithm.loss_agg

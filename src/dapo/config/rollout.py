@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dapo.choices import Engine, VLLMQuantization
+from dapo.choices import CudaGraphs, Engine, VLLMQuantization
 from dapo.config.fields import opt
 
 
@@ -167,6 +167,13 @@ class RolloutConfig:
         "Sequences (prompts x responses) generated together; bounds the generation memory, "
         "not the training batch.",
         ge=1,
+    )
+    cuda_graphs: CudaGraphs = opt(
+        "auto",
+        "The hf engine on CUDA: replay its decode step (forward and sampling) from CUDA "
+        "graphs, one captured per batch-size bucket. auto and on: on CUDA (a model that "
+        "cannot be captured, or an FSDP-sharded policy, falls back with one line saying "
+        "why; on also says so on a CPU); off: plain kernel launches.",
     )
     eval_temperature: float = opt(
         1.0,

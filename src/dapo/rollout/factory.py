@@ -46,7 +46,11 @@ def make_engine(
         from dapo.rollout.hf_engine import HFEngine
 
         return HFEngine(
-            model, tokenizer.eos_token_id, tokenizer.pad_token_id, r.generation_batch_size
+            model,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            r.generation_batch_size,
+            cuda_graphs=r.cuda_graphs,
         )
     if name == "vllm":
         from dapo.rollout.vllm_engine import VLLMEngine

@@ -1,80 +1,39 @@
 """The transformers engine: sampling with the policy module itself, in the training process.
 
-:class:`HFEngine` runs its own sampling loop, so that it can return log-probs cheaply, share
-one prompt prefill across the group, and drop finished sequences from the batch. What made
-it slow on a real model (SmolLM2-135M, 49k vocabulary, 3 key/value heads for 9 query heads,
-on CPU; profiled with cProfile) and is done otherwise here: ``torch.multinomial`` (one
-exponential random number per vocabulary entry; :func:`sample_next` inverts the CDF with
-one uniform per row), transformers copying the grouped key/value heads for every masked
-attention call (:func:`_grouped_kv_attention`), the prefill's logits for every prompt
-position (only the last is kept) and a per-token transfer of the sampled tokens (they stay
-on the device until the call ends).
+:class:`HFEngine` runs its own decoding loop (:mod:`dapo.rollout.decode`: a static key/value
+cache, a decode step of static shapes, continuous batching, CUDA graphs on CUDA), so that it
+returns log-probs cheaply and shares one prompt prefill across a group. While it generates,
+the model's attention is :func:`_generation_attention`: for one new token per row, a
+grouped-query attention written as two batched products over the static cache (each
+key/value head read once for its group of query heads, a boolean mask for the row's slots);
+for prompts, SDPA (on CPU with ``enable_gqa``: transformers' own sdpa attention copies the
+grouped heads out whenever a padding mask is given, which made SmolLM2's attention 9x
+slower). The weights are read in the dtype the products run in
+(:class:`~dapo.models.precision.GenerationWeights`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from dapo.models.inputs import device_of, left_pad
-from dapo.models.precision import autocast, float32_logits
-from dapo.parallel.sharding import full_params
+from dapo.models.inputs import device_of
+from dapo.models.precision import GenerationWeights, autocast
+from dapo.parallel.sharding import full_params, is_fsdp
 from dapo.rollout.base import Group, SamplingParams
+from dapo.rollout.decode import Decoder, Workspaces
+from dapo.rollout.sampling import process_logits, sample_next
+
+__all__ = ["HFEngine", "graphs_fallback", "process_logits", "sample_next", "unsupported_reason"]
+
+_ATTENTION = "dapo_generate"
 
 
-def process_logits(
-    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0
-) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus) filtering; removed entries are -inf."""
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass before it already reaches top_p (keeps at least one).
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_next(
-    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of ``logits [B, V]`` and its log-prob under the distribution it was
-    drawn from (after temperature, top-k and top-p); greedy at temperature 0.
-
-    Sampling inverts the cumulative distribution with one uniform number per row (in
-    float64, so that no token of positive probability is rounded away). It draws from the
-    same distribution as ``torch.multinomial``, whose one-sample path draws an exponential
-    number for every vocabulary entry: with a 49k vocabulary that was a fifth of the
-    decoding time of a 135M model on CPU.
-    """
-    if params.temperature == 0:
-        tok = logits.argmax(-1)
-        return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
-    logp = torch.log_softmax(
-        process_logits(logits, params.temperature, params.top_p, params.top_k), -1
-    )
-    cdf = logp.exp().double().cumsum_(-1)
-    total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=gen, device=cdf.device, dtype=cdf.dtype) * total
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total
-    # The first entry whose cumulative mass exceeds u: never one of probability 0.
-    tok = torch.searchsorted(cdf, u, right=True).squeeze(-1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-
-
-_SDPA_GQA = "dapo_sdpa_gqa"  # transformers' sdpa attention, grouped key/value heads kept
-
-
-def _sdpa_gqa_attention(
+def _generation_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -85,25 +44,29 @@ def _sdpa_gqa_attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA with ``enable_gqa``: the kernel reads each key/value head for its group of query
-    heads. transformers' own sdpa attention copies them out first (``repeat_kv``) whenever a
-    padding mask is given, which on CPU made attention 9x slower for SmolLM2 (3 key/value
-    heads for 9 query heads). Anything else (a position bias, attention sinks) goes to
-    transformers' function."""
+    """Attention while generating; ``query [B, Hq, Q, D]``, ``key``/``value [B, Hkv, L, D]``.
+
+    Decoding (``Q == 1`` with a boolean mask over the cache's slots): ``softmax(q k^T * scale)
+    v`` with the query heads grouped by their key/value head (``[B, Hkv, Hq/Hkv, D]``), the
+    scores in float32. Prompts: SDPA with ``enable_gqa``. Anything else (a position bias,
+    attention sinks) goes to transformers' sdpa attention."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
         return sdpa_attention_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=is_causal,
-            **kwargs,
-        )
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            is_causal=is_causal, **kwargs,
+        )  # fmt: skip
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
+    if q_len == 1 and attention_mask is not None and attention_mask.dtype == torch.bool:
+        q = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+        scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+        probs = torch.softmax(scores, -1).to(value.dtype)
+        out = torch.matmul(probs, value)  # [B, Hkv, G, D]
+        return out.reshape(batch, 1, heads, dim), None
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = torch.nn.functional.scaled_dot_product_attention(
         query,
@@ -112,37 +75,69 @@ def _sdpa_gqa_attention(
         attn_mask=attention_mask,
         dropout_p=dropout,
         scale=scaling,
-        is_causal=bool(query.shape[2] > 1 and attention_mask is None and causal),
-        enable_gqa=key.shape[1] != query.shape[1],
+        is_causal=bool(q_len > 1 and attention_mask is None and causal),
+        enable_gqa=kv_heads != heads,
     )
     return out.transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
-def _grouped_kv_attention(model: torch.nn.Module) -> Iterator[None]:
-    """While generating on CPU, a model with grouped key/value heads on transformers' sdpa
-    attention uses :func:`_sdpa_gqa_attention` (the same maths, the same masks)."""
-    config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if (
-        device_of(model).type != "cpu"  # CUDA's fast kernels take no mask with GQA
-        or getattr(config, "_attn_implementation", None) != "sdpa"
-        or not heads
-        or kv_heads == heads
-    ):
-        yield
-        return
+def generation_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, ``model`` (a transformers model) attends with :func:`_generation_attention`
+    and builds boolean masks for its prompts, whatever attention it trains with."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(_SDPA_GQA, _sdpa_gqa_attention)
-    AttentionMaskInterface.register(_SDPA_GQA, sdpa_mask)
-    config._attn_implementation = _SDPA_GQA
+    config = getattr(model, "config", None)
+    before = getattr(config, "_attn_implementation", None)
+    if config is None or before is None:
+        yield
+        return
+    AttentionInterface.register(_ATTENTION, _generation_attention)
+    AttentionMaskInterface.register(_ATTENTION, sdpa_mask)
+    config._attn_implementation = _ATTENTION
     try:
         yield
     finally:
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = before
+
+
+def unsupported_reason(model: torch.nn.Module, length: int) -> str | None:
+    """Why the engine's static cache cannot serve ``model`` for ``length`` tokens (prompt +
+    response), or None: every layer must attend to the whole sequence (a sliding window
+    shorter than ``length``, or a layer that is not attention, cannot be expressed by one
+    mask over one cache)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return "the model has no transformers config"
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    window = getattr(text, "sliding_window", None)
+    if getattr(text, "use_sliding_window", True) is False:
+        window = None
+    if kinds - {"full_attention", "sliding_attention"}:
+        return f"its layers are {sorted(kinds)}, not only attention"
+    if (
+        window is not None
+        and window < length
+        and ("sliding_attention" in kinds or getattr(text, "layer_types", None) is None)
+    ):
+        return f"its sliding window ({window}) is shorter than prompt + response ({length})"
+    return None
+
+
+def graphs_fallback(model: torch.nn.Module, setting: str) -> str | None:
+    """Why the decode step runs without CUDA graphs under ``rollout.cuda_graphs=setting``
+    (None: with them). ``auto`` and ``on`` capture on CUDA; a sharded (FSDP) policy is
+    gathered anew at every call, so its weights move and a captured graph would read stale
+    memory."""
+    if setting == "off":
+        return "rollout.cuda_graphs=off"
+    if device_of(model).type != "cuda":
+        return None if setting == "auto" else f"the model is on {device_of(model).type}, not CUDA"
+    if is_fsdp(model):
+        return "the policy is FSDP-sharded (its gathered weights move at every call)"
+    return None
 
 
 class HFEngine:
@@ -150,16 +145,30 @@ class HFEngine:
 
     The engine holds the policy module itself, so after an optimizer step it already
     samples from the new weights; ``load_weights`` copies tensors only when given ones
-    that are not its own (e.g. from another process).
+    that are not its own (e.g. from another process). ``batch_size``: rows decoded together;
+    ``cuda_graphs``: ``auto`` (on CUDA), ``on`` or ``off``.
     """
 
     def __init__(
-        self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int, batch_size: int = 256
+        self,
+        model: torch.nn.Module,
+        eos_token_id: int,
+        pad_token_id: int,
+        batch_size: int = 256,
+        cuda_graphs: str = "auto",
+        log: Any = print,
     ) -> None:
+        if cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose auto, on or off")
         self.model = model
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
+        self.cuda_graphs = cuda_graphs
+        self.log = log
+        self.weights = GenerationWeights()
+        self.workspaces = Workspaces()
+        self._told: set[str] = set()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights too
@@ -170,6 +179,21 @@ class HFEngine:
                 if tensor is not params[name] and params[name].data_ptr() != tensor.data_ptr():
                     params[name].copy_(tensor)
 
+    def _tell(self, line: str) -> None:
+        if line not in self._told:
+            self._told.add(line)
+            self.log(line)
+
+    def uses_graphs(self) -> bool:
+        """Whether the decode step is replayed from CUDA graphs (says why not, once, where
+        they were asked for)."""
+        reason = graphs_fallback(self.model, self.cuda_graphs)
+        if reason is None and device_of(self.model).type == "cuda":
+            return not self.workspaces.capture_failed
+        if reason is not None and self.cuda_graphs == "on":
+            self._tell(f"rollout.cuda_graphs: decoding without CUDA graphs: {reason}")
+        return False
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Group]:
         """Sample ``params.n`` responses per prompt.
@@ -177,97 +201,62 @@ class HFEngine:
         An FSDP-sharded model is gathered once for the whole call, as each rank runs its
         own number of decoding steps: every rank must call this, with any number of prompts.
         """
-        gen = torch.Generator(device=device_of(self.model)).manual_seed(params.seed)
-        per_call = max(1, self.batch_size // max(1, params.n))
-        groups: list[Group] = []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if not prompts or params.n < 1 or params.max_tokens < 1:  # nothing to generate
+            return [
+                Group(
+                    prompt_ids=list(p),
+                    response_ids=[[] for _ in range(max(params.n, 0))],
+                    logprobs=[[] for _ in range(max(params.n, 0))],
+                    truncated=[True] * max(params.n, 0),
+                )
+                for p in prompts
+            ]
+        length = max(map(len, prompts)) + params.max_tokens
+        reason = unsupported_reason(self.model, length)
+        if reason is not None:
+            raise ValueError(
+                f"rollout.engine=hf cannot generate with this model: {reason}. Use "
+                "rollout.engine=vllm, or shorter prompts and rollout.max_completion_length."
+            )
+        device = device_of(self.model)
+        gen = torch.Generator(device=device).manual_seed(params.seed)
+        graphs = self.uses_graphs()
         was_training = self.model.training
         self.model.eval()
         try:
-            # The trainer's precision: its autocast, and float32 logits from bf16 products.
             with (
                 full_params(self.model),
-                autocast(self.model),
-                float32_logits(self.model),
-                _grouped_kv_attention(self.model),
+                autocast(self.model, cache=not graphs),
+                self.weights.applied(self.model),
+                generation_attention(self.model),
             ):
-                for start in range(0, len(prompts), per_call):
-                    groups.extend(self._generate(prompts[start : start + per_call], params, gen))
+                decoder = Decoder(
+                    self.model,
+                    prompts,
+                    params,
+                    rows=self.batch_size,
+                    eos_token_id=self.eos_token_id,
+                    pad_token_id=self.pad_token_id,
+                    gen=gen,
+                    device=device,
+                    workspaces=self.workspaces,
+                    graphs=graphs,
+                    log=self._tell,
+                )
+                out = decoder.run()
         finally:
             self.model.train(was_training)
-        return groups
-
-    def _generate(
-        self, prompts: list[list[int]], params: SamplingParams, gen: torch.Generator
-    ) -> list[Group]:
-        from transformers import DynamicCache
-
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        n = params.n
-        ids, attn = left_pad(prompts, self.pad_token_id)
-        device = device_of(self.model)
-        ids, attn = ids.to(device), attn.to(device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        # One prefill per prompt, shared by its n responses.
-        cache = out.past_key_values
-        cache.batch_repeat_interleave(n)
-        logits = out.logits[:, -1].float().repeat_interleave(n, dim=0)
-        attn = attn.repeat_interleave(n, dim=0)
-        next_pos = pos[:, -1].repeat_interleave(n, dim=0) + 1
-
-        # The responses stay on the device until the end (no per-token transfer): row r's
-        # token t is tokens[r, t]; lengths[r] tokens were generated, the last EOS if finished.
-        total, steps = len(prompts) * n, params.max_tokens
-        tokens = torch.zeros((total, steps), dtype=torch.long, device=device)
-        logps = torch.zeros((total, steps), dtype=torch.float32, device=device)
-        lengths = torch.zeros(total, dtype=torch.long, device=device)
-        finished = torch.zeros(total, dtype=torch.bool, device=device)
-        active = torch.arange(total, device=device)  # rows of the full batch still generating
-        for step in range(steps):
-            tok, logp = sample_next(logits, params, gen)
-            tokens[active, step] = tok
-            logps[active, step] = logp.float()
-            lengths[active] = step + 1
-            done_now = tok == self.eos_token_id
-            finished[active] = done_now
-            if step == steps - 1:
-                break
-            keep = (~done_now).nonzero().squeeze(-1)
-            if keep.numel() == 0:
-                break
-            if keep.numel() < active.numel():  # finished rows stop costing compute
-                cache.batch_select_indices(keep)
-                active, tok, attn, next_pos = active[keep], tok[keep], attn[keep], next_pos[keep]
-            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=-1)
-            out = self.model(
-                input_ids=tok[:, None],
-                attention_mask=attn,
-                position_ids=next_pos[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            cache = out.past_key_values
-            logits = out.logits[:, -1].float()
-            next_pos = next_pos + 1
-
-        tokens_l, logps_l, lengths_l, finished_l = (
-            x.tolist() for x in (tokens, logps, lengths, finished)
+        tokens, logps, lengths, eos = (
+            x.tolist() for x in (out.tokens, out.logps, out.lengths, out.eos)
         )
         groups = []
         for i, p in enumerate(prompts):
             g = Group(prompt_ids=list(p))
-            for row in range(i * n, (i + 1) * n):
-                g.response_ids.append(tokens_l[row][: lengths_l[row]])
-                g.logprobs.append(logps_l[row][: lengths_l[row]])
-                g.truncated.append(not finished_l[row])
+            for row in range(i * params.n, (i + 1) * params.n):
+                g.response_ids.append(tokens[row][: lengths[row]])
+                g.logprobs.append(logps[row][: lengths[row]])
+                g.truncated.append(not eos[row])
             groups.append(g)
         return groups

@@ -27,8 +27,12 @@ from dapo.models import context_length, load_policy, lora
 from dapo.models.data_parallel import wrap_data_parallel
 from dapo.models.inputs import device_of
 from dapo.models.precision import (
+    bf16_cpu_slowdown,
     bf16_rounding_warning,
+    cpu_bf16_warning,
+    cpu_has_native_bf16,
     load_dtype,
+    precision_origin,
     reference_copy,
     resolve_precision,
     set_precision,
@@ -195,10 +199,13 @@ class Learner:
         t = cfg.train
         cuda = torch.cuda.is_available()
         precision = resolve_precision(t.precision, cuda)
-        auto = f" (auto: {'CUDA' if cuda else 'no CUDA'})" if t.precision == "auto" else ""
-        log(f"precision: {precision}{auto}")
+        log(f"precision: {precision}{precision_origin(t.precision, cuda)}")
         if precision == "bf16":
             log(bf16_rounding_warning(t.lr))
+        if not cuda and precision != "fp32" and not cpu_has_native_bf16():
+            slowdown = bf16_cpu_slowdown()
+            if slowdown >= 2:  # measured: the flags may miss a CPU that does it well
+                log(cpu_bf16_warning(precision, slowdown))
         if model is None:
             model = load_policy(
                 model_path,

@@ -1,0 +1,452 @@
+"""The transformers engine's decoding loop, in gpt-fast's shape: a prefill, a decode step
+that is one function of static shapes, and a loop that only calls it.
+
+- The key/value cache (:class:`RowCache`) is allocated once per call at its final size,
+  ``[rows, kv_heads, prompt_width + max_tokens, head_dim]`` per layer. Every row writes its
+  next key and value at its own slot, and a boolean mask ``[rows, length]`` says which
+  slots it attends to: nothing grows, nothing is concatenated, no mask is rebuilt.
+- Positions, slots, masks, finished flags and each row's tokens and log-probs stay on the
+  device and are updated in place; the loop reads anything back only every
+  :data:`SYNC_EVERY` tokens.
+- Continuous batching: the call's responses wait in a queue. At each look, the rows whose
+  response finished hand it back and take the next ones (their prompts prefilled into the
+  rows' slots, one prefill per distinct prompt). Once the queue is empty, the live rows are
+  packed into the smallest batch-size bucket (:func:`buckets`) that holds them, so the long
+  tail runs on a small batch.
+- On CUDA each bucket's decode step is captured once as a CUDA graph and replayed per token
+  (``cuda_graphs``); the step takes its random numbers as an input (``DecodeState.u``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from dapo.models.inputs import left_pad
+from dapo.rollout.base import SamplingParams
+from dapo.rollout.sampling import sample_with
+
+SYNC_EVERY = 8  # decode steps between two looks at the host (finished rows, refills)
+SYNC_EVERY_CPU = 4  # on a CPU a look costs little and a finished row a whole row of compute
+
+
+def buckets(max_rows: int) -> list[int]:
+    """Batch sizes the decode step runs at: powers of two and the halfway sizes between
+    them (1, 2, 3, 4, 6, 8, 12, 16, 24, ...), up to ``max_rows``, which is always one."""
+    sizes, p = set(), 1
+    while p < max_rows:
+        sizes.update(x for x in (p, 3 * p // 2) if 1 <= x < max_rows)
+        p *= 2
+    return sorted(sizes | {max_rows})
+
+
+def bucket_for(rows: int, sizes: list[int]) -> int:
+    """The smallest bucket that holds ``rows`` rows."""
+    return next(s for s in sizes if s >= rows)
+
+
+class RowCache(Cache):
+    """A static key/value cache: ``keys[layer]`` and ``values[layer]`` are ``[rows, kv_heads,
+    length, head_dim]``, allocated once; ``update`` writes each row's new key and value at
+    ``slot[row]`` and returns the whole buffers (the attention mask hides unused slots)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slot: torch.Tensor):
+        super().__init__(layers=[])
+        self.keys, self.values, self.slot = keys, values, slot
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *a: Any,
+        **k: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        index = self.slot.view(-1, 1, 1, 1).expand_as(key_states)
+        keys.scatter_(2, index, key_states.to(keys.dtype))
+        values.scatter_(2, index, value_states.to(values.dtype))
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always given (position_ids); nothing reads this
+
+    def view(self, rows: int, length: int) -> RowCache:
+        """The same buffers, first ``rows`` rows and ``length`` slots."""
+        return RowCache(
+            [k[:rows, :, :length] for k in self.keys],
+            [v[:rows, :, :length] for v in self.values],
+            self.slot[:rows],
+        )
+
+
+@dataclass
+class DecodeState:
+    """Every row's state, on the device, in buffers of ``rows`` rows that never move.
+
+    ``logits``: the next-token logits to sample from; ``pos``: the next position id;
+    ``slot``: where the next key goes; ``valid``: the slots the row attends to; ``gen``:
+    tokens generated; ``done``: finished (EOS or the limit; also a free row); ``eos``:
+    ended on EOS; ``tokens``/``logps``: the row's response so far (column ``max_tokens`` is
+    scratch for finished rows); ``u``: one uniform number per row for the next draw.
+    """
+
+    logits: torch.Tensor
+    pos: torch.Tensor
+    slot: torch.Tensor
+    valid: torch.Tensor
+    gen: torch.Tensor
+    done: torch.Tensor
+    eos: torch.Tensor
+    tokens: torch.Tensor
+    logps: torch.Tensor
+    u: torch.Tensor
+
+    @classmethod
+    def allocate(cls, rows: int, length: int, max_tokens: int, vocab: int, device) -> DecodeState:
+        def z(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        valid = z(rows, length, dtype=torch.bool)
+        valid[:, 0] = True  # a free row attends to something (no NaN from an empty softmax)
+        return cls(
+            logits=z(rows, vocab, dtype=torch.float32),
+            pos=z(rows),
+            slot=z(rows),
+            valid=valid,
+            gen=z(rows),
+            done=torch.ones(rows, dtype=torch.bool, device=device),
+            eos=z(rows, dtype=torch.bool),
+            tokens=z(rows, max_tokens + 1),
+            logps=z(rows, max_tokens + 1, dtype=torch.float32),
+            u=z(rows, dtype=torch.float64),
+        )
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    def view(self, rows: int, length: int) -> DecodeState:
+        """The first ``rows`` rows, attending to the first ``length`` slots."""
+        views = {f.name: getattr(self, f.name)[:rows] for f in fields(self)}
+        views["valid"] = views["valid"][:, :length]
+        return DecodeState(**views)
+
+
+def decode_step(
+    model: torch.nn.Module,
+    s: DecodeState,
+    cache: RowCache,
+    params: SamplingParams,
+    eos_token_id: int,
+) -> None:
+    """One token for every row, in place on ``s`` and ``cache``: sample from ``s.logits``,
+    record the token, then forward it at each row's position to get the next logits.
+
+    Static shapes and no host synchronisation: a CUDA graph can capture it. Finished rows
+    run too (their results are discarded: the token goes to the scratch column, their
+    position and slot stay put).
+    """
+    max_tokens = s.tokens.shape[1] - 1
+    tok, logp = sample_with(s.logits, params, s.u)
+    live = ~s.done
+    col = torch.where(live, s.gen, max_tokens)[:, None]
+    s.tokens.scatter_(1, col, tok[:, None])
+    s.logps.scatter_(1, col, logp[:, None].float())
+    ended_eos = live & (tok == eos_token_id)
+    s.eos.logical_or_(ended_eos)
+    s.gen.add_(live)
+    s.done.logical_or_(ended_eos | (s.gen >= max_tokens))
+
+    s.valid.scatter_(1, s.slot[:, None], True)
+    out = model(
+        input_ids=tok[:, None],
+        position_ids=s.pos[:, None],
+        attention_mask=s.valid[:, None, None, :],
+        past_key_values=cache,
+        use_cache=True,
+    )
+    s.logits.copy_(out.logits[:, -1])
+    s.pos.add_(live)
+    s.slot.add_(live).clamp_(max=s.valid.shape[1] - 1)  # a finished row's writes stay in
+
+
+@dataclass
+class Results:
+    """Per response: its tokens, log-probs, length and whether it ended on EOS (device)."""
+
+    tokens: torch.Tensor
+    logps: torch.Tensor
+    lengths: torch.Tensor
+    eos: torch.Tensor
+
+
+class Workspace:
+    """The buffers of one call shape (rows, cache length, response limit, vocabulary, cache
+    layout), and the CUDA graphs captured on them: kept between calls, since a graph replays
+    on the addresses it was captured with."""
+
+    def __init__(self, state: DecodeState, cache: RowCache) -> None:
+        self.state, self.cache = state, cache
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.pool: Any = None
+
+
+class Workspaces:
+    """The engine's workspaces by call shape, the most recent :data:`KEEP` of them."""
+
+    KEEP = 2
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, Workspace] = {}
+        self.capture_failed = False
+
+    def get(self, key: tuple, make: Callable[[], Workspace]) -> Workspace:
+        ws = self.entries.pop(key, None) or make()
+        self.entries[key] = ws  # most recent last
+        while len(self.entries) > self.KEEP:
+            self.entries.pop(next(iter(self.entries)))
+        return ws
+
+
+class Decoder:
+    """Generates every response of one engine call on up to ``rows`` rows.
+
+    ``model`` is a transformers causal LM in eval mode, inside the engine's precision and
+    attention contexts. Responses come back in order: prompt ``i``'s ``k``-th response is
+    ``i * n + k``. ``graphs``: replay the decode step from CUDA graphs; ``log``: where a
+    fallback is said.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        rows: int,
+        eos_token_id: int,
+        pad_token_id: int,
+        gen: torch.Generator,
+        device: torch.device,
+        workspaces: Workspaces,
+        graphs: bool = False,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.model, self.prompts, self.params = model, prompts, params
+        self.eos, self.pad, self.gen, self.device = eos_token_id, pad_token_id, gen, device
+        self.workspaces, self.graphs, self.log = workspaces, graphs, log
+        self.queue = deque((p, k) for p in range(len(prompts)) for k in range(params.n))
+        total = len(self.queue)
+        width = max(map(len, prompts))
+        if graphs:  # few distinct shapes, so that captured graphs are reused across calls
+            self.rows = bucket_for(min(rows, total), buckets(rows))
+            width = -(-width // 32) * 32
+        else:
+            self.rows = min(rows, total)
+        # With graphs, one capture per bucket; else any batch size (packing is a copy).
+        self.sizes = buckets(self.rows) if graphs else list(range(1, self.rows + 1))
+        self.sync_every = SYNC_EVERY if graphs or device.type == "cuda" else SYNC_EVERY_CPU
+        self.length = width + params.max_tokens
+        self.held: list[int] = [-1] * self.rows  # the response each row holds (-1: free)
+        self.ws: Workspace | None = None
+        t = params.max_tokens
+        self.out = Results(
+            tokens=torch.zeros((total, t), dtype=torch.long, device=device),
+            logps=torch.zeros((total, t), dtype=torch.float32, device=device),
+            lengths=torch.zeros(total, dtype=torch.long, device=device),
+            eos=torch.zeros(total, dtype=torch.bool, device=device),
+        )
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> Results:
+        self._refill()
+        active, window = self.rows, self._window(self.rows)
+        while True:
+            for _ in range(self.sync_every):
+                if self.params.temperature != 0:
+                    self.ws.state.u[:active].uniform_(generator=self.gen)
+                self._step_or_replay(active, window)
+            done = self.ws.state.done[:active].tolist()  # the one host synchronisation
+            self._retire([r for r in range(active) if done[r] and self.held[r] >= 0])
+            if self.queue:
+                self._refill()
+            else:
+                live = [r for r in range(active) if self.held[r] >= 0]
+                if not live:
+                    return self.out
+                smaller = bucket_for(len(live), self.sizes)
+                if smaller < active and (self.graphs or len(live) <= 0.9 * active):
+                    self._pack(live, smaller, window)
+                    active = smaller
+            window = self._window(active)
+
+    def _window(self, rows: int) -> int:
+        """The cache slots the next :attr:`sync_every` steps can reach: all of them with CUDA
+        graphs (one shape per bucket); else up to the furthest row's slot plus those steps,
+        so that attention does not run over slots no row has written yet."""
+        if self.graphs:
+            return self.length
+        furthest = int(self.ws.state.slot[:rows].max())
+        return min(self.length, furthest + self.sync_every + 1)
+
+    def _step(self, rows: int, window: int) -> None:
+        ws = self.ws
+        decode_step(
+            self.model,
+            ws.state.view(rows, window),
+            ws.cache.view(rows, window),
+            self.params,
+            self.eos,
+        )
+
+    def _step_or_replay(self, rows: int, window: int) -> None:
+        if not self.graphs or self.workspaces.capture_failed:
+            self._step(rows, window)
+            return
+        p = self.params
+        key = (rows, p.temperature, p.top_p, p.top_k, self.eos)
+        graph = self.ws.graphs.get(key)
+        if graph is None:
+            graph = self._capture(rows)
+            if graph is None:
+                self._step(rows, window)
+                return
+            self.ws.graphs[key] = graph
+        graph.replay()
+
+    def _capture(self, rows: int) -> torch.cuda.CUDAGraph | None:
+        """The decode step of ``rows`` rows as a CUDA graph (None, said once, when the model
+        cannot be captured). Warm-up steps run for real on a side stream, as capturing
+        requires; the rows' small state is put back after them (the cache slots and response
+        columns they wrote are written again by the real step, at the same places)."""
+        s = self.ws.state.view(rows, self.length)
+        small = [b for b in s.buffers() if b is not s.tokens and b is not s.logps]
+        saved = [b.clone() for b in small]
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step(rows, self.length)
+            torch.cuda.current_stream().wait_stream(side)
+            if self.ws.pool is None:
+                self.ws.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.ws.pool):
+                self._step(rows, self.length)
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
+            self.workspaces.capture_failed = True
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            self.log(
+                "rollout.cuda_graphs: the decode step could not be captured as a CUDA graph "
+                f"({type(exc).__name__}: {first[:200]}); decoding without CUDA graphs"
+            )
+            graph = None
+        finally:
+            for b, v in zip(small, saved, strict=True):
+                b.copy_(v)
+        return graph
+
+    # -- between steps: prefill, retire, pack --------------------------------------------------
+
+    def _refill(self) -> None:
+        """Give the free rows the next responses of the queue: each distinct prompt is
+        prefilled once and its keys and values copied into the rows of its responses."""
+        free = [r for r in range(self.rows) if self.held[r] < 0]
+        take = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
+        if not take:
+            return
+        rows = free[: len(take)]
+        distinct = list(dict.fromkeys(p for p, _ in take))
+        ids, attn = left_pad([self.prompts[p] for p in distinct], self.pad)
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=pos,
+            past_key_values=DynamicCache(),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        prefill = out.past_key_values
+        if self.ws is None:
+            self.ws = self._workspace(prefill, out.logits.shape[-1])
+        where = {p: i for i, p in enumerate(distinct)}
+        src = torch.tensor([where[p] for p, _ in take], device=self.device)
+        dst = torch.tensor(rows, device=self.device)
+        w = ids.shape[1]
+        cache, s = self.ws.cache, self.ws.state
+        for i, layer in enumerate(prefill.layers):
+            cache.keys[i][dst, :, :w] = layer.keys.index_select(0, src).to(cache.keys[i].dtype)
+            cache.values[i][dst, :, :w] = layer.values.index_select(0, src).to(
+                cache.values[i].dtype
+            )
+        s.valid[dst] = False
+        s.valid[dst, :w] = attn.bool().index_select(0, src)
+        s.slot[dst] = w
+        s.pos[dst] = attn.sum(-1).index_select(0, src)
+        s.logits[dst] = out.logits[:, -1].float().index_select(0, src)
+        s.gen[dst] = 0
+        s.done[dst] = False
+        s.eos[dst] = False
+        for r, (p, k) in zip(rows, take, strict=True):
+            self.held[r] = p * self.params.n + k
+
+    def _workspace(self, prefill: DynamicCache, vocab: int) -> Workspace:
+        layout = tuple(
+            (tuple(x.shape[1::2]), x.dtype) for layer in prefill.layers
+            for x in (layer.keys, layer.values)
+        )  # fmt: skip
+        key = (self.rows, self.length, self.params.max_tokens, vocab, layout, str(self.device))
+
+        def make() -> Workspace:
+            state = DecodeState.allocate(
+                self.rows, self.length, self.params.max_tokens, vocab, self.device
+            )
+            buffers = [
+                torch.zeros((self.rows, x.shape[1], self.length, x.shape[3]), dtype=x.dtype,
+                            device=self.device)
+                for layer in prefill.layers for x in (layer.keys, layer.values)
+            ]  # fmt: skip
+            return Workspace(state, RowCache(buffers[0::2], buffers[1::2], state.slot))
+
+        ws = self.workspaces.get(key, make)
+        ws.state.done.fill_(True)  # every row free until filled
+        return ws
+
+    def _retire(self, rows: list[int]) -> None:
+        """Copy the finished rows' responses out and free the rows."""
+        if not rows:
+            return
+        src = torch.tensor(rows, device=self.device)
+        dst = torch.tensor([self.held[r] for r in rows], device=self.device)
+        s, t = self.ws.state, self.params.max_tokens
+        self.out.tokens[dst] = s.tokens.index_select(0, src)[:, :t]
+        self.out.logps[dst] = s.logps.index_select(0, src)[:, :t]
+        self.out.lengths[dst] = s.gen.index_select(0, src)
+        self.out.eos[dst] = s.eos.index_select(0, src)
+        for r in rows:
+            self.held[r] = -1
+
+    def _pack(self, live: list[int], rows: int, window: int) -> None:
+        """Move the live rows to the front, into the first ``rows`` rows (the cache's first
+        ``window`` slots: no row has written beyond)."""
+        keep = set(live)
+        order = live + [r for r in range(self.rows) if r not in keep][: rows - len(live)]
+        index = torch.tensor(order, device=self.device)
+        for b in self.ws.state.buffers():
+            b[:rows] = b.index_select(0, index)
+        for b in [*self.ws.cache.keys, *self.ws.cache.values]:
+            b[:rows, :, :window] = b[:, :, :window].index_select(0, index)
+        self.held = [self.held[r] for r in order] + [-1] * (self.rows - rows)

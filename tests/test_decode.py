@@ -1,0 +1,219 @@
+"""Tests for ``dapo.rollout.decode``: the static cache, the decode step, continuous batching
+and packing, bf16 generation weights, the CUDA-graph and model-support decisions.
+
+References are independent of the loop: log-probs from one plain forward pass over each
+unpadded ``prompt + response`` (``test_rollout.reference_logprobs``), token distributions from
+the softmax of that forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_rollout import EOS, PAD, make_model, reference_greedy, reference_logprobs
+
+from dapo.models.precision import set_precision
+from dapo.rollout import HFEngine, SamplingParams
+from dapo.rollout.decode import RowCache, bucket_for, buckets
+from dapo.rollout.hf_engine import graphs_fallback, unsupported_reason
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    texts = ["Add 1+2", "Hi", "abcdefghijkl", "x", "The quick brown", "42+17="]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def batch_sizes_seen(model) -> tuple[list[int], object]:
+    """The batch size of every decode-step forward (one new token per row)."""
+    seen: list[int] = []
+
+    def hook(_m, _a, kwargs):
+        if kwargs["input_ids"].shape[1] == 1:
+            seen.append(kwargs["input_ids"].shape[0])
+
+    return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_buckets_are_powers_of_two_and_halfway_sizes_up_to_the_batch():
+    assert buckets(1) == [1]
+    assert buckets(16) == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert buckets(20) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
+    assert [bucket_for(n, buckets(256)) for n in (1, 5, 7, 13, 200, 256)] == [1, 6, 8, 16, 256, 256]
+
+
+def test_the_row_cache_writes_each_rows_key_at_its_own_slot():
+    keys = [torch.zeros(3, 2, 5, 4)]
+    values = [torch.zeros(3, 2, 5, 4)]
+    slot = torch.tensor([0, 3, 4])
+    cache = RowCache(keys, values, slot)
+    k = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 1, 4) + 1
+    out_k, out_v = cache.update(k, -k, 0)
+    assert out_k is keys[0] and out_v is values[0]  # the buffers themselves: nothing grows
+    for row, s in enumerate(slot.tolist()):
+        assert torch.equal(keys[0][row, :, s], k[row, :, 0])
+        assert torch.equal(values[0][row, :, s], -k[row, :, 0])
+        others = [i for i in range(5) if i != s]
+        assert keys[0][row, :, others].abs().sum() == 0
+
+
+def test_refilled_and_packed_rows_give_the_forwards_logprobs_to_1e5(tok, prompts):
+    """A batch of 4 rows for 12 responses of very different lengths: rows are refilled from
+    the queue and packed as they finish; every response's tokens and log-probs are those of a
+    plain forward over it."""
+    model = make_model(tok, seed=0, eos_scale=8.0)
+    seen, handle = batch_sizes_seen(model)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=14, seed=5)
+    groups = HFEngine(model, EOS, PAD, batch_size=4).generate(prompts, params)
+    handle.remove()
+    lengths = [len(r) for g in groups for r in g.response_ids]
+    assert len(set(lengths)) >= 4, lengths  # precondition: a spread of lengths
+    assert max(seen) == 4 and min(seen) < 4, seen  # rows refilled, then packed
+    for g in groups:
+        for resp, lp, trunc in zip(g.response_ids, g.logprobs, g.truncated, strict=True):
+            assert len(lp) == len(resp) and (EOS in resp) != trunc
+            ref = reference_logprobs(model, g.prompt_ids, resp, temperature=1.0)
+            torch.testing.assert_close(torch.tensor(lp), ref, atol=1e-5, rtol=0)
+
+
+def test_greedy_tokens_equal_a_cache_free_decode_whatever_the_batch(tok, prompts):
+    model = make_model(tok, seed=1, eos_scale=8.0)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=12)
+    for batch in (2, 5, 256):
+        groups = HFEngine(model, EOS, PAD, batch_size=batch).generate(prompts, params)
+        for p, g in zip(prompts, groups, strict=True):
+            want = reference_greedy(model, p, 12)
+            assert g.response_ids == [want] * 3, batch
+
+
+def test_sampling_draws_from_the_models_distribution(tok, prompts):
+    """1,536 responses of 2 tokens to one prompt on 256 rows (refills), at temperature 0.4
+    (a peaked distribution): the first token's
+    frequencies and the second token's, after the most frequent first one, are within 5 sigma
+    of the softmax of a plain forward."""
+    model = make_model(tok, seed=2)
+    prompt = prompts[0]
+    n = 1536
+    groups = HFEngine(model, EOS, PAD, batch_size=256).generate(
+        [prompt], SamplingParams(n=n, temperature=0.4, max_tokens=2, seed=11)
+    )
+    responses = groups[0].response_ids
+    vocab = len(tok)
+
+    def check(counts: torch.Tensor, probs: torch.Tensor, total: int) -> None:
+        freq = counts.double() / total
+        sigma = (probs * (1 - probs) / total).sqrt()
+        assert ((freq - probs).abs() <= 5 * sigma + 2e-3).all()
+
+    with torch.no_grad():
+        first = torch.softmax(
+            model(input_ids=torch.tensor([prompt])).logits[0, -1].double() / 0.4, -1
+        )
+    counts = torch.bincount(torch.tensor([r[0] for r in responses]), minlength=vocab)
+    check(counts, first, n)
+    top = int(counts.argmax())
+    after = [r[1] for r in responses if r[0] == top and len(r) > 1]
+    assert len(after) > 50  # precondition
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + [top]])).logits[0, -1].double() / 0.4
+    check(
+        torch.bincount(torch.tensor(after), minlength=vocab), torch.softmax(logits, -1), len(after)
+    )
+
+
+def test_a_long_tail_runs_on_a_shrinking_batch(tok, prompts, monkeypatch):
+    """Most responses short, two at the limit: once the queue is empty the decode step runs
+    on fewer rows (never on the whole batch for the stragglers)."""
+    model = make_model(tok, seed=0, eos_bias=3.0)
+    state = {"calls": 0}
+
+    def hook(_m, _i, out):  # rows 0-1 of the first decode batch never end (EOS forbidden)
+        out = out.clone()
+        if out.shape[1] == 1 and state["calls"] < 10_000:
+            out[:2, :, EOS] = -1e9
+        return out
+
+    model.lm_head.register_forward_hook(hook)
+    seen, handle = batch_sizes_seen(model)
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=48, seed=0)
+    groups = HFEngine(model, EOS, PAD, batch_size=16).generate(prompts[:2], params)
+    handle.remove()
+    lengths = sorted(len(r) for g in groups for r in g.response_ids)
+    assert lengths[-1] == 48 and lengths[len(lengths) // 2] < 8, lengths  # a long tail
+    assert seen[0] == 16 and seen[-1] <= 3, seen
+    row_steps = sum(seen)
+    assert row_steps < 0.3 * 16 * len(seen), (row_steps, len(seen))
+
+
+def test_bf16_mixed_generation_reads_bf16_weights_cast_once_and_restores_them(tok, prompts):
+    model = set_precision(make_model(tok, seed=0), "bf16-mixed")
+    layer = model.model.layers[0].mlp.down_proj
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params_before = {n: p for n, p in model.named_parameters()}
+    seen: list[torch.dtype] = []
+    layer.register_forward_hook(lambda m, i, o: seen.append(m.weight.dtype))
+    engine = HFEngine(model, EOS, PAD)
+    groups = engine.generate(prompts[:2], SamplingParams(n=2, max_tokens=6, seed=0))
+    assert seen and set(seen) == {torch.bfloat16}  # inside: the bf16 copy, no per-token cast
+    for n, p in model.named_parameters():  # outside: the float32 parameters, unchanged
+        assert p is params_before[n] and p.dtype == torch.float32
+        assert torch.equal(p.detach(), before[n])
+    copies = dict(engine.weights._copies)
+    with torch.no_grad():
+        layer.weight.add_(1.0)  # an update
+    engine.generate(prompts[:1], SamplingParams(n=1, max_tokens=2, seed=0))
+    fresh = engine.weights._copies[id(layer.weight)]
+    assert fresh is copies[id(layer.weight)]  # refreshed in place: the same address
+    assert torch.equal(fresh, layer.weight.detach().to(torch.bfloat16))
+    assert len(groups) == 2
+
+
+def test_cuda_graphs_decision_and_unsupported_models(tok):
+    model = make_model(tok, seed=0)
+    assert graphs_fallback(model, "auto") is None  # CPU + auto: nothing to say, no graphs
+    assert "not CUDA" in graphs_fallback(model, "on")
+    assert graphs_fallback(model, "off") == "rollout.cuda_graphs=off"
+    lines: list[str] = []
+    engine = HFEngine(model, EOS, PAD, cuda_graphs="on", log=lines.append)
+    assert not engine.uses_graphs() and not engine.uses_graphs()
+    assert lines == [
+        "rollout.cuda_graphs: decoding without CUDA graphs: the model is on cpu, not CUDA"
+    ]
+    with pytest.raises(ValueError, match="cuda_graphs='yes'"):
+        HFEngine(model, EOS, PAD, cuda_graphs="yes")
+
+    assert unsupported_reason(model, 4096) is None
+    model.config.sliding_window = 16
+    model.config.layer_types = ["sliding_attention"] * 4
+    assert unsupported_reason(model, 8) is None  # the window covers the whole sequence
+    assert "sliding window (16)" in unsupported_reason(model, 40)
+    with pytest.raises(ValueError, match="rollout.engine=vllm"):
+        HFEngine(model, EOS, PAD).generate([[5] * 30], SamplingParams(max_tokens=20))
+
+
+def test_a_failed_capture_falls_back_to_eager_steps_once(tok, prompts, monkeypatch):
+    """The capture path itself runs on CUDA only; here its failure handling: the engine says
+    why in one line and decodes eagerly, with the same results."""
+    model = make_model(tok, seed=0, eos_scale=8.0)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=8)
+    want = HFEngine(model, EOS, PAD).generate(prompts[:3], params)
+
+    def no_stream(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    lines: list[str] = []
+    engine = HFEngine(model, EOS, PAD, log=lines.append)
+    # As on CUDA: graphs asked for (bucketed rows, a rounded cache length), capture fails.
+    monkeypatch.setattr(HFEngine, "uses_graphs", lambda self: not self.workspaces.capture_failed)
+    monkeypatch.setattr(torch.cuda, "Stream", no_stream)
+    got = engine.generate(prompts[:3], params)
+    again = engine.generate(prompts[:3], params)
+    assert [g.response_ids for g in got] == [g.response_ids for g in want]
+    assert [g.response_ids for g in again] == [g.response_ids for g in want]
+    assert len(lines) == 1 and lines[0].startswith(
+        "rollout.cuda_graphs: the decode step could not be captured as a CUDA graph "
+        "(RuntimeError: operation not permitted"
+    ), lines
+    assert lines[0].endswith("decoding without CUDA graphs")
