@@ -365,8 +365,11 @@ def test_make_bench_gpu_writes_both_tables_and_says_which_benchmark_gave_nothing
 
 
 def test_the_benchmarks_are_the_issues_settings():
-    (memory, cmd_m, _), (engines, cmd_e, _) = run.bench_steps("python3", Path("/w"), quick=False)
-    assert (memory, engines) == ("bench_memory", "bench_engines")
+    (run_name, cmd_r, _), (engines, cmd_e, _), (memory, cmd_m, _) = run.bench_steps(
+        "python3", Path("/w"), quick=False
+    )
+    assert (run_name, engines, memory) == ("default_run", "bench_engines", "bench_memory")
+    assert cmd_r[1:4] == ["benchmarks/time_default_run.py", "--steps", "20"]
     assert cmd_m[1:8] == [
         "benchmarks/bench_memory.py",
         "--prompts",
@@ -377,7 +380,16 @@ def test_the_benchmarks_are_the_issues_settings():
         "256",
     ]
     assert "--sides" not in cmd_m  # all of them: fp32, bf16-mixed, bf16-mixed+ckpt and TRL
-    assert cmd_e[1:4] == ["benchmarks/bench_engines.py", "--models", "tiny,100m"]
+    assert cmd_e[1:6] == [
+        "benchmarks/bench_engines.py",
+        "--models",
+        "tiny,100m",
+        "--engines",
+        "hf,generate",
+    ]
+    default = {"result": {"steps": 20, "median_step_s": 0.3, "median_gen_s": 0.2,
+                          "median_train_s": 0.08, "run_s": 40.0, "precision": "bf16-mixed"}}  # fmt: skip
+    assert "| 0.3 | 0.2 | 0.08 | 40.0 |" in "\n".join(run.default_run_markdown(default))
 
 
 def test_the_source_commit_is_the_projects_own_or_no_git(tmp_path):

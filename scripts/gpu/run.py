@@ -10,10 +10,11 @@ by then is stopped and reported as such) and writes to the results folder (``--o
 
 - ``test``: the ``gpu`` pytest tier (``tests/test_gpu.py -m gpu``) -> ``test-gpu.json``,
   ``test-gpu.md`` (a table of the tests and of the figures they measured), ``test-gpu.log``;
-- ``bench``: ``bench_memory --prompts 32 --generations 8 --max-completion-length 256`` (dapo's
-  precisions against TRL) and ``bench_engines --models tiny,100m`` (the hf engine against
-  transformers' ``generate``, and vLLM where installed) -> ``bench-gpu.json``, ``bench-gpu.md``,
-  ``bench-gpu.log``.
+- ``bench``: ``time_default_run --steps 20`` (the default run's seconds per step),
+  ``bench_engines --models tiny,100m --engines hf,generate`` (the hf engine against
+  transformers' ``generate``, 128 sequences) and ``bench_memory --prompts 32 --generations 8
+  --max-completion-length 256`` (dapo's precisions against TRL) -> ``bench-gpu.json``,
+  ``bench-gpu.md``, ``bench-gpu.log``.
 
     python3 scripts/gpu/run.py test  [--gpu-dir .gpu] [--out DIR] [--budget-s 540] [-- PYTEST ARGS]
     python3 scripts/gpu/run.py bench [--gpu-dir .gpu] [--out DIR] [--budget-s 540] [--quick]
@@ -43,7 +44,7 @@ ROOT = HERE.parents[1]
 BUDGET_S = 540.0
 MIN_BUDGET_S = 60.0
 KILL_GRACE_S = 10.0
-ENGINES_RESERVE_S = 150.0  # what bench_memory leaves to bench_engines
+ENGINES_RESERVE_S = 120.0  # what each benchmark leaves to each one after it
 FIGURES_ENV, REPORT_ENV = "DAPO_GPU_FIGURES", "DAPO_GPU_REPORT"
 
 _PROBE = """
@@ -367,7 +368,8 @@ def run_test(args: argparse.Namespace, out: Path, start: float) -> int:
 def bench_steps(python: str, work: Path, quick: bool) -> list[tuple[str, list[str], Path]]:
     """``(name, command, its JSON report)`` of each benchmark, in order."""
     memory = ["--prompts", "32", "--generations", "8", "--max-completion-length", "256"]
-    engines = ["--models", "tiny,100m"]
+    # 16 prompts x 8 = 128 sequences: the hf engine against transformers' generate
+    engines = ["--models", "tiny,100m", "--engines", "hf,generate"]
     if quick:  # a smoke run: a tiny model shape, a few tokens
         memory = [
             "--prompts",
@@ -401,16 +403,41 @@ def bench_steps(python: str, work: Path, quick: bool) -> list[tuple[str, list[st
             "--repeats",
             "1",
         ]
+    default_run = ["--steps", "2" if quick else "20"]
     return [
         (
-            "bench_memory",
-            [python, "benchmarks/bench_memory.py", *memory, "--output", str(work / "memory.json")],
-            work / "memory.json",
+            "default_run",
+            [
+                python,
+                "benchmarks/time_default_run.py",
+                *default_run,
+                "--json",
+                str(work / "default_run.json"),
+            ],
+            work / "default_run.json",
         ),
         (
             "bench_engines",
             [python, "benchmarks/bench_engines.py", *engines, "--json", str(work / "engines.json")],
             work / "engines.json",
+        ),
+        (
+            "bench_memory",
+            [python, "benchmarks/bench_memory.py", *memory, "--output", str(work / "memory.json")],
+            work / "memory.json",
+        ),
+    ]
+
+
+def default_run_markdown(r: dict[str, Any]) -> list[str]:
+    x = r["result"]
+    return [
+        f"`dapo train` with its defaults for {x['steps']} steps, no evaluation "
+        f"(precision {x['precision']}); medians over the steps after the first.",
+        "",
+        *table(
+            ["s per step", "generation s", "update s", "whole run s"],
+            [[x["median_step_s"], x["median_gen_s"], x["median_train_s"], x["run_s"]]],
         ),
     ]
 
@@ -460,6 +487,7 @@ def engines_markdown(r: dict[str, Any]) -> list[str]:
 
 
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "default_run": default_run_markdown,
     "bench_memory": memory_markdown,
     "bench_engines": engines_markdown,
 }

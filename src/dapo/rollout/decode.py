@@ -56,9 +56,16 @@ class RowCache(Cache):
     length, head_dim]``, allocated once; ``update`` writes each row's new key and value at
     ``slot[row]`` and returns the whole buffers (the attention mask hides unused slots)."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], slot: torch.Tensor):
+    def __init__(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        slot: torch.Tensor,
+        rows: torch.Tensor | None = None,
+    ):
         super().__init__(layers=[])
         self.keys, self.values, self.slot = keys, values, slot
+        self.rows = torch.arange(len(slot), device=slot.device) if rows is None else rows
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -72,9 +79,8 @@ class RowCache(Cache):
         **k: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        index = self.slot.view(-1, 1, 1, 1).expand_as(key_states)
-        keys.scatter_(2, index, key_states.to(keys.dtype))
-        values.scatter_(2, index, value_states.to(values.dtype))
+        keys[self.rows, :, self.slot] = key_states[:, :, 0].to(keys.dtype)
+        values[self.rows, :, self.slot] = value_states[:, :, 0].to(values.dtype)
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -86,6 +92,7 @@ class RowCache(Cache):
             [k[:rows, :, :length] for k in self.keys],
             [v[:rows, :, :length] for v in self.values],
             self.slot[:rows],
+            self.rows[:rows],
         )
 
 
@@ -158,15 +165,15 @@ def decode_step(
     max_tokens = s.tokens.shape[1] - 1
     tok, logp = sample_with(s.logits, params, s.u)
     live = ~s.done
-    col = torch.where(live, s.gen, max_tokens)[:, None]
-    s.tokens.scatter_(1, col, tok[:, None])
-    s.logps.scatter_(1, col, logp[:, None].float())
+    col = torch.where(live, s.gen, max_tokens)
+    s.tokens[cache.rows, col] = tok
+    s.logps[cache.rows, col] = logp.float()
     ended_eos = live & (tok == eos_token_id)
     s.eos.logical_or_(ended_eos)
     s.gen.add_(live)
     s.done.logical_or_(ended_eos | (s.gen >= max_tokens))
 
-    s.valid.scatter_(1, s.slot[:, None], True)
+    s.valid[cache.rows, s.slot] = True
     out = model(
         input_ids=tok[:, None],
         position_ids=s.pos[:, None],
