@@ -27,7 +27,7 @@ GPU_PYTHON ?= python3
 GPU_DIR    ?= .gpu
 GPU_ARGS   ?=
 
-.PHONY: setup train train-real test lint docs browser clean gpu-wheels test-gpu bench-gpu
+.PHONY: setup train train-real test lint docs browser clean gpu-wheels test-gpu bench-gpu gpu-all
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -87,3 +87,9 @@ test-gpu:
 
 bench-gpu:
 	$(GPU_PYTHON) scripts/gpu/run.py bench --gpu-dir $(GPU_DIR) $(GPU_ARGS)
+
+# Both in one 10-minute device command: the tier within 290 s, then the benchmarks within 270 s
+# (the benchmarks run even when a test fails).
+gpu-all:
+	-$(GPU_PYTHON) scripts/gpu/run.py test --gpu-dir $(GPU_DIR) --budget-s 290 $(GPU_ARGS)
+	$(GPU_PYTHON) scripts/gpu/run.py bench --gpu-dir $(GPU_DIR) --budget-s 270 $(GPU_ARGS)

@@ -36,7 +36,11 @@ GROUPS = {
         "aten::masked_fill_",
     ),
     "growing cache and mask (cat, row selection)": ("aten::cat", "aten::index"),
-    "static cache writes (scatter)": ("aten::scatter_", "aten::index_put_"),
+    "static cache writes (scatter)": (
+        "aten::scatter_",
+        "aten::index_put_",
+        "aten::_index_put_impl_",
+    ),
     "sampling": (
         "aten::cumsum_",
         "aten::cumsum",

@@ -134,3 +134,33 @@ def test_bench_engines_on_the_real_model_renders_chat_prompts(tmp_path):
     for row in report["results"]:
         assert row["params_m"] == 134.5
         assert 4 <= row["tokens"] <= 2 * 2 * 4  # 2 prompts x 2 responses of at most 4 tokens
+
+
+def test_profile_decode_groups_the_profiled_time_of_both_engines(tmp_path):
+    if not _has_commit("8883290"):
+        pytest.skip("the clone lacks hf-prev's commit 8883290")
+    report = import_benchmark("profile_decode").main(
+        ["--prompts", "2", "--n", "2", "--max-tokens", "6", "--threads", "1",
+         "--json", str(tmp_path / "p.json")]
+    )  # fmt: skip
+    assert set(report["results"]) == {"hf", "hf-prev"}
+    for r in report["results"].values():
+        assert r["decode_steps"] >= 1 and r["tokens"] >= 4
+        assert sum(r["groups_ms"].values()) == pytest.approx(r["profiled_ms"], abs=0.5)
+        assert r["groups_ms"]["linear layers"] > 0
+    # The previous engine grows its cache with cat; this one writes in place.
+    prev, now = report["results"]["hf-prev"], report["results"]["hf"]
+    assert prev["top_ops_ms"].get("aten::cat", 0) > 0
+    assert now["groups_ms"]["static cache writes (scatter)"] > 0
+
+
+def test_time_default_run_reports_the_median_step_of_a_short_run(tmp_path):
+    report = import_benchmark("time_default_run").main(
+        ["--steps", "2", "--json", str(tmp_path / "r.json"), "train.prompts_per_step=2",
+         "rollout.num_generations=2", "train.mini_batch_size=2",
+         "algorithm.dynamic_sampling=false"]
+    )  # fmt: skip
+    r = report["result"]
+    assert r["steps"] == 2 and r["median_step_s"] > 0
+    assert 0 < r["median_gen_s"] < r["median_step_s"] and r["median_train_s"] > 0
+    assert r["precision"].startswith("fp32")

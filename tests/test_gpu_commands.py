@@ -411,3 +411,16 @@ def test_the_source_commit_is_the_projects_own_or_no_git(tmp_path):
         ["git", "-C", str(inner), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     assert run.own_commit(inner) == head
+
+
+def test_make_gpu_all_fits_one_device_command():
+    """``make gpu-all`` runs the tier and then the benchmarks (even after a failed test) with
+    budgets that add up to less than the 600 s a device command may take, and the
+    benchmarks' guaranteed shares fit the benchmarks' budget."""
+    rule = (ROOT / "Makefile").read_text().split("\ngpu-all:\n", 1)[1].split("\n\n", 1)[0]
+    lines = [x.strip() for x in rule.splitlines()]
+    assert lines[0].startswith("-$(GPU_PYTHON) scripts/gpu/run.py test")  # "-": go on after it
+    assert "scripts/gpu/run.py bench" in lines[1]
+    budgets = [float(re.search(r"--budget-s (\d+)", x).group(1)) for x in lines]
+    assert sum(budgets) + 2 * run.KILL_GRACE_S <= 600
+    assert sum(run.BENCH_MIN_S.values()) <= budgets[1]
