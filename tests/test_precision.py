@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 from pathlib import Path
 
@@ -280,3 +281,40 @@ def test_a_checkpoint_of_an_unfused_optimizer_resumes_fused(tmp_path: Path) -> N
     assert set(opt.state_dict()["state"]) == set(saved)
     for i, st in opt.state_dict()["state"].items():
         assert torch.equal(st["exp_avg"], saved[i]["exp_avg"])
+
+
+def test_auto_on_a_cpu_follows_native_bf16_and_the_env_override(monkeypatch) -> None:
+    from dapo.models import precision
+
+    assert resolve_precision("auto", cuda=False, cpu_bf16=True) == "bf16-mixed"
+    assert resolve_precision("auto", cuda=False, cpu_bf16=False) == "fp32"
+    assert resolve_precision("auto", cuda=True, cpu_bf16=False) == "bf16-mixed"
+    assert resolve_precision("bf16-mixed", cuda=False, cpu_bf16=False) == "bf16-mixed"  # asked
+    for value, native in (("1", True), ("0", False)):
+        monkeypatch.setenv(precision.CPU_BF16_ENV, value)
+        assert precision.cpu_has_native_bf16() is native
+        assert resolve_precision("auto", cuda=False) == ("bf16-mixed" if native else "fp32")
+    monkeypatch.delenv(precision.CPU_BF16_ENV)
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    assert precision.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+    slowdown = precision.bf16_cpu_slowdown(64)
+    assert slowdown > 0 and math.isfinite(slowdown)
+
+
+def test_bf16_on_a_cpu_without_it_warns_once_with_the_measured_slowdown(
+    tmp_path, random_tiny_model, monkeypatch
+) -> None:
+    from dapo.training import learner as learner_module
+
+    monkeypatch.setattr(learner_module, "bf16_cpu_slowdown", lambda: 118.4)
+    _, lines = _run(tmp_path / "slow", random_tiny_model, "train.precision=bf16-mixed")
+    warned = [x for x in lines if "without native bf16" in x]
+    assert warned == [
+        "warning: train.precision=bf16-mixed on a CPU without native bf16 (no AVX-512 BF16 "
+        "or AMX): a bf16 matrix product measured 118x slower than float32 here, and every "
+        "forward pass and generated token pays it. Use train.precision=auto (fp32 on this CPU) "
+        "or fp32."
+    ]
+    monkeypatch.setattr(learner_module, "bf16_cpu_slowdown", lambda: 1.1)  # it is fast here
+    _, lines = _run(tmp_path / "fast", random_tiny_model, "train.precision=bf16-mixed")
+    assert not [x for x in lines if "without native bf16" in x]

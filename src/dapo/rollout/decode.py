@@ -119,7 +119,9 @@ class DecodeState:
     u: torch.Tensor
 
     @classmethod
-    def allocate(cls, rows: int, length: int, max_tokens: int, vocab: int, device) -> DecodeState:
+    def allocate(
+        cls, rows: int, length: int, max_tokens: int, vocab: int, device: torch.device
+    ) -> DecodeState:
         def z(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -208,7 +210,8 @@ class Workspace:
 
 
 class Workspaces:
-    """The engine's workspaces by call shape, the most recent :data:`KEEP` of them."""
+    """The engine's workspaces by call shape, the most recent :data:`KEEP` of them (with CUDA
+    graphs; without, each call allocates its own)."""
 
     KEEP = 2
 
@@ -428,7 +431,9 @@ class Decoder:
             ]  # fmt: skip
             return Workspace(state, RowCache(buffers[0::2], buffers[1::2], state.slot))
 
-        ws = self.workspaces.get(key, make)
+        # Kept between calls only for the graphs captured on it; else freed with the call
+        # (the cache is the largest thing generation allocates).
+        ws = self.workspaces.get(key, make) if self.graphs else make()
         ws.state.done.fill_(True)  # every row free until filled
         return ws
 
