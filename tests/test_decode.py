@@ -217,3 +217,70 @@ def test_a_failed_capture_falls_back_to_eager_steps_once(tok, prompts, monkeypat
         "(RuntimeError: operation not permitted"
     ), lines
     assert lines[0].endswith("decoding without CUDA graphs")
+
+
+def test_the_graph_path_captures_each_bucket_once_and_replays_it(tok, prompts, monkeypatch):
+    """The CUDA-graph bookkeeping on a CPU, with torch.cuda's graph API replaced by a stand-in
+    whose "graph" re-runs the step it captured: bucketed rows, the whole cache length, warm-up
+    steps undone, each bucket captured once and reused by the next call; the sampled tokens
+    and log-probs are those of eager steps on the same schedule."""
+    import contextlib
+
+    from dapo.rollout.decode import Decoder
+
+    steps: list[tuple] = []
+    real_step = Decoder._step
+
+    def recorded(self, rows, length):
+        steps.append((self, rows, length))
+        real_step(self, rows, length)
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+            real_step(*self.step)
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None):
+        first = len(steps)
+        yield
+        graph.step = steps[first]  # the step run inside the capture (undone after it)
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(Decoder, "_step", recorded)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+
+    model = make_model(tok, seed=0, eos_scale=8.0)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=40, seed=3)
+    monkeypatch.setattr(HFEngine, "uses_graphs", lambda self: True)
+    # The reference: the same shapes and schedule, every step run eagerly (as after a failed
+    # capture), so that the same uniform numbers meet the same rows.
+    eager = HFEngine(model, EOS, PAD, batch_size=8)
+    eager.workspaces.capture_failed = True
+    want = eager.generate(prompts, params)
+    steps.clear()  # from here: the graph path's
+    lines: list[str] = []
+    engine = HFEngine(model, EOS, PAD, batch_size=8, log=lines.append)
+    for _ in range(2):
+        got = engine.generate(prompts, params)
+        assert [g.response_ids for g in got] == [g.response_ids for g in want]
+        for g, w in zip(got, want, strict=True):
+            for a, b in zip(g.logprobs, w.logprobs, strict=True):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    (ws,) = engine.workspaces.entries.values()
+    captured = sorted(key[0] for key in ws.graphs)
+    assert captured[-1] == 8 and len(captured) >= 2, captured  # the batch, then smaller
+    assert len(steps) == 3 * len(captured)  # 2 warm-up steps and the captured one, once each
+    assert all(length == ws.state.valid.shape[1] for _, _, length in steps)  # whole cache
+    assert ws.state.valid.shape[1] == 32 + 40  # prompt width rounded up to 32
+    assert Graph.replays > 2 * len(captured) and not lines
