@@ -27,7 +27,7 @@ GPU_PYTHON ?= python3
 GPU_DIR    ?= .gpu
 GPU_ARGS   ?=
 
-.PHONY: setup train train-real test lint docs browser clean gpu-wheels test-gpu bench-gpu gpu-all
+.PHONY: setup train train-real test test-quick lint docs browser clean gpu-wheels test-gpu bench-gpu gpu-all
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,7 +61,14 @@ test: setup $(VLLM_STAMP) $(REALMODEL_STAMP) browser
 	$(VENV)/bin/ruff check src tests benchmarks scripts examples
 	$(VENV)/bin/ruff format --check src tests benchmarks scripts examples
 	$(MAKE) docs
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
+
+# The inner loop: every module's unit tests in a few minutes; leaves out the end-to-end
+# trainings (slow), vLLM, the real model, the GPU tier, the browser and the benchmark scripts.
+test-quick: setup
+	$(PY) -m pytest -q --durations=15 -m "not slow and not realmodel and not gpu" \
+		--ignore=tests/test_vllm.py --ignore=tests/test_rollout_server_vllm.py \
+		--ignore=tests/test_docs_site.py --ignore-glob='tests/test_bench_*.py' $(PYTEST_ARGS)
 
 # The site: reference pages generated from the code at build time (scripts/docs_hooks.py).
 docs: setup

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +14,20 @@ import torch
 # has native bf16, outside it), so that tests compute the same on every machine; subprocesses
 # inherit it. tests/test_precision.py tests the detection itself.
 os.environ.setdefault("DAPO_CPU_BF16", "0")
+
+SUITE_BUDGET_S = 20 * 60  # make test's tests, on the 2-core machine (docs/development.md)
+_STARTED = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
+    """The suite's wall time against its budget, as the last lines: the guard against a suite
+    that grows unnoticed (``--durations=30``, which ``make test`` passes, lists the slowest)."""
+    seconds = time.monotonic() - _STARTED
+    over = seconds > SUITE_BUDGET_S and config.option.markexpr == ""
+    terminalreporter.write_line(
+        f"suite time: {seconds / 60:.1f} min of the {SUITE_BUDGET_S // 60}-minute budget for "
+        "the whole suite" + (" -- OVER BUDGET: see the slowest tests above" if over else "")
+    )
 
 
 @pytest.fixture(scope="session")
