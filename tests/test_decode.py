@@ -170,7 +170,7 @@ def test_bf16_mixed_generation_reads_bf16_weights_cast_once_and_restores_them(to
     assert len(groups) == 2
 
 
-def test_cuda_graphs_decision_and_unsupported_models(tok):
+def test_cuda_graphs_decision_and_unsupported_models(tok, monkeypatch):
     model = make_model(tok, seed=0)
     assert graphs_fallback(model, "auto") is None  # CPU + auto: nothing to say, no graphs
     assert "not CUDA" in graphs_fallback(model, "on")
@@ -183,6 +183,22 @@ def test_cuda_graphs_decision_and_unsupported_models(tok):
     ]
     with pytest.raises(ValueError, match="cuda_graphs='yes'"):
         HFEngine(model, EOS, PAD, cuda_graphs="yes")
+    # On CUDA under auto: a sharded policy decodes without graphs and says so, once.
+    from dapo.rollout import hf_engine
+
+    monkeypatch.setattr(hf_engine, "device_of", lambda m: torch.device("cuda", 0))
+    monkeypatch.setattr(hf_engine, "is_fsdp", lambda m: True)
+    lines.clear()
+    auto = HFEngine(model, EOS, PAD, log=lines.append)
+    assert not auto.uses_graphs() and not auto.uses_graphs()
+    assert lines == [
+        "rollout.cuda_graphs: decoding without CUDA graphs: the policy is FSDP-sharded (its "
+        "gathered weights move at every call)"
+    ]
+    lines.clear()
+    assert not HFEngine(model, EOS, PAD, cuda_graphs="off", log=lines.append).uses_graphs()
+    assert lines == []  # off: nothing to say
+    monkeypatch.undo()
 
     assert unsupported_reason(model, 4096) is None
     model.config.sliding_window = 16

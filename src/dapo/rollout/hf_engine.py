@@ -185,12 +185,13 @@ class HFEngine:
             self.log(line)
 
     def uses_graphs(self) -> bool:
-        """Whether the decode step is replayed from CUDA graphs (says why not, once, where
-        they were asked for)."""
+        """Whether the decode step is replayed from CUDA graphs (says why not, once, on CUDA
+        or where they were asked for with ``on``)."""
         reason = graphs_fallback(self.model, self.cuda_graphs)
-        if reason is None and device_of(self.model).type == "cuda":
+        cuda = device_of(self.model).type == "cuda"
+        if reason is None and cuda:
             return not self.workspaces.capture_failed
-        if reason is not None and self.cuda_graphs == "on":
+        if reason is not None and self.cuda_graphs != "off" and (cuda or self.cuda_graphs == "on"):
             self._tell(f"rollout.cuda_graphs: decoding without CUDA graphs: {reason}")
         return False
 
