@@ -49,3 +49,4 @@ DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = get_args(DynamicSamplingMetric)
 ROUND_CAP_ACTIONS: tuple[str, ...] = get_args(RoundCap)  # algorithm.round_cap
 CURRICULA: tuple[str, ...] = get_args(Curriculum)  # data.curriculum: dapo.data.curriculum
 VLLM_QUANTIZATIONS: tuple[str, ...] = get_args(VLLMQuantization)  # rollout.vllm_quantization
+CUDA_GRAPHS: tuple[str, ...] = get_args(CudaGraphs)  # rollout.cuda_graphs: dapo.rollout.hf_engine

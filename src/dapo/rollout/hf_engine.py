@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dapo.choices import CUDA_GRAPHS
 from dapo.models.inputs import device_of
 from dapo.models.precision import GenerationWeights, autocast
 from dapo.parallel.sharding import full_params, is_fsdp
@@ -158,8 +159,8 @@ class HFEngine:
         cuda_graphs: str = "auto",
         log: Any = print,
     ) -> None:
-        if cuda_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose auto, on or off")
+        if cuda_graphs not in CUDA_GRAPHS:
+            raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose one of {', '.join(CUDA_GRAPHS)}")
         self.model = model
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
