@@ -268,6 +268,7 @@ class Decoder:
         self.length = width + params.max_tokens
         self.held: list[int] = [-1] * self.rows  # the response each row holds (-1: free)
         self.ws: Workspace | None = None
+        self._views: dict[tuple[int, int], tuple[DecodeState, RowCache]] = {}
         t = params.max_tokens
         self.out = Results(
             tokens=torch.zeros((total, t), dtype=torch.long, device=device),
@@ -310,14 +311,13 @@ class Decoder:
         return min(self.length, furthest + self.sync_every + 1)
 
     def _step(self, rows: int, window: int) -> None:
-        ws = self.ws
-        decode_step(
-            self.model,
-            ws.state.view(rows, window),
-            ws.cache.view(rows, window),
-            self.params,
-            self.eos,
-        )
+        views = self._views.get((rows, window))
+        if views is None:  # views of the same buffers stay valid for the whole call
+            views = self._views[rows, window] = (
+                self.ws.state.view(rows, window),
+                self.ws.cache.view(rows, window),
+            )
+        decode_step(self.model, *views, self.params, self.eos)
 
     def _step_or_replay(self, rows: int, window: int) -> None:
         if not self.graphs or self.workspaces.capture_failed:
