@@ -47,14 +47,13 @@ def resolve_precision(requested: str, cuda: bool, cpu_bf16: bool | None = None) 
     return requested
 
 
-def precision_origin(requested: str, cuda: bool) -> str:
+def precision_origin(requested: str, cuda: bool, cpu_bf16: bool) -> str:
     """What ``auto`` was resolved from, for the start-up line (empty when not ``auto``)."""
     if requested != "auto":
         return ""
     if cuda:
         return " (auto: CUDA)"
-    native = "native bf16" if cpu_has_native_bf16() else "no native bf16"
-    return f" (auto: no CUDA, a CPU with {native})"
+    return f" (auto: no CUDA, a CPU with {'native' if cpu_bf16 else 'no native'} bf16)"
 
 
 CPU_BF16_ENV = "DAPO_CPU_BF16"  # "1" or "0": overrides the detection (the test suite sets 0)

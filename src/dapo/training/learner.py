@@ -198,11 +198,12 @@ class Learner:
         its precision, LoRA adapters, reference copy, data-parallel wrapping and optimizer."""
         t = cfg.train
         cuda = torch.cuda.is_available()
-        precision = resolve_precision(t.precision, cuda)
-        log(f"precision: {precision}{precision_origin(t.precision, cuda)}")
+        native_bf16 = cpu_has_native_bf16()  # read once: the choice, the line, the warning
+        precision = resolve_precision(t.precision, cuda, native_bf16)
+        log(f"precision: {precision}{precision_origin(t.precision, cuda, native_bf16)}")
         if precision == "bf16":
             log(bf16_rounding_warning(t.lr))
-        if not cuda and precision != "fp32" and not cpu_has_native_bf16():
+        if not cuda and precision != "fp32" and not native_bf16:
             slowdown = bf16_cpu_slowdown()
             if slowdown >= 2:  # measured: the flags may miss a CPU that does it well
                 log(cpu_bf16_warning(precision, slowdown))
