@@ -287,7 +287,7 @@ class Decoder:
                 if self.params.temperature != 0:
                     self.ws.state.u[:active].uniform_(generator=self.gen)
                 self._step_or_replay(active, window)
-            done = self.ws.state.done[:active].tolist()  # the one host synchronisation
+            done = self.ws.state.done[:active].tolist()  # with CUDA graphs, the only sync
             self._retire([r for r in range(active) if done[r] and self.held[r] >= 0])
             if self.queue:
                 self._refill()
