@@ -203,6 +203,7 @@ def test_a_request_with_another_temperature_is_refused_naming_the_field(tok) -> 
     assert group.episode_stats[0]["requests"] == 1
 
 
+@pytest.mark.slow
 def test_raising_hanging_and_over_limit_agents_cost_one_episode_each(tok) -> None:
     from dapo.environments import EnvironmentWarning
 
@@ -259,6 +260,7 @@ def test_the_agent_config_key_excludes_environments_and_allows_turns() -> None:
         load_config(overrides=[f"rollout.agent={AGENTS}:by_mode", "rollout.environment=calculator"])
 
 
+@pytest.mark.slow
 def test_the_trainer_sees_the_engines_log_probs_on_agent_trajectories(tool_model, tmp_path):
     trainer_matches_engine_on_agents(tool_model, tmp_path, "hf")
 
@@ -388,6 +390,7 @@ def test_an_unknown_tool_parser_for_agents_is_named_before_any_model_loads(tmp_p
         )
 
 
+@pytest.mark.slow
 def test_an_agent_run_resumed_from_its_checkpoint_logs_what_one_run_logs(tool_model, tmp_path):
     """Three steps of agent episodes (tool replies, a history rewrite: extra segments) in one
     go, and two + one resumed from the step-2 checkpoint file, log the same metrics: the
@@ -424,6 +427,7 @@ def test_an_agent_run_resumed_from_its_checkpoint_logs_what_one_run_logs(tool_mo
     assert steps[-1]["reward/std"] > 0 and steps[-1]["actor/grad_norm"] > 0  # step 3 learned
 
 
+@pytest.mark.slow
 def test_two_ranks_each_serve_their_episodes_and_train_every_segment_once(tool_model, tmp_path):
     """Under 2 ranks each rank plays its share of the episodes on its own endpoint, every
     rank sees the same batch, and together they train every sample (segments too) once."""
@@ -474,6 +478,7 @@ def test_episodes_that_open_differently_still_train_every_segment(tok) -> None:
     assert tok.decode(group.prompt_ids) in ("U: Add 1+2.\nA: ", "S: be brief\nU: Add 1+2.\nA: ")
 
 
+@pytest.mark.slow
 def test_an_agent_that_kills_its_worker_costs_that_workers_episodes_only(tok) -> None:
     engine = ScriptedEngine(tok, lambda text: "hi")
     host = AgentHost(f"{AGENTS}:by_mode", num_workers=2, timeout_s=30.0)

@@ -183,6 +183,7 @@ def test_python_objects_are_checked_before_anything_runs(random_tiny_model, tmp_
 # --- runs from Python ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_run_from_python_with_a_dataset_a_lambda_and_a_closure(random_tiny_model, tmp_path):
     """The rewards run in the worker process with what they captured: the lambda a local
     number, the closure a local path it appends each scored response to."""
@@ -256,6 +257,7 @@ def train_with_hooks(model: Path, out: Path, **settings) -> tuple[Hooks, dict]:
     return hooks, summary
 
 
+@pytest.mark.slow
 def test_hooks_see_every_step_evaluation_and_checkpoint(random_tiny_model, tmp_path):
     out = tmp_path / "run"
     hooks, summary = train_with_hooks(
@@ -288,6 +290,7 @@ def test_hooks_see_every_step_evaluation_and_checkpoint(random_tiny_model, tmp_p
     assert all(p.is_dir() for p in saves)
 
 
+@pytest.mark.slow
 def test_zero_steps_only_evaluates_once(random_tiny_model, tmp_path):
     """train.steps=0 "only evaluates": one evaluation, before == after, no training step."""
     out = tmp_path / "run"
@@ -300,6 +303,7 @@ def test_zero_steps_only_evaluates_once(random_tiny_model, tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_a_callback_stops_the_run_which_resumes_as_if_never_stopped(random_tiny_model, tmp_path):
     kw = {
         **SMALL,
@@ -323,6 +327,7 @@ def test_a_callback_stops_the_run_which_resumes_as_if_never_stopped(random_tiny_
     assert len(a) == 4 and runs.differences(a, b, runs.TIMING, tol=0.0) == []
 
 
+@pytest.mark.slow
 def test_a_callback_that_raises_stops_cleanly_and_is_named(random_tiny_model, tmp_path):
     def boom(step: int, metrics: dict) -> None:
         if step == 2:
@@ -351,6 +356,7 @@ def test_a_callback_that_raises_stops_cleanly_and_is_named(random_tiny_model, tm
     assert [r["step"] for r in metric_rows(out)] == [1, 2]
 
 
+@pytest.mark.slow
 def test_the_same_config_as_yaml_and_as_python_gives_the_same_metrics(random_tiny_model, tmp_path):
     """`dapo train run.yaml` with files and a module:function reward, and dapo.train with the
     config as keyword arguments, in-memory data and the function itself: 3 identical steps."""
@@ -395,6 +401,7 @@ def test_the_same_config_as_yaml_and_as_python_gives_the_same_metrics(random_tin
     assert runs.differences(a, b, runs.TIMING, tol=0.0) == []
 
 
+@pytest.mark.slow
 def test_a_reward_callable_that_raises_or_hangs_costs_samples_not_the_run(
     random_tiny_model, tmp_path
 ):
@@ -432,6 +439,7 @@ def test_a_reward_callable_that_raises_or_hangs_costs_samples_not_the_run(
     assert any("took longer than 1 s" in t for t in texts), texts
 
 
+@pytest.mark.slow
 def test_a_loaded_model_and_tokenizer_are_trained_in_place_as_a_loaded_path(
     random_tiny_model, tmp_path
 ):
@@ -481,6 +489,7 @@ def test_a_loaded_model_and_tokenizer_are_trained_in_place_as_a_loaded_path(
         trainer.close()
 
 
+@pytest.mark.slow
 def test_a_script_calling_dapo_train_runs_on_two_ranks(random_tiny_model, tmp_path):
     """torchrun starts the script on 2 ranks; a callback asks rank 1 alone to stop after
     step 2 and every rank stops there, with the same summary."""
@@ -518,6 +527,7 @@ def multiturn_kw(tool_model: Path, out: Path) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_an_environment_object_gets_more_than_one_turn(tool_model, tmp_path):
     from sample_environments import TwoTurns, half_right  # tests/sample_environments.py
 
@@ -530,6 +540,7 @@ def test_an_environment_object_gets_more_than_one_turn(tool_model, tmp_path):
     assert row["env/turns_mean"] > 1  # TwoTurns answered the first turn: a second one ran
 
 
+@pytest.mark.slow
 def test_tool_functions_get_more_than_one_turn(tool_model, tmp_path):
     from sample_environments import add, half_right
 

@@ -181,6 +181,7 @@ def teacher_dir(tmp_path_factory, tok):
     return path
 
 
+@pytest.mark.slow
 def test_distill_only_runs_with_no_reward_function(random_tiny_model, teacher_dir, tmp_path):
     cfg = _config(
         random_tiny_model,
@@ -297,6 +298,7 @@ def test_a_server_teacher_scores_as_the_model_teacher_does(tok, models, one_thre
 ENVS = Path(__file__).with_name("sample_environments.py")
 
 
+@pytest.mark.slow
 def test_multi_turn_episodes_get_no_teacher_signal_on_environment_tokens(
     tool_model, teacher_dir, tmp_path, one_thread
 ):
@@ -410,6 +412,7 @@ def test_the_example_config_is_a_distillation_run():
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_distillation_with_the_vllm_engine(random_tiny_model, teacher_dir, tmp_path, one_thread):
     cfg = _config(
         random_tiny_model,

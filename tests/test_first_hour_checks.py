@@ -71,6 +71,7 @@ def tool_config(model: Path, tokenizer: Path, out: Path, *extra: str):
     )
 
 
+@pytest.mark.slow
 def test_the_prompt_limit_measures_the_tools_schemas(tool_model, tmp_path) -> None:
     """Item 1: with a tool whose schema is long, the rendered opening is what
     data.max_prompt_length limits: prompts that fit without the tools but not with them are
@@ -210,6 +211,7 @@ SMALL = {
 }
 
 
+@pytest.mark.slow
 def test_a_run_whose_every_reward_fails_stops_naming_the_function(random_tiny_model, tmp_path):
     """Item 7: a reward that returns None for every response stops the run after
     train.max_failed_steps steps, naming the function and its error; the counts are per step
@@ -240,6 +242,7 @@ def test_a_run_whose_every_reward_fails_stops_naming_the_function(random_tiny_mo
     assert [r["reward/failures_total"] for r in steps] == [4.0, 8.0]
 
 
+@pytest.mark.slow
 def test_a_run_with_some_failures_goes_on_and_its_summary_counts_them(
     random_tiny_model, tmp_path
 ) -> None:
@@ -273,6 +276,7 @@ class AlwaysRaises:
         raise RuntimeError("the environment is broken")
 
 
+@pytest.mark.slow
 def test_a_run_whose_every_episode_fails_stops_naming_the_environment(tool_model, tmp_path):
     """Item 7: every episode ending in env_failure stops the run the same way, with the
     environment's first error; env/failures is per step with a running total."""
@@ -295,6 +299,7 @@ def test_a_run_whose_every_episode_fails_stops_naming_the_environment(tool_model
     assert [r["env/failures_total"] for r in steps] == [per_step[0], per_step[0] + per_step[1]]
 
 
+@pytest.mark.slow
 def test_a_run_writes_transcripts_a_person_can_read(random_tiny_model, tmp_path):
     """Item 10: every rollout step writes logging.transcripts_per_step transcripts to
     rollouts.jsonl: the prompt as the model saw it, the turns, the reward, and the group's

@@ -92,6 +92,7 @@ def test_a_changed_file_gets_a_new_conversion(tmp_path, cache):
     assert Path(resolve_model_path(str(other), log=lambda _: None)).is_dir()
 
 
+@pytest.mark.slow
 def test_dapo_train_and_eval_take_a_gguf_file_and_save_transformers_format(
     tiny_gguf, cache, tmp_path, capsys
 ):

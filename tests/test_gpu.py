@@ -174,6 +174,7 @@ def check_fsdp_result(result: dict) -> None:
     assert result["next_step_max_diff"] <= 1e-6  # the resumed run continues as the first
 
 
+@pytest.mark.slow
 def test_the_fsdp_script_on_gloo_trains_checkpoints_and_resumes(tmp_path):
     """The FSDP2 tier test's script on the CPU: a gloo group of one rank."""
     check_fsdp_result(run_fsdp_worker(tmp_path, "cpu"))
@@ -250,6 +251,7 @@ def push_to_stand_in(
             assert abs(t["sum"] - total) <= 1e-9 * max(1.0, abs(total)), name  # the same values
 
 
+@pytest.mark.slow
 def test_weights_reach_a_stand_in_server_process_in_order_over_gloo(tmp_path, random_tiny_model):
     """The weight channel's messages between two processes (CPU, gloo): join once, each
     push's tensors in the announced order with their values, leave at close."""

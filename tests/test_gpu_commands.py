@@ -171,6 +171,7 @@ def test_the_results_folder_is_out_then_the_out_variable_then_gpu_results(tmp_pa
     assert run.results_dir(None, {}) == ROOT / "gpu-results"
 
 
+@pytest.mark.slow
 def test_a_command_past_its_budget_is_stopped_with_its_children(tmp_path):
     log = tmp_path / "x.log"
     child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('started', flush=True); time.sleep(60)"  # noqa: E501
@@ -218,6 +219,7 @@ def test_test_phases_become_one_row_per_test():
     assert rows["t::b"]["message"] == "CUDA is not available" and rows["t::d"]["seconds"] == 3.5
 
 
+@pytest.mark.slow
 def test_the_report_plugin_writes_each_test_as_it_ends(tmp_path):
     (tmp_path / "test_x.py").write_text(
         textwrap.dedent("""
@@ -268,6 +270,7 @@ def returned(out: Path) -> list[str]:
     return files
 
 
+@pytest.mark.slow
 def test_make_test_gpu_on_a_cpu_skips_every_test_and_reports_why(tmp_path):
     """The whole command on this CPU: no wheel to install (the venv has them), the tier
     collected and every test skipped with its reason, the three files written."""

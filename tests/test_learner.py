@@ -84,6 +84,7 @@ def test_whatever_the_loss_reports_is_logged() -> None:
     assert {"actor/clip_frac_low", "actor/clip_frac_high", "actor/pg_loss"} <= metrics.keys()
 
 
+@pytest.mark.slow
 def test_the_update_reaches_the_model_in_four_frames(random_tiny_model, tmp_path) -> None:
     """train_step -> Learner.optimize -> Learner.optimizer_step -> response_states -> model,
     and train_step -> Learner.prepare -> compute_logprobs -> response_states for the old
@@ -111,6 +112,7 @@ def test_the_update_reaches_the_model_in_four_frames(random_tiny_model, tmp_path
     assert ["response_states", "compute_logprobs", "prepare", "train_step"] in stacks
 
 
+@pytest.mark.slow
 def test_resuming_with_another_model_is_refused_in_one_line(random_tiny_model, tmp_path) -> None:
     out = tmp_path / "run"
     Trainer(small_config(random_tiny_model, out, "train.steps=1"), log=lambda _: None).run()
@@ -129,6 +131,7 @@ def test_resuming_with_another_model_is_refused_in_one_line(random_tiny_model, t
     assert "size mismatch" not in message
 
 
+@pytest.mark.slow
 def test_resuming_with_changed_keys_lists_them(random_tiny_model, tmp_path) -> None:
     out = tmp_path / "run"
     Trainer(small_config(random_tiny_model, out, "train.steps=1"), log=lambda _: None).run()
@@ -152,6 +155,7 @@ def test_resuming_with_changed_keys_lists_them(random_tiny_model, tmp_path) -> N
     assert summary["steps"] == 2 and summary["resumed_from_step"] == 1
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_release_a5216fc_resumes_with_its_carry_over(tmp_path) -> None:
     """tests/fixtures/trainer_state_a5216fc.pt is the trainer state a5216fc wrote at step 2 of
     this very config (its carry-over pickled as ScoredGroup objects). Put in place of the

@@ -121,6 +121,7 @@ def _config(model: Path, out: Path, *extra: str):
     )
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_the_adapters_resume_exactly_and_export_merged(
     random_tiny_model, tmp_path
 ):
@@ -189,6 +190,7 @@ def test_checkpoints_hold_the_adapters_resume_exactly_and_export_merged(
         load_checkpoint(full / "checkpoints" / "step_000001", resumed.model)
 
 
+@pytest.mark.slow
 def test_final_model_loads_in_dapo_eval(random_tiny_model, tmp_path, capsys):
     from dapo.cli import main
 
@@ -221,6 +223,7 @@ def test_final_model_loads_in_dapo_eval(random_tiny_model, tmp_path, capsys):
     assert json.loads(report.read_text())
 
 
+@pytest.mark.slow
 def test_reference_policy_is_the_base_model_with_adapters_disabled(random_tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 

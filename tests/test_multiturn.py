@@ -76,6 +76,7 @@ def trainer_matches_engine(cfg) -> float:
     return gap
 
 
+@pytest.mark.slow
 def test_the_trainer_sees_the_engines_log_probs_on_the_models_tokens_hf(tool_model, tmp_path):
     assert trainer_matches_engine(episode_config(tool_model, tmp_path / "run")) < 1e-5
 
@@ -135,6 +136,7 @@ def test_environment_tokens_are_in_no_loss_and_no_denominator(tmp_path) -> None:
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_an_environment_that_fails_costs_its_episodes_not_the_run(tool_model, tmp_path) -> None:
     """An environment that raises on some prompts, hangs on others and answers garbage on
     others: the run finishes, the failures are counted, and the failed episodes' tokens are
@@ -166,6 +168,7 @@ def test_an_environment_that_fails_costs_its_episodes_not_the_run(tool_model, tm
     assert failed  # sampled tokens of failed episodes, masked out
 
 
+@pytest.mark.slow
 def test_carried_over_episode_groups_survive_a_resume(tool_model, tmp_path) -> None:
     """Three steps in one go and two + one with a resume log the same metrics: the carried-
     over episode groups (model masks, episode statistics) come back from the checkpoint."""

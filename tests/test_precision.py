@@ -208,6 +208,7 @@ def _run(tmp: Path, model_dir: Path, *extra: str) -> tuple[list[dict], list[str]
     return rows, lines
 
 
+@pytest.mark.slow
 def test_bf16_mixed_run_logs_the_engine_mismatch_without_an_extra_pass(
     random_tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -301,6 +302,7 @@ def test_auto_on_a_cpu_follows_native_bf16_and_the_env_override(monkeypatch) -> 
     assert slowdown > 0 and math.isfinite(slowdown)
 
 
+@pytest.mark.slow
 def test_bf16_on_a_cpu_without_it_warns_once_with_the_measured_slowdown(
     tmp_path, random_tiny_model, monkeypatch
 ) -> None:

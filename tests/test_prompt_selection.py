@@ -144,6 +144,7 @@ def test_skipped_prompts_are_never_generated_and_rounds_stay_full(
     assert selector.history.state_dict() == mine.state_dict()
 
 
+@pytest.mark.slow
 def test_skipping_spends_less_generation_per_trained_group(
     random_tiny_model, twelve_prompts, tmp_path
 ):
@@ -162,6 +163,7 @@ def test_skipping_spends_less_generation_per_trained_group(
     assert generated[True] < 0.8 * generated[False], generated
 
 
+@pytest.mark.slow
 def test_a_resumed_run_skips_as_the_uninterrupted_one(random_tiny_model, twelve_prompts, tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
@@ -216,6 +218,7 @@ def _prompts_by_step(trainer: Trainer) -> dict[int, list[list[int]]]:
     return seen
 
 
+@pytest.mark.slow
 def test_easy_first_by_a_difficulty_field(random_tiny_model, twelve_prompts, tmp_path):
     """The pool starts with the easiest quarter (3 prompts, all of level 0) and holds
     every level from step 4 (data.curriculum_steps) on."""
@@ -239,6 +242,7 @@ def test_easy_first_by_a_difficulty_field(random_tiny_model, twelve_prompts, tmp
     assert trainer.rollouts.prompts.history is None  # a difficulty field needs no history
 
 
+@pytest.mark.slow
 def test_easy_first_by_measured_pass_rate(random_tiny_model, twelve_prompts, tmp_path):
     """Without a difficulty field the pool is ranked by the pass rates measured so far:
     prompts always solved come first, prompts never solved last."""

@@ -358,6 +358,7 @@ def assert_checkpoints_complete(out: Path, model_dir: Path) -> list[int]:
 
 
 @pytest.mark.parametrize("moment", MOMENTS)
+@pytest.mark.slow
 def test_sigkill_then_resume_ends_like_an_uninterrupted_run(
     moment, crash_runs, random_tiny_model, train_file
 ):
@@ -505,6 +506,7 @@ def test_resume_keeps_the_count_of_nonfinite_updates_in_a_row(
 # ==========================================================================================
 
 
+@pytest.mark.slow
 def test_raising_hanging_and_bad_reward_functions_do_not_stop_training(
     random_tiny_model, train_file, tmp_path, monkeypatch
 ):
@@ -717,6 +719,7 @@ print("LOADS:", load_checkpoint(list_checkpoints(small)[-1], model, opt))
 
 
 @pytest.mark.skipif(not _unshare_available(), reason="needs `unshare -m` and mount (root)")
+@pytest.mark.slow
 def test_real_read_only_and_full_file_systems(tmp_path):
     """A read-only tmpfs and a 16 MB tmpfs in a private mount namespace (gone with it)."""
     ro, small = tmp_path / "ro", tmp_path / "small"

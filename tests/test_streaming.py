@@ -86,6 +86,7 @@ def oldest(step: int, groups: list) -> int:
 
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+@pytest.mark.slow
 def test_no_trained_token_is_older_than_n_versions_hf(tiny_path, tmp_path, n, partial):
     """hf (a copy of the policy samples): the producer fills the queue up to the bound and
     every batch waits there; still no trained token is more than N versions older than the
@@ -286,6 +287,7 @@ def test_the_decoupled_objective_is_areals_token_by_token():
     torch.testing.assert_close(ours, theta2.grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_a_resume_trains_on_the_queued_batches(tiny_path, tmp_path):
     """The checkpoint holds the batches filled ahead (with their versions); a trainer resumed
     from it trains on exactly those groups before it generates anything new."""

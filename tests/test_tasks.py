@@ -325,6 +325,7 @@ def test_chat_addition_and_its_sanity_set_are_builtin_data_sets():
         assert r.ground_truth == str(a + b)
 
 
+@pytest.mark.slow
 def test_an_interrupted_warm_up_resumes_from_its_saved_progress(tmp_path, one_thread):
     """Progress is saved every tenth of the warm-up; a build interrupted midway goes on from
     there and ends with the weights of an uninterrupted build."""

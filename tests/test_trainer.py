@@ -39,6 +39,7 @@ def small_config(model: Path, out: Path, *extra: str):
     )
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_trains_only_mixed_groups_and_reuses_surplus(random_tiny_model, tmp_path):
     cfg = small_config(
         random_tiny_model,
@@ -91,6 +92,7 @@ def test_dynamic_sampling_trains_only_mixed_groups_and_reuses_surplus(random_tin
     assert any(m["train/stale_groups"] > 0 for m in metrics)
 
 
+@pytest.mark.slow
 def test_round_cap_gives_the_documented_error(random_tiny_model, tmp_path):
     cfg = small_config(
         random_tiny_model,
@@ -107,6 +109,7 @@ def test_round_cap_gives_the_documented_error(random_tiny_model, tmp_path):
     assert "algorithm.max_gen_rounds" in msg and "rollout.num_generations" in msg
 
 
+@pytest.mark.slow
 def test_round_cap_train_trains_short_batches_exactly_planned(random_tiny_model, tmp_path):
     cfg = small_config(
         random_tiny_model,
@@ -140,6 +143,7 @@ def test_round_cap_train_trains_short_batches_exactly_planned(random_tiny_model,
     assert all("algorithm.round_cap=train" in x and "algorithm.round_cap=stop" in x for x in notes)
 
 
+@pytest.mark.slow
 def test_steps_without_signal_skip_the_update_then_stop_also_after_resume(
     random_tiny_model, tmp_path
 ):
@@ -176,6 +180,7 @@ def test_steps_without_signal_skip_the_update_then_stop_also_after_resume(
     assert "algorithm.max_empty_steps=3" in msg and "Raise algorithm.max_gen_rounds" in msg
 
 
+@pytest.mark.slow
 def test_existing_checkpoints_are_not_overwritten_without_resume(random_tiny_model, tmp_path):
     out = tmp_path / "run"
     cfg = small_config(random_tiny_model, out, "algorithm.dynamic_sampling=false", "train.steps=1")
@@ -187,6 +192,7 @@ def test_existing_checkpoints_are_not_overwritten_without_resume(random_tiny_mod
     assert (ckpt / "model.safetensors").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_same_seed_same_metrics(random_tiny_model, tmp_path):
     import json
 
@@ -203,6 +209,7 @@ def test_same_seed_same_metrics(random_tiny_model, tmp_path):
     assert run(tmp_path / "a") == run(tmp_path / "b")
 
 
+@pytest.mark.slow
 def test_beta_loads_reference_model_only_when_needed(random_tiny_model, tmp_path):
     no_kl = Trainer(small_config(random_tiny_model, tmp_path / "a"), log=lambda _: None)
     assert no_kl.learner.ref_model is None
@@ -224,6 +231,7 @@ def test_beta_loads_reference_model_only_when_needed(random_tiny_model, tmp_path
     assert "actor/kl_ref" in rows[0]
 
 
+@pytest.mark.slow
 def test_trains_a_transformers_model_on_reference_parquet(tmp_path):
     """Any causal LM directory + a parquet file in the DAPO reference format."""
     import json
@@ -280,6 +288,7 @@ def test_trains_a_transformers_model_on_reference_parquet(tmp_path):
     assert (out / "final_model" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_sample_budget_stops_after_that_many_generated_responses(random_tiny_model, tmp_path):
     """train.sample_budget counts every response generated, dropped groups included, and
     the count survives a resume."""
@@ -420,6 +429,7 @@ def test_only_rank_zero_prints_start_up_lines(random_tiny_model, tmp_path, monke
         ),
     ],
 )
+@pytest.mark.slow
 def test_loss_variants_train_and_log_their_metrics(random_tiny_model, tmp_path, extra, logged):
     import json
 
