@@ -119,3 +119,46 @@ def _restore_warning_format():
     original = warnings.formatwarning
     yield
     warnings.formatwarning = original
+
+
+RUN_WITH_A_LATE_THREAD = """
+import atexit, sys, threading, time
+import dapo.cli
+
+def fake_main():
+    def late_writer():
+        time.sleep(0.3)
+        print("thread done", flush=True)
+    threading.Thread(target=late_writer).start()
+    atexit.register(print, "atexit ran")
+    print("buffered, not flushed", end="")
+    return 3
+
+dapo.cli.main = fake_main
+dapo.cli.run()
+print("never printed")
+"""
+
+
+def test_the_dapo_command_waits_for_threads_and_exit_functions_then_exits_with_mains_status():
+    """``run`` skips the interpreter's teardown but nothing a run still owes: a non-daemon
+    thread finishes, atexit functions run, buffered output is flushed, and the status is
+    main's."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_WITH_A_LATE_THREAD], capture_output=True, text=True
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "buffered, not flushedthread done\natexit ran\n"
+
+
+def test_python_dash_m_dapo_prints_and_returns_the_status():
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "dapo", "presets"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "dapo" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "dapo", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown command 'nope'" in bad.stderr

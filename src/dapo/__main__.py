@@ -1,5 +1,3 @@
-import sys
+from dapo.cli import run
 
-from dapo.cli import main
-
-sys.exit(main())
+run()

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 from dapo.choices import VLLM_QUANTIZATIONS
 from dapo.config import (
@@ -448,5 +451,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def run() -> NoReturn:
+    """The ``dapo`` command: :func:`main`, then an immediate exit. Once a run has returned
+    (its files closed, its threads done), the interpreter's teardown of torch, transformers
+    and vLLM objects only costs time: about 2 s a process on a 2-core CPU, measured."""
+    status = main()
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
