@@ -34,15 +34,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from _report import provenance, write_report  # benchmarks/_report.py (run as a script)
-from bench_ablation import curve, dapo_train
+from bench_ablation import curve, dapo_train, run_dapo
 
 ARMS = {"rl": "RL alone (DAPO)", "distill": "distillation alone", "both": "RL + distillation"}
 
@@ -118,15 +116,10 @@ def measure_model(name: str, model: str, args: argparse.Namespace, threads: int)
     out = Path(args.runs_dir) / "measure" / f"{name}.json"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "dapo", "eval", model, "--data", args.task]
+        cmd = ["eval", model, "--data", args.task]
         cmd += ["--k", str(args.eval_k), "--max-problems", str(args.eval_prompts)]
         cmd += ["--max-tokens", str(args.max_length), "--temperature", "1.0", "--top-p", "1.0"]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        with out.with_suffix(".log").open("w") as fh:
-            proc = subprocess.run(
-                [*cmd, "--output", str(out)], env=env, stdout=fh, stderr=subprocess.STDOUT
-            )
-        if proc.returncode != 0:
+        if run_dapo([*cmd, "--output", str(out)], threads, out.with_suffix(".log")) != 0:
             raise RuntimeError(
                 f"measuring the {name} {model} failed; see {out.with_suffix('.log')}"
             )

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def bench(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("DAPO_BENCH_IN_PROCESS", "1")  # runs in this process: no imports
     bench_ablation = import_benchmark("bench_ablation")
     return bench_ablation
 
@@ -177,7 +178,12 @@ def test_bad_arguments_are_refused(bench, capsys):
     assert "choose from steps, budget" in capsys.readouterr().err
 
 
-def test_dapo_train_skips_finished_runs_and_restarts_interrupted_ones(tmp_path):
+@pytest.mark.parametrize("in_process", ["0", "1"])
+def test_dapo_train_skips_finished_runs_and_restarts_interrupted_ones(
+    in_process, tmp_path, monkeypatch
+):
+    """Both ways of running ``dapo train``: a fresh process, and this one (the smoke tests)."""
+    monkeypatch.setenv("DAPO_BENCH_IN_PROCESS", in_process)
     bench = import_benchmark("bench_ablation")
     done = tmp_path / "done"
     done.mkdir()

@@ -16,6 +16,7 @@ def test_the_three_arms_run_and_report_steps_to_rls_accuracy(
     random_tiny_model, tmp_path, capsys, monkeypatch
 ):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("DAPO_BENCH_IN_PROCESS", "1")  # runs in this process: no imports
     bench = import_benchmark("bench_distill")
     out, png, runs = tmp_path / "distill.json", tmp_path / "distill.png", tmp_path / "runs"
     args = [

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def bench(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("DAPO_BENCH_IN_PROCESS", "1")  # runs in this process: no imports
     bench_real = import_benchmark("bench_real")
     return bench_real
 

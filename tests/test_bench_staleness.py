@@ -16,6 +16,7 @@ REWARDS = Path(__file__).with_name("trainer_rewards.py")
 @pytest.fixture
 def bench(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("DAPO_BENCH_IN_PROCESS", "1")  # runs in this process: no imports
     return import_benchmark("bench_staleness")
 
 
