@@ -601,3 +601,27 @@ def test_in_memory_datasetdict_without_the_split():
         "eval_dataset: split 'test' not found; the DatasetDict has splits ['train']. "
         "Fix: pass data.eval_split=<one of ['train']>."
     )
+
+
+def test_encode_prompts_tokenizes_a_multi_turn_opening_as_the_renderer_does():
+    """``text_of`` (a multi-turn opening with the tools' schemas) is tokenized in batches:
+    the ids are the renderer's own, one prompt at a time, and the limit counts the tools."""
+    from dapo.data.tasks import load_task
+    from dapo.data.tasks.calculator import CHAT_TEMPLATE as TOOL_TEMPLATE
+    from dapo.data.tasks.calculator import add
+    from dapo.environments import ChatRenderer, prompt_messages
+    from dapo.environments.tools import tool_schema
+    from dapo.models.tiny import build_tokenizer
+
+    tok = build_tokenizer(TOOL_TEMPLATE)
+    renderer = ChatRenderer(tok, [tool_schema(add, "add")])
+    records = load_task("builtin:calculator", "train", 40)
+    text_of = lambda r: renderer.opening_text(prompt_messages(r))  # noqa: E731
+    expected = [renderer.opening(prompt_messages(r)) for r in records]
+    kept, ids, dropped = encode_prompts(records, tok, 10_000, text_of=text_of)
+    assert dropped == 0 and ids == expected
+    plain = encode_prompts(records, tok, 10_000)[1]
+    assert all(len(a) > len(b) for a, b in zip(ids, plain, strict=True))  # the schemas count
+    limit = sorted(len(x) for x in expected)[20]
+    kept, ids, dropped = encode_prompts(records, tok, limit, text_of=text_of)
+    assert ids == [x for x in expected if len(x) <= limit] and dropped == 40 - len(ids)

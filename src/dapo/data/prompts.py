@@ -49,28 +49,27 @@ def encode_prompts(
     max_prompt_length: int,
     *,
     stats: LoadStats | None = None,
-    ids_of: Callable[[PromptRecord], list[int]] | None = None,
+    text_of: Callable[[PromptRecord], str] | None = None,
 ) -> tuple[list[PromptRecord], list[list[int]], int]:
     """Render and tokenize prompts; drop (never truncate) those over ``max_prompt_length``.
 
-    ``ids_of`` renders one record as the model will see it when that is more than its chat
+    ``text_of`` renders one record as the model will see it when that is more than its chat
     template (a multi-turn run's opening, with the tools' schemas); the length limit applies
-    to what it returns. Returns the kept records, their token ids and the number dropped. If
-    ``stats`` is given, its ``too_long`` and ``kept`` are updated.
+    to its tokens. The texts are tokenized in batches, without special tokens (one call per
+    prompt took most of a small run's start). Returns the kept records, their token ids and
+    the number dropped. If ``stats`` is given, its ``too_long`` and ``kept`` are updated.
     """
     if max_prompt_length <= 0:
         raise DataError(
             f"data.max_prompt_length must be positive, got {max_prompt_length}. "
             "Fix: set data.max_prompt_length to the prompt token budget."
         )
+    render = text_of or (lambda r: render_prompt(r, tokenizer))
+    texts = [render(r) for r in records]
     all_ids: list[list[int]] = []
-    if ids_of is not None:
-        all_ids = [list(ids_of(r)) for r in records]
-    else:
-        texts = [render_prompt(r, tokenizer) for r in records]
-        for start in range(0, len(texts), _TOKENIZE_BATCH):
-            enc = tokenizer(texts[start : start + _TOKENIZE_BATCH], add_special_tokens=False)
-            all_ids.extend(list(ids) for ids in enc["input_ids"])
+    for start in range(0, len(texts), _TOKENIZE_BATCH):
+        enc = tokenizer(texts[start : start + _TOKENIZE_BATCH], add_special_tokens=False)
+        all_ids.extend(list(ids) for ids in enc["input_ids"])
 
     kept: list[PromptRecord] = []
     kept_ids: list[list[int]] = []
@@ -82,7 +81,7 @@ def encode_prompts(
     if records and not kept:
         lengths = [len(ids) for ids in all_ids]
         seen, fix = "", ""
-        if ids_of is not None:  # a multi-turn opening: its tools' schemas count too
+        if text_of is not None:  # a multi-turn opening: its tools' schemas count too
             seen = " as the model sees them (chat template, the tools' schemas)"
             fix = (
                 "; data.max_prompt_length + rollout.max_completion_length must fit the "

@@ -108,6 +108,10 @@ class ChatRenderer:
 
     def opening(self, messages: list[Message]) -> list[int]:
         """The prompt ids: the opening messages, the tools and the generation prompt."""
+        return self._ids(self.opening_text(messages))
+
+    def opening_text(self, messages: list[Message]) -> str:
+        """The text of :meth:`opening` (tokenized without special tokens, its ids)."""
         messages = list(messages)
         if self.tools_prompt is not None:
             if messages and messages[0].get("role") == "system":
@@ -115,7 +119,7 @@ class ChatRenderer:
                 messages[0] = {**first, "content": f"{first['content']}\n\n{self.tools_prompt}"}
             else:
                 messages.insert(0, {"role": "system", "content": self.tools_prompt})
-        return self._ids(self._render(messages))
+        return self._render(messages)
 
     def reply_text(self, messages: list[Message]) -> str:
         """The text appended after an assistant turn that ended with EOS: the rest of the

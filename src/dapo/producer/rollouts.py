@@ -149,12 +149,12 @@ class Rollouts:
         """Training and held-out prompts, rendered and tokenized; over-long ones dropped."""
         d = self.cfg.data
         renderer = self.renderer
-        opening = None if renderer is None else (lambda r: renderer.opening(prompt_messages(r)))
+        opening = None if renderer is None else (lambda r: renderer.opening_text(prompt_messages(r)))
         self.train_records, self.train_ids, dropped = encode_prompts(
             load_prompt_set(d, "train", inputs.train_dataset),
             self.tokenizer,
             d.max_prompt_length,
-            ids_of=opening,
+            text_of=opening,
         )
         if dropped:
             log(f"dropped {dropped} training prompts longer than data.max_prompt_length")
@@ -164,7 +164,7 @@ class Rollouts:
                 load_prompt_set(d, "eval", inputs.eval_dataset),
                 self.tokenizer,
                 d.max_prompt_length,
-                ids_of=opening,
+                text_of=opening,
             )
         elif self.cfg.evaluate:
             log(
