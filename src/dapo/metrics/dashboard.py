@@ -234,7 +234,18 @@ def _build_figure(records: list[dict], title: str) -> Any:
 
     panels = panels_for(records)
     rows = math.ceil(len(panels) / 2)
-    fig = Figure(figsize=(15, 4 * rows), dpi=100, layout="constrained")
+    width, height = 15, 4 * rows
+    fig = Figure(figsize=(width, height), dpi=100)
+    # Fixed margins (inches) for the fixed grid: matplotlib's constrained layout took a third
+    # of the drawing time, 0.6 s of every run's end on a 2-core CPU.
+    fig.subplots_adjust(
+        left=0.7 / width,
+        right=1 - 0.7 / width,
+        top=1 - 1.0 / height,
+        bottom=0.55 / height,
+        hspace=0.45,
+        wspace=0.22,
+    )
     axes = fig.subplots(rows, 2, sharex=True)
     for ax, panel in zip(axes.flat, panels, strict=True):
         _draw_panel(ax, panel, records)
@@ -242,7 +253,7 @@ def _build_figure(records: list[dict], title: str) -> Any:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in axes[-1]:
         ax.set_xlabel("rollout step", fontsize=9)
-    fig.suptitle(title, fontsize=14)
+    fig.suptitle(title, fontsize=14, y=1 - 0.2 / height, va="top")
     return fig
 
 
