@@ -478,3 +478,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from dapo.cli import exit_now
+
+    exit_now(0)
