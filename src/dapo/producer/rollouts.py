@@ -149,7 +149,9 @@ class Rollouts:
         """Training and held-out prompts, rendered and tokenized; over-long ones dropped."""
         d = self.cfg.data
         renderer = self.renderer
-        opening = None if renderer is None else (lambda r: renderer.opening_text(prompt_messages(r)))
+        opening = (
+            None if renderer is None else (lambda r: renderer.opening_text(prompt_messages(r)))
+        )
         self.train_records, self.train_ids, dropped = encode_prompts(
             load_prompt_set(d, "train", inputs.train_dataset),
             self.tokenizer,
