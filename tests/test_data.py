@@ -625,3 +625,41 @@ def test_encode_prompts_tokenizes_a_multi_turn_opening_as_the_renderer_does():
     limit = sorted(len(x) for x in expected)[20]
     kept, ids, dropped = encode_prompts(records, tok, limit, text_of=text_of)
     assert ids == [x for x in expected if len(x) <= limit] and dropped == 40 - len(ids)
+
+
+def test_a_prompt_set_is_tokenized_once_per_tokenizer_and_texts(monkeypatch):
+    """The ids of a set already tokenized by the same tokenizer definition are reused (a
+    second trainer on the same data); another tokenizer, or other texts, are tokenized."""
+    import dapo.data.prompts as P
+
+    monkeypatch.setattr(P, "_RECENT", type(P._RECENT)())
+    calls: list[int] = []
+    texts = ["abc", "ab", "a"]
+
+    def counted(tok):
+        original = type(tok).__call__
+
+        class Counted(type(tok)):
+            def __call__(self, batch, **kw):
+                calls.append(len(batch))
+                return original(self, batch, **kw)
+
+        tok.__class__ = Counted
+        return tok
+
+    first = P.tokenize_texts(texts, char_tokenizer())
+    assert first == [char_ids("abc"), char_ids("ab"), char_ids("a")]
+    first[0].append(99)  # the caller's lists are its own
+    assert P.tokenize_texts(texts, char_tokenizer()) == [char_ids(t) for t in texts]
+    # A subclass that overrides __call__ is always asked (and not remembered).
+    P.tokenize_texts(texts, counted(char_tokenizer()))
+    P.tokenize_texts(texts, counted(char_tokenizer()))
+    assert calls == [3, 3]
+    # Another vocabulary, same texts: its own ids, not the remembered ones.
+    from dapo.models.tiny import build_tokenizer
+
+    other = build_tokenizer()
+    theirs = [other(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert theirs != [char_ids(t) for t in texts] and P.tokenize_texts(texts, other) == theirs
+    assert P.tokenize_texts(["abd"], char_tokenizer()) == [char_ids("abd")]
+    assert len(P._RECENT) == 3
