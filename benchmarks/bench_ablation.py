@@ -131,6 +131,8 @@ def run_dapo(command: list[str], threads: int, log: Path) -> int:
         try:
             with contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
                 return main(command)
+        except SystemExit as exc:  # argparse's usage errors: the status a process exits with
+            return exc.code if isinstance(exc.code, int) else 1
         except Exception:
             traceback.print_exc(file=fh)
             return 1

@@ -199,3 +199,14 @@ def test_dapo_train_skips_finished_runs_and_restarts_interrupted_ones(
         bench.dapo_train(interrupted, argv, 1, "bad run")
     assert not (interrupted / "checkpoints" / "stale.pt").exists()  # started from scratch
     assert "unknown config key" in (tmp_path / "interrupted.log").read_text()
+
+
+@pytest.mark.parametrize("in_process", ["0", "1"])
+def test_run_dapo_returns_a_usage_errors_status_either_way(in_process, tmp_path, monkeypatch):
+    """``dapo eval`` without its model exits 2 through argparse: the status, in the log's
+    process or this one, not an exception that ends the benchmark."""
+    monkeypatch.setenv("DAPO_BENCH_IN_PROCESS", in_process)
+    bench = import_benchmark("bench_ablation")
+    log = tmp_path / "eval.log"
+    assert bench.run_dapo(["eval", "--k", "2"], 1, log) == 2
+    assert "usage" in log.read_text()
