@@ -24,6 +24,8 @@ also returns every token's sampling log-prob, ``generate`` only the tokens. Afte
 warm-up call each, the engines take turns for ``--repeats`` rounds; the table gives the
 median and the best run.
 
+``hf-forward`` is today's engine stepping through the model's own forward instead of
+:class:`~dapo.rollout.llama_step.LlamaStep` (what the step's written-out forward gains).
 ``hf-prev`` is ``src/dapo/rollout/hf_engine.py`` as of ``--baseline-ref`` (default
 8883290, the engine before its static-cache decoding loop), read with ``git show`` and
 imported beside today's package (it needs only modules that still exist), so both engines
@@ -215,8 +217,9 @@ def eos_rate_hook(model: torch.nn.Module, eos: int, rate: float) -> None:
 def make_engine(
     name: str, bench: BenchModel, max_model_len: int, batch: int, baseline_ref: str
 ) -> Any:
-    if name == "hf":
-        return HFEngine(bench.model, bench.eos, bench.pad, batch_size=batch)
+    if name in ("hf", "hf-forward"):
+        direct = name == "hf"
+        return HFEngine(bench.model, bench.eos, bench.pad, batch_size=batch, direct=direct)
     if name == "hf-prev":
         engine_class = previous_engine_class(baseline_ref)
         return engine_class(bench.model, bench.eos, bench.pad, batch_size=batch)
@@ -259,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--engines",
         default="hf,generate,vllm",
-        help="comma-separated: hf, hf-prev, generate, vllm",
+        help="comma-separated: hf, hf-forward, hf-prev, generate, vllm",
     )
     ap.add_argument(
         "--baseline-ref", default=BASELINE_REF, help="the commit hf-prev's engine is read from"

@@ -1,5 +1,6 @@
 """Where a decoding step's time goes: the transformers engine now (``hf``) and as of an
-earlier commit (``hf-prev``, ``bench_engines.previous_engine_class``), under
+earlier commit (``hf-prev``, ``bench_engines.previous_engine_class``), and now with the model's
+own forward for each step (``hf-forward``, without :class:`~dapo.rollout.llama_step.LlamaStep`), under
 ``torch.profiler`` on the same model and prompts.
 
 Each engine generates once to warm up, then once under the profiler. The script prints,
@@ -15,14 +16,16 @@ JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from _report import provenance, write_report  # benchmarks/_report.py (run as a script)
 from bench_engines import BASELINE_REF, MODELS, previous_engine_class
 
-from dapo.rollout import HFEngine, SamplingParams
+from dapo.rollout import HFEngine, SamplingParams, decode
 
 # What each operator does in a decoding loop (the rest is "other": norms, activations,
 # rotary embeddings, element-wise maths and the dispatcher's view/reshape bookkeeping).
@@ -30,6 +33,7 @@ GROUPS = {
     "linear layers": ("aten::mm", "aten::addmm"),
     "attention": (
         "aten::bmm",
+        "aten::baddbmm",
         "aten::_scaled_dot_product_flash_attention_for_cpu",
         "aten::_scaled_dot_product_attention_math",
         "aten::_softmax",
@@ -52,22 +56,42 @@ GROUPS = {
 }
 
 
-def profile(engine: Any, prompts: list[list[int]], params: SamplingParams) -> dict:
-    engine.generate(prompts, params)  # warm-up
+@contextlib.contextmanager
+def counting_steps(engine: Any) -> Iterator[dict]:
+    """Counts the decode steps of the calls inside: today's engine's ``decode_step`` calls
+    (a hook on the model would turn its LlamaStep off), the earlier engine's one-token
+    forwards."""
     steps = {"n": 0}
-    model = engine.model
+    if isinstance(engine, HFEngine):
+        real = decode.decode_step
+
+        def counted(*a: Any, **k: Any) -> None:
+            steps["n"] += 1
+            real(*a, **k)
+
+        decode.decode_step = counted
+        try:
+            yield steps
+        finally:
+            decode.decode_step = real
+        return
 
     def count(_m: Any, _a: Any, kwargs: dict) -> None:
         steps["n"] += int(kwargs["input_ids"].shape[1] == 1)
 
-    handle = model.register_forward_pre_hook(count, with_kwargs=True)
+    handle = engine.model.register_forward_pre_hook(count, with_kwargs=True)
     try:
-        with torch.profiler.profile() as prof:
-            t0 = time.perf_counter()
-            groups = engine.generate(prompts, params)
-            seconds = time.perf_counter() - t0
+        yield steps
     finally:
         handle.remove()
+
+
+def profile(engine: Any, prompts: list[list[int]], params: SamplingParams) -> dict:
+    engine.generate(prompts, params)  # warm-up
+    with counting_steps(engine) as steps, torch.profiler.profile() as prof:
+        t0 = time.perf_counter()
+        groups = engine.generate(prompts, params)
+        seconds = time.perf_counter() - t0
     tokens = sum(len(r) for g in groups for r in g.response_ids)
     by_op = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}  # ms
     total = sum(by_op.values())
@@ -102,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0)
     engines = {
         "hf": HFEngine(bench.model, bench.eos, bench.pad),
+        "hf-forward": HFEngine(bench.model, bench.eos, bench.pad, direct=False),
         "hf-prev": previous_engine_class(args.baseline_ref)(bench.model, bench.eos, bench.pad),
     }
     results = {name: profile(e, bench.prompts, params) for name, e in engines.items()}

@@ -26,15 +26,38 @@ def prompts(tok):
     return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-def batch_sizes_seen(model) -> tuple[list[int], object]:
-    """The batch size of every decode-step forward (one new token per row)."""
+def batch_sizes_seen(monkeypatch) -> list[int]:
+    """The batch size of every decode step (one new token per row), whichever forward it
+    takes."""
+    from dapo.rollout import decode
+
     seen: list[int] = []
+    real = decode.decode_step
 
-    def hook(_m, _a, kwargs):
-        if kwargs["input_ids"].shape[1] == 1:
-            seen.append(kwargs["input_ids"].shape[0])
+    def recorded(model, s, *a, **k):
+        seen.append(s.done.shape[0])
+        real(model, s, *a, **k)
 
-    return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
+    monkeypatch.setattr(decode, "decode_step", recorded)
+    return seen
+
+
+@pytest.fixture(params=[True, False], ids=["llama-step", "model-forward"])
+def direct(request, monkeypatch):
+    """Both decode-step forwards: LlamaStep (the default for these Llama models) and the
+    model's own forward; each test checks the path it asked for is the one taken."""
+    from dapo.rollout import decode
+
+    calls = {"n": 0}
+    real = decode.LlamaStep.__call__
+
+    def counted(self, *a, **k):
+        calls["n"] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(decode.LlamaStep, "__call__", counted)
+    yield request.param
+    assert (calls["n"] > 0) == request.param, calls
 
 
 def test_buckets_are_powers_of_two_and_halfway_sizes_up_to_the_batch():
@@ -59,15 +82,16 @@ def test_the_row_cache_writes_each_rows_key_at_its_own_slot():
         assert keys[0][row, :, others].abs().sum() == 0
 
 
-def test_refilled_and_packed_rows_give_the_forwards_logprobs_to_1e5(tok, prompts):
+def test_refilled_and_packed_rows_give_the_forwards_logprobs_to_1e5(
+    tok, prompts, direct, monkeypatch
+):
     """A batch of 4 rows for 12 responses of very different lengths: rows are refilled from
     the queue and packed as they finish; every response's tokens and log-probs are those of a
     plain forward over it."""
     model = make_model(tok, seed=0, eos_scale=8.0)
-    seen, handle = batch_sizes_seen(model)
+    seen = batch_sizes_seen(monkeypatch)
     params = SamplingParams(n=2, temperature=1.0, max_tokens=14, seed=5)
-    groups = HFEngine(model, EOS, PAD, batch_size=4).generate(prompts, params)
-    handle.remove()
+    groups = HFEngine(model, EOS, PAD, batch_size=4, direct=direct).generate(prompts, params)
     lengths = [len(r) for g in groups for r in g.response_ids]
     assert len(set(lengths)) >= 4, lengths  # precondition: a spread of lengths
     assert max(seen) == 4 and min(seen) < 4, seen  # rows refilled, then packed
@@ -78,17 +102,18 @@ def test_refilled_and_packed_rows_give_the_forwards_logprobs_to_1e5(tok, prompts
             torch.testing.assert_close(torch.tensor(lp), ref, atol=1e-5, rtol=0)
 
 
-def test_greedy_tokens_equal_a_cache_free_decode_whatever_the_batch(tok, prompts):
+def test_greedy_tokens_equal_a_cache_free_decode_whatever_the_batch(tok, prompts, direct):
     model = make_model(tok, seed=1, eos_scale=8.0)
     params = SamplingParams(n=3, temperature=0.0, max_tokens=12)
     for batch in (2, 5, 256):
-        groups = HFEngine(model, EOS, PAD, batch_size=batch).generate(prompts, params)
+        engine = HFEngine(model, EOS, PAD, batch_size=batch, direct=direct)
+        groups = engine.generate(prompts, params)
         for p, g in zip(prompts, groups, strict=True):
             want = reference_greedy(model, p, 12)
             assert g.response_ids == [want] * 3, batch
 
 
-def test_sampling_draws_from_the_models_distribution(tok, prompts):
+def test_sampling_draws_from_the_models_distribution(tok, prompts, direct):
     """1,536 responses of 2 tokens to one prompt on 256 rows (refills), at temperature 0.4
     (a peaked distribution): the first token's
     frequencies and the second token's, after the most frequent first one, are within 5 sigma
@@ -96,7 +121,7 @@ def test_sampling_draws_from_the_models_distribution(tok, prompts):
     model = make_model(tok, seed=2)
     prompt = prompts[0]
     n = 1536
-    groups = HFEngine(model, EOS, PAD, batch_size=256).generate(
+    groups = HFEngine(model, EOS, PAD, batch_size=256, direct=direct).generate(
         [prompt], SamplingParams(n=n, temperature=0.4, max_tokens=2, seed=11)
     )
     responses = groups[0].response_ids
@@ -136,10 +161,9 @@ def test_a_long_tail_runs_on_a_shrinking_batch(tok, prompts, monkeypatch):
         return out
 
     model.lm_head.register_forward_hook(hook)
-    seen, handle = batch_sizes_seen(model)
+    seen = batch_sizes_seen(monkeypatch)
     params = SamplingParams(n=8, temperature=1.0, max_tokens=48, seed=0)
     groups = HFEngine(model, EOS, PAD, batch_size=16).generate(prompts[:2], params)
-    handle.remove()
     lengths = sorted(len(r) for g in groups for r in g.response_ids)
     assert lengths[-1] == 48 and lengths[len(lengths) // 2] < 8, lengths  # a long tail
     assert seen[0] == 16 and seen[-1] <= 3, seen

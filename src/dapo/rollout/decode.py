@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache
 
 from dapo.models.inputs import left_pad
 from dapo.rollout.base import SamplingParams
+from dapo.rollout.llama_step import LlamaStep, unsupported
 from dapo.rollout.sampling import sample_with
 
 SYNC_EVERY = 8  # decode steps between two looks at the host (finished rows, refills)
@@ -156,9 +157,11 @@ def decode_step(
     cache: RowCache,
     params: SamplingParams,
     eos_token_id: int,
+    forward: LlamaStep | None = None,
 ) -> None:
     """One token for every row, in place on ``s`` and ``cache``: sample from ``s.logits``,
-    record the token, then forward it at each row's position to get the next logits.
+    record the token, then forward it at each row's position to get the next logits
+    (through ``forward`` where given, else the model's own forward).
 
     Static shapes and no host synchronisation: a CUDA graph can capture it. Finished rows
     run too (their results are discarded: the token goes to the scratch column, their
@@ -176,14 +179,17 @@ def decode_step(
     s.done.logical_or_(ended_eos | (s.gen >= max_tokens))
 
     s.valid[cache.rows, s.slot] = True
-    out = model(
-        input_ids=tok[:, None],
-        position_ids=s.pos[:, None],
-        attention_mask=s.valid[:, None, None, :],
-        past_key_values=cache,
-        use_cache=True,
-    )
-    s.logits.copy_(out.logits[:, -1])
+    if forward is not None:
+        s.logits.copy_(forward(tok, s.pos, s.valid, cache))
+    else:
+        out = model(
+            input_ids=tok[:, None],
+            position_ids=s.pos[:, None],
+            attention_mask=s.valid[:, None, None, :],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        s.logits.copy_(out.logits[:, -1])
     s.pos.add_(live)
     s.slot.add_(live).clamp_(max=s.valid.shape[1] - 1)  # a finished row's writes stay in
 
@@ -232,8 +238,9 @@ class Decoder:
 
     ``model`` is a transformers causal LM in eval mode, inside the engine's precision and
     attention contexts. Responses come back in order: prompt ``i``'s ``k``-th response is
-    ``i * n + k``. ``graphs``: replay the decode step from CUDA graphs; ``log``: where a
-    fallback is said.
+    ``i * n + k``. ``graphs``: replay the decode step from CUDA graphs; ``direct``: step a
+    Llama-family model through :class:`~dapo.rollout.llama_step.LlamaStep` where it
+    applies; ``log``: where a fallback is said.
     """
 
     def __init__(
@@ -249,6 +256,7 @@ class Decoder:
         device: torch.device,
         workspaces: Workspaces,
         graphs: bool = False,
+        direct: bool = True,
         log: Callable[[str], None] = print,
     ) -> None:
         self.model, self.prompts, self.params = model, prompts, params
@@ -266,6 +274,12 @@ class Decoder:
         self.sizes = buckets(self.rows) if graphs else list(range(1, self.rows + 1))
         self.sync_every = SYNC_EVERY if graphs or device.type == "cuda" else SYNC_EVERY_CPU
         self.length = width + params.max_tokens
+        # Llama-family models step through LlamaStep (the same maths, fewer operators).
+        self.forward = (
+            LlamaStep(model, self.length, fuse=not graphs)
+            if direct and unsupported(model) is None
+            else None
+        )
         self.held: list[int] = [-1] * self.rows  # the response each row holds (-1: free)
         self.ws: Workspace | None = None
         self._views: dict[tuple[int, int], tuple[DecodeState, RowCache]] = {}
@@ -317,7 +331,7 @@ class Decoder:
                 self.ws.state.view(rows, window),
                 self.ws.cache.view(rows, window),
             )
-        decode_step(self.model, *views, self.params, self.eos)
+        decode_step(self.model, *views, self.params, self.eos, self.forward)
 
     def _step_or_replay(self, rows: int, window: int) -> None:
         if not self.graphs or self.workspaces.capture_failed:

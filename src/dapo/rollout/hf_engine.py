@@ -147,7 +147,8 @@ class HFEngine:
     The engine holds the policy module itself, so after an optimizer step it already
     samples from the new weights; ``load_weights`` copies tensors only when given ones
     that are not its own (e.g. from another process). ``batch_size``: rows decoded together;
-    ``cuda_graphs``: ``auto`` (on CUDA), ``on`` or ``off``.
+    ``cuda_graphs``: ``auto`` (on CUDA), ``on`` or ``off``; ``direct``: decode Llama-family
+    models through :class:`~dapo.rollout.llama_step.LlamaStep` (False: the model's forward).
     """
 
     def __init__(
@@ -158,6 +159,7 @@ class HFEngine:
         batch_size: int = 256,
         cuda_graphs: str = "auto",
         log: Any = print,
+        direct: bool = True,
     ) -> None:
         if cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose one of {', '.join(CUDA_GRAPHS)}")
@@ -166,6 +168,7 @@ class HFEngine:
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
         self.cuda_graphs = cuda_graphs
+        self.direct = direct
         self.log = log
         self.weights = GenerationWeights()
         self.workspaces = Workspaces()
@@ -245,6 +248,7 @@ class HFEngine:
                     device=device,
                     workspaces=self.workspaces,
                     graphs=graphs,
+                    direct=self.direct,
                     log=self._tell,
                 )
                 out = decoder.run()
