@@ -35,7 +35,6 @@ i.e. with several optimizer updates per rollout step (``--updates-per-step``; th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -43,13 +42,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from _in_process import in_process, run_here  # benchmarks/_in_process.py (run as a script)
 from _report import provenance, write_report  # benchmarks/_report.py (run as a script)
 
 from dapo.config import ABLATION_LADDER, PRESETS
@@ -90,10 +88,6 @@ def run_dir(args: argparse.Namespace, preset: str, seed: int, mode: str) -> Path
     return Path(args.runs_dir) / preset / name
 
 
-IN_PROCESS_ENV = "DAPO_BENCH_IN_PROCESS"
-_ONE_RUN_AT_A_TIME = threading.Lock()
-
-
 def dapo_train(out: Path, argv: list[str], threads: int, what: str) -> bool:
     """``dapo train *argv`` writing to ``out`` (``output_dir=out`` must be in ``argv``), its
     console output in ``out``'s sibling ``<name>.log``; skipped when ``out`` holds a finished
@@ -114,30 +108,15 @@ def dapo_train(out: Path, argv: list[str], threads: int, what: str) -> bool:
 def run_dapo(command: list[str], threads: int, log: Path) -> int:
     """``dapo *command`` on ``threads`` threads, its console output in ``log``; its exit
     status. A fresh process, or with ``DAPO_BENCH_IN_PROCESS=1`` (the smoke tests, at tiny
-    sizes) this one, one command at a time: that saves the ~9 s a process spends importing
-    torch and transformers on a 2-core CPU."""
-    if os.environ.get(IN_PROCESS_ENV) != "1":
+    sizes) this one, one command at a time (``_in_process``)."""
+    if not in_process():
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         with log.open("w") as fh:
             cmd = [sys.executable, "-m", "dapo", *command]
             return subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
-    import torch
-
     from dapo.cli import main
 
-    with _ONE_RUN_AT_A_TIME, log.open("w") as fh:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            with contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
-                return main(command)
-        except SystemExit as exc:  # argparse's usage errors: the status a process exits with
-            return exc.code if isinstance(exc.code, int) else 1
-        except Exception:
-            traceback.print_exc(file=fh)
-            return 1
-        finally:
-            torch.set_num_threads(before)
+    return run_here(lambda: main(command), threads, log)
 
 
 def train_run(preset: str, seed: int, mode: str, args: argparse.Namespace, threads: int) -> Path:

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _in_process import in_process, run_here  # benchmarks/_in_process.py
 from _report import package_version, provenance, write_report  # benchmarks/_report.py
 from bench_trl import overlong_buffer, trl_reward  # the TRL side's reward, shared
 
@@ -255,6 +256,15 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def _python(args: argparse.Namespace, log: Path, *argv: str) -> None:
+    """This script with ``argv`` (and the model's shape) in a fresh process, or with
+    ``DAPO_BENCH_IN_PROCESS=1`` in this one (the peak is still the step's own: ``StepMemory``
+    resets the process's peak before it)."""
+    if in_process():
+        status = run_here(lambda: main([*argv, *shape_argv(args)]), args.threads, log)
+        if status != 0:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+            raise RuntimeError(f"{' '.join(argv[:2])} failed (exit {status}):\n{tail}")
+        return
     threads = str(args.threads)
     env = {
         **os.environ,

@@ -1,55 +1,52 @@
-"""Smoke test of ``benchmarks/bench_memory.py`` on a tiny model shape, so that it does not rot."""
+"""Smoke test of ``benchmarks/bench_memory.py`` on a tiny model shape, so that it does not rot: the
+driver and its sides in this process (``DAPO_BENCH_IN_PROCESS=1``), and one part in a fresh one."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_memory.py"
+import pytest
+from benchmark_modules import import_benchmark  # tests/benchmark_modules.py
 
 
-def test_bench_memory_smoke(tmp_path: Path) -> None:
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("DAPO_BENCH_IN_PROCESS", "1")  # each side in this process: no imports
+    return import_benchmark("bench_memory")
+
+
+SHAPE = ["--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--mlp", "64"]
+
+
+def test_bench_memory_smoke(bench, tmp_path: Path, monkeypatch, capsys) -> None:
     sides = ["fp32", "bf16-mixed", "bf16-mixed+ckpt"]
     if importlib.util.find_spec("trl") is not None:
         sides.append("trl")
     out = tmp_path / "memory.json"
-    cmd = [
-        sys.executable,
-        str(SCRIPT),
-        "--threads",
-        "1",
-        "--prompts",
-        "2",
-        "--generations",
-        "2",
-        "--max-completion-length",
-        "6",
-        "--hidden",
-        "32",
-        "--layers",
-        "2",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--mlp",
-        "64",
-        "--vocab",
-        "4000",
-        "--sides",
-        ",".join(sides),
-        "--output",
-        str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False
+    monkeypatch.chdir(tmp_path)
+    bench.main(
+        [
+            "--threads",
+            "1",
+            "--prompts",
+            "2",
+            "--generations",
+            "2",
+            "--max-completion-length",
+            "6",
+            *SHAPE,
+            "--vocab",
+            "4000",
+            "--sides",
+            ",".join(sides),
+            "--output",
+            str(out),
+        ]
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stdout = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert list(report["results"]) == sides
     for side, r in report["results"].items():
@@ -61,4 +58,16 @@ def test_bench_memory_smoke(tmp_path: Path) -> None:
             report["results"]["bf16-mixed+ckpt"]["peak_mb"] / report["results"]["trl"]["peak_mb"]
         )
         assert report["ckpt_over_trl"] == ratio
-        assert "bf16-mixed+ckpt peak / TRL peak" in proc.stdout
+        assert "bf16-mixed+ckpt peak / TRL peak" in stdout
+
+
+def test_each_side_runs_in_a_fresh_process_outside_the_smoke_test(tmp_path, monkeypatch):
+    """Without ``DAPO_BENCH_IN_PROCESS`` the script runs its parts as fresh processes (here
+    the model build: the saved model loads)."""
+    monkeypatch.setenv("DAPO_BENCH_IN_PROCESS", "0")
+    bench = import_benchmark("bench_memory")
+    args = bench.parse_args(["--threads", "1", *SHAPE, "--vocab", "300"])
+    bench._python(args, tmp_path / "build.log", "--build", str(tmp_path / "model"))
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(tmp_path / "model").hidden_size == 32
