@@ -48,6 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _in_process import in_process, run_here  # benchmarks/_in_process.py
 from _report import (  # benchmarks/_report.py (run as a script)
     package_version,
     provenance,
@@ -305,7 +306,8 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 def spawn(side: str, args: argparse.Namespace, tmp: Path, run_no: int) -> dict[str, Any]:
-    """Run one side in a fresh process; its figures, or an error with the end of its log."""
+    """Run one side in a fresh process (in this one under ``DAPO_BENCH_IN_PROCESS=1``); its
+    figures, or an error with the end of its log."""
     result = tmp / f"{side}-{run_no}.json"
     log = tmp / f"{side}-{run_no}.log"
     cmd = [
@@ -326,14 +328,18 @@ def spawn(side: str, args: argparse.Namespace, tmp: Path, run_no: int) -> dict[s
         "--max-completion-length",
         str(args.max_completion_length),
     ]
-    threads = str(args.threads)
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    with log.open("w") as fh:
-        proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False)
-    if proc.returncode != 0 or not result.exists():
+    if in_process():  # the smoke test: this process (its peak RSS is the process's so far)
+        status = run_here(lambda: main(cmd[2:]), args.threads, log)
+    else:
+        threads = str(args.threads)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        env["TOKENIZERS_PARALLELISM"] = "false"
+        with log.open("w") as fh:
+            cmd_run = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        status = cmd_run.returncode
+    if status != 0 or not result.exists():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        raise RuntimeError(f"the {side} worker failed (exit {proc.returncode}):\n{tail}")
+        raise RuntimeError(f"the {side} worker failed (exit {status}):\n{tail}")
     return json.loads(result.read_text())
 
 
