@@ -312,8 +312,9 @@ def train(tiny_path: Path, out: Path, *overrides: str) -> list[dict]:
 @pytest.mark.slow
 def test_train_with_vllm_engine_raises_accuracy(tmp_path, tiny_path):
     out = tmp_path / "run"
+    # 10 steps: 41.0% -> 57.0% by step 8 and 71.5% by step 20 (2026-11-28, AMD EPYC).
     lines = train(
-        tiny_path, out, "train.steps=20", "data.max_eval_prompts=200", "checkpoint.save_every=0"
+        tiny_path, out, "train.steps=10", "data.max_eval_prompts=200", "checkpoint.save_every=0"
     )
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["accuracy_before"], summary["accuracy_after"]
@@ -321,7 +322,7 @@ def test_train_with_vllm_engine_raises_accuracy(tmp_path, tiny_path):
     assert after > before + 0.05, (before, after)
     # Weights pushed after every update: the engine samples from the trainer's policy.
     mismatch = [x["rollout/logprob_mismatch"] for x in lines if "rollout/logprob_mismatch" in x]
-    assert len(mismatch) == 20 and max(mismatch) < 1e-4, mismatch
+    assert len(mismatch) == 10 and max(mismatch) < 1e-4, mismatch
 
 
 @needs_vllm
