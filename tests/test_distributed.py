@@ -433,7 +433,14 @@ def test_two_rank_run_resumes_from_its_checkpoint(
     ]
     # auto picks ddp on CPU (fsdp on GPUs); fsdp must be asked for here.
     first_mode = "fsdp" if mode == "fsdp" else "auto"
-    first = torchrun(*common, "train.steps=2", f"train.data_parallel={first_mode}", cwd=tmp_path)
+    # Under ddp, launched by torchrun itself: the user's command, end to end, once.
+    first = torchrun(
+        *common,
+        "train.steps=2",
+        f"train.data_parallel={first_mode}",
+        cwd=tmp_path,
+        fork=mode != "ddp",
+    )
     assert f"data parallel: {mode} (" in first.stdout
     start = AutoModelForCausalLM.from_pretrained(random_tiny_model).state_dict()
     if mode == "fsdp":  # the sharded checkpoint resumes in one process too (another world size)

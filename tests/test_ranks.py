@@ -1,4 +1,5 @@
-"""tests/ranks.py: a worker run that died of the gloo abort is run once more; nothing else is."""
+"""tests/ranks.py: a worker run that died of the gloo abort is run once more; nothing else is.
+Under both launchers: torchrun itself and the forked ranks."""
 
 from __future__ import annotations
 
@@ -31,19 +32,26 @@ def _script(tmp_path: Path) -> str:
     return str(path)
 
 
-def test_a_gloo_abort_is_run_once_more_with_a_warning(tmp_path: Path) -> None:
+@pytest.fixture(params=[False, True], ids=["torchrun", "forked"])
+def fork(request) -> bool:
+    return request.param
+
+
+def test_a_gloo_abort_is_run_once_more_with_a_warning(tmp_path: Path, fork: bool) -> None:
     with pytest.warns(UserWarning, match="gloo rank aborted"):
-        proc = torchrun(_script(tmp_path), "abort", GLOO_ABORT, cwd=tmp_path, retry_abort=True)
+        proc = torchrun(
+            _script(tmp_path), "abort", GLOO_ABORT, cwd=tmp_path, retry_abort=True, fork=fork
+        )
     assert proc.returncode == 0
     assert [(tmp_path / f"tries{r}").read_text() for r in (0, 1)] == ["2", "2"]
 
 
-def test_other_failures_and_unmarked_scripts_are_not_retried(tmp_path: Path) -> None:
+def test_other_failures_and_unmarked_scripts_are_not_retried(tmp_path: Path, fork: bool) -> None:
     with pytest.raises(AssertionError):
-        torchrun(_script(tmp_path), "fail", "-", cwd=tmp_path, retry_abort=True)
+        torchrun(_script(tmp_path), "fail", "-", cwd=tmp_path, retry_abort=True, fork=fork)
     assert (tmp_path / "tries0").read_text() == "1"
     for f in tmp_path.glob("tries*"):
         f.unlink()
     with pytest.raises(AssertionError, match="stages"):  # not the worker: no retry by default
-        torchrun(_script(tmp_path), "abort", GLOO_ABORT, cwd=tmp_path)
+        torchrun(_script(tmp_path), "abort", GLOO_ABORT, cwd=tmp_path, fork=fork)
     assert (tmp_path / "tries0").read_text() == "1"

@@ -362,6 +362,7 @@ def test_every_rank_has_its_own_engine_in_step_with_its_trainer(mode, random_tin
         str(out),
         cwd=tmp_path,
         timeout=900,
+        fork=False,  # vLLM's external launcher: real torchrun ranks
     )
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:

@@ -1,0 +1,118 @@
+"""A process that has imported torch, transformers and dapo once and forks the ranks of the
+tests' two-rank runs from there (``tests/ranks.py``).
+
+A fresh rank spends ~9 s of a 2-core CPU importing torch and transformers before it does
+anything, and a two-rank test starts several groups; a forked rank starts in milliseconds
+with those modules already loaded. This process starts no thread (a fork copies only the
+forking thread), computes nothing, and serves one group at a time:
+
+    request (a JSON line on stdin):  {"ranks": [{"argv", "cwd", "env", "stdout", "stderr"}],
+                                      "timeout": seconds}
+    reply (a JSON line on stdout):   {"codes": [exit status per rank], "timed_out": bool}
+
+Each rank runs ``argv`` as ``python ARGV`` would (``-m module ...`` or ``script.py ...``)
+with the given environment and working directory, its output in the given files; an exit
+status like ``subprocess``'s (negative: the signal that ended it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+
+import torch  # noqa: F401 - imported here once, for every rank forked afterwards
+import torch.distributed  # noqa: F401
+import transformers  # noqa: F401
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: F401
+
+import dapo.cli  # noqa: F401
+import dapo.training.trainer  # noqa: F401
+
+
+def run_rank(spec: dict) -> int:
+    """In the forked child: become the rank ``spec`` describes and run it; its status."""
+    out = os.open(spec["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = os.open(spec["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    os.chdir(spec["cwd"])
+    argv = spec["argv"]
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path.insert(0, spec["cwd"])
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+        return 0
+    except SystemExit as exc:
+        code = exc.code
+        if code is None:
+            return 0
+        if not isinstance(code, int):
+            print(code, file=sys.stderr)
+            return 1
+        return code
+    except BaseException:  # noqa: BLE001 - a rank's crash is its status, as in a process
+        traceback.print_exc()
+        return 1
+
+
+def fork_rank(spec: dict) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            status = run_rank(spec)
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(status)
+    return pid
+
+
+def serve_group(request: dict) -> dict:
+    pids = [fork_rank(spec) for spec in request["ranks"]]
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + float(request["timeout"])
+    timed_out = False
+    while len(codes) < len(pids):
+        for pid in pids:
+            if pid in codes:
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+        if len(codes) < len(pids):
+            if time.monotonic() > deadline and not timed_out:
+                timed_out = True
+                for pid in pids:
+                    if pid not in codes:
+                        os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+    return {"codes": [codes[pid] for pid in pids], "timed_out": timed_out}
+
+
+def main() -> None:
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(serve_group(json.loads(line))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
