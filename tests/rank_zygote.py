@@ -1,9 +1,10 @@
 """A process that has imported torch, transformers and dapo once and forks the ranks of the
 tests' two-rank runs from there (``tests/ranks.py``).
 
-A fresh rank spends ~9 s of a 2-core CPU importing torch and transformers before it does
-anything, and a two-rank test starts several groups; a forked rank starts in milliseconds
-with those modules already loaded. This process starts no thread (a fork copies only the
+A fresh rank spends ~9 s of a 2-core CPU importing torch and transformers (and 7 s more for
+vLLM, with ``--vllm``) before it does anything, and a two-rank test starts several groups;
+a forked rank starts in milliseconds with those modules already loaded. It serves single
+processes too (a group of one). This process starts no thread (a fork copies only the
 forking thread), computes nothing, and serves one group at a time:
 
     request (a JSON line on stdin):  {"ranks": [{"argv", "cwd", "env", "stdout", "stderr"}],
@@ -32,6 +33,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  
 
 import dapo.cli  # noqa: F401
 import dapo.training.trainer  # noqa: F401
+
+if "--vllm" in sys.argv[1:]:  # the flavour for runs with rollout.engine=vllm (+7 s of imports)
+    from dapo.rollout.vllm_engine import import_vllm
+
+    import_vllm()
 
 
 def run_rank(spec: dict) -> int:

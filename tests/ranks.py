@@ -47,26 +47,24 @@ def _report(proc: subprocess.CompletedProcess, cwd: Path) -> str:
 
 
 class Zygote:
-    """The forking process of ``tests/rank_zygote.py``, started on first use (one per test
-    process) and ended with it."""
+    """The forking processes of ``tests/rank_zygote.py`` (plain, or with vLLM imported),
+    each started on first use (one per test process) and ended with it."""
 
-    proc: subprocess.Popen | None = None
+    procs: dict[bool, subprocess.Popen] = {}
 
     @classmethod
-    def get(cls) -> subprocess.Popen:
-        if cls.proc is None or cls.proc.poll() is not None:
+    def get(cls, vllm: bool = False) -> subprocess.Popen:
+        proc = cls.procs.get(vllm)
+        if proc is None or proc.poll() is not None:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-            cls.proc = subprocess.Popen(
-                [sys.executable, str(HERE / "rank_zygote.py")],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env=env,
-                text=True,
+            argv = [sys.executable, str(HERE / "rank_zygote.py"), *(["--vllm"] if vllm else [])]
+            proc = cls.procs[vllm] = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
             )
-            ready = cls.proc.stdout.readline()
+            ready = proc.stdout.readline()
             assert json.loads(ready) == {"ready": True}, ready
-            atexit.register(cls.proc.stdin.close)
-        return cls.proc
+            atexit.register(proc.stdin.close)
+        return proc
 
 
 def _free_port() -> int:
@@ -75,39 +73,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def forked_ranks(args: tuple[str, ...], cwd: Path, env: dict, timeout: int):
-    """``args`` on 2 ranks forked by the zygote, with torchrun's rank environment; the
-    result as ``subprocess.run`` gives it (the ranks' outputs one after the other)."""
+def forked(
+    args: tuple[str, ...] | list[str],
+    cwd: Path,
+    env: dict[str, str],
+    timeout: float,
+    ranks: int = 1,
+    vllm: bool = False,
+) -> subprocess.CompletedProcess:
+    """``python ARGS`` as ``ranks`` processes forked by the zygote (``ranks`` > 1: with
+    torchrun's rank environment); the result as ``subprocess.run`` gives it (the ranks'
+    outputs one after the other, the first failing status)."""
     port = _free_port()
-    ranks = []
-    for rank in (0, 1):
-        rank_env = {
-            **env,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "GROUP_RANK": "0",
-            "ROLE_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "2",
-            "ROLE_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_RUN_ID": f"dapo-tests-{port}",
-        }
+    specs = []
+    for rank in range(ranks):
+        rank_env = dict(env)
+        if ranks > 1:
+            rank_env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                GROUP_RANK="0",
+                ROLE_RANK=str(rank),
+                WORLD_SIZE=str(ranks),
+                LOCAL_WORLD_SIZE=str(ranks),
+                ROLE_WORLD_SIZE=str(ranks),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                TORCHELASTIC_RESTART_COUNT="0",
+                TORCHELASTIC_MAX_RESTARTS="0",
+                TORCHELASTIC_RUN_ID=f"dapo-tests-{port}",
+            )
         out, err = cwd / f".rank{rank}.out", cwd / f".rank{rank}.err"
-        ranks.append(
+        specs.append(
             {"argv": list(args), "cwd": str(cwd), "env": rank_env, "stdout": str(out),
              "stderr": str(err)}
         )  # fmt: skip
-    zygote = Zygote.get()
-    zygote.stdin.write(json.dumps({"ranks": ranks, "timeout": timeout}) + "\n")
+    zygote = Zygote.get(vllm)
+    zygote.stdin.write(json.dumps({"ranks": specs, "timeout": timeout}) + "\n")
     zygote.stdin.flush()
     reply = json.loads(zygote.stdout.readline())
-    outs = [Path(r["stdout"]).read_text(errors="replace") for r in ranks]
-    errs = [Path(r["stderr"]).read_text(errors="replace") for r in ranks]
-    for r in ranks:
+    outs = [Path(r["stdout"]).read_text(errors="replace") for r in specs]
+    errs = [Path(r["stderr"]).read_text(errors="replace") for r in specs]
+    for r in specs:
         Path(r["stdout"]).unlink()
         Path(r["stderr"]).unlink()
     cmd = ["rank_zygote", *args]
@@ -146,7 +153,7 @@ def torchrun(
         for marker in cwd.glob(".rank*.stage"):
             marker.unlink()
         if fork:
-            proc = forked_ranks(args, cwd, env, timeout)
+            proc = forked(args, cwd, env, timeout, ranks=2)
         else:
             proc = subprocess.run(
                 cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout

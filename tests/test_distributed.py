@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from ranks import torchrun  # tests/ranks.py
+from ranks import forked, torchrun  # tests/ranks.py
 
 from dapo.parallel import distributed as D
 
@@ -447,12 +446,10 @@ def test_two_rank_run_resumes_from_its_checkpoint(
         one = tmp_path / "one"
         shutil.copytree(out, one)
         args = [a.replace(str(out), str(one)) for a in common]
-        proc = subprocess.run(
-            [sys.executable, *args, "train.steps=3", "resume=true"],
-            cwd=tmp_path,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            capture_output=True,
-            text=True,
+        proc = forked(
+            [*args, "train.steps=3", "resume=true"],
+            tmp_path,
+            {**os.environ, "OMP_NUM_THREADS": "1"},
             timeout=600,
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ranks import torchrun  # tests/ranks.py
+from ranks import forked, torchrun  # tests/ranks.py
 from vllm_check import needs_vllm  # tests/vllm_check.py
 
 from dapo.data.tasks.addition import addition_records
@@ -291,10 +291,10 @@ class TestAgainstHFEngine:
 
 
 def train(tiny_path: Path, out: Path, *overrides: str) -> list[dict]:
-    """``dapo train rollout.engine=vllm`` in a subprocess; its metrics lines."""
-    env = dict(os.environ, DAPO_CACHE=str(tiny_path.parent))
+    """``dapo train rollout.engine=vllm`` in a process of its own, forked from one that has
+    imported torch, transformers and vLLM once (``tests/ranks.py``); its metrics lines."""
+    env = dict(os.environ, DAPO_CACHE=str(tiny_path.parent), OMP_NUM_THREADS="1")
     cmd = [
-        sys.executable,
         "-m",
         "dapo",
         "train",
@@ -303,7 +303,7 @@ def train(tiny_path: Path, out: Path, *overrides: str) -> list[dict]:
         f"output_dir={out}",
         *overrides,
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    proc = forked(cmd, out.parent, env, timeout=1500, vllm=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
 
