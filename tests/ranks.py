@@ -130,9 +130,11 @@ def torchrun(
     timeout: int = 600,
     retry_abort: bool | None = None,
     fork: bool = True,
+    vllm: bool = False,
 ) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --standalone --nproc_per_node 2 ARGS`` in ``cwd``,
-    or (``fork``, the default) the same 2 ranks forked by the zygote.
+    or (``fork``, the default) the same 2 ranks forked by the zygote (``vllm``: the one that
+    has imported vLLM).
 
     ``retry_abort`` (default: when the script is the worker, whose runs are idempotent):
     run again once if a rank died of the gloo abort above.
@@ -153,7 +155,7 @@ def torchrun(
         for marker in cwd.glob(".rank*.stage"):
             marker.unlink()
         if fork:
-            proc = forked(args, cwd, env, timeout, ranks=2)
+            proc = forked(args, cwd, env, timeout, ranks=2, vllm=vllm)
         else:
             proc = subprocess.run(
                 cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout

@@ -362,7 +362,7 @@ def test_every_rank_has_its_own_engine_in_step_with_its_trainer(mode, random_tin
         str(out),
         cwd=tmp_path,
         timeout=900,
-        fork=False,  # vLLM's external launcher: real torchrun ranks
+        vllm=True,  # ranks forked with vLLM imported, for its external launcher
     )
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
@@ -705,13 +705,8 @@ def test_two_rank_async_run_decides_globally(tmp_path, tiny_path):
         "checkpoint.save_every=0",
     ]
     out = tmp_path / "run"
-    proc = subprocess.run(
-        dapo_cmd(tiny_path, out, *common, ranks=2),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    # Two ranks forked with vLLM imported (torchrun's rank environment; tests/ranks.py).
+    proc = forked(dapo_cmd(tiny_path, out, *common)[1:], tmp_path, env, 900, ranks=2, vllm=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in steps if "actor/loss" in x]
