@@ -482,21 +482,9 @@ def health(url: str) -> dict:
         return json.loads(resp.read())
 
 
-def dapo_cmd(tiny_path: Path, out: Path, *overrides: str, ranks: int = 1) -> list[str]:
-    launch = (
-        [sys.executable, "-m", "dapo"]
-        if ranks == 1
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(ranks),
-            "-m",
-            "dapo",
-        ]
-    )
+def dapo_cmd(tiny_path: Path, out: Path, *overrides: str) -> list[str]:
+    """``python -m dapo train ...`` on the tiny model (``[1:]``: the arguments after python)."""
+    launch = [sys.executable, "-m", "dapo"]
     return [
         *launch,
         "train",
@@ -535,13 +523,8 @@ def test_train_against_a_rollout_server_that_dies_then_resume(tmp_path, tiny_pat
     try:
         # 1. Three steps, one process: the server samples with the weights just trained.
         out = tmp_path / "run"
-        proc = subprocess.run(
-            dapo_cmd(tiny_path, out, *common, "train.steps=3"),
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+        # The trainers are forked from the tests' zygote (tests/ranks.py), but for step 3's.
+        proc = forked(dapo_cmd(tiny_path, out, *common, "train.steps=3")[1:], tmp_path, env, 900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         mismatch = [x["rollout/logprob_mismatch"] for x in lines if "actor/loss" in x]
@@ -550,13 +533,8 @@ def test_train_against_a_rollout_server_that_dies_then_resume(tmp_path, tiny_pat
         # 2. Two ranks against the same server: both send prompts, rank 0 pushes, and
         # neither samples with stale weights.
         two = tmp_path / "two"
-        proc = subprocess.run(
-            dapo_cmd(tiny_path, two, *common, "train.steps=2", ranks=2),
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+        argv = dapo_cmd(tiny_path, two, *common, "train.steps=2")[1:]
+        proc = forked(argv, tmp_path, env, 900, ranks=2)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
         mismatch = [x["rollout/logprob_mismatch"] for x in lines if "actor/loss" in x]
@@ -591,13 +569,8 @@ def test_train_against_a_rollout_server_that_dies_then_resume(tmp_path, tiny_pat
     server = start_server(tiny_path, port, tmp_path / "server2.log")
     try:
         steps = int(last.name.split("_")[1]) + 2
-        proc = subprocess.run(
-            dapo_cmd(tiny_path, out, *common, f"train.steps={steps}", "resume=true"),
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+        argv = dapo_cmd(tiny_path, out, *common, f"train.steps={steps}", "resume=true")[1:]
+        proc = forked(argv, tmp_path, env, 900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     finally:
         server.terminate()
@@ -635,13 +608,7 @@ def test_lora_policy_reaches_the_rollout_server_merged(tmp_path, tiny_path):
             "rollout.vllm_sync_every=2",
             "train.mini_batch_size=4",
         ]
-        proc = subprocess.run(
-            dapo_cmd(tiny_path, out, *overrides),
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+        proc = forked(dapo_cmd(tiny_path, out, *overrides)[1:], tmp_path, env, 900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     finally:
         server.terminate()
