@@ -19,11 +19,12 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+
+from dapo.rollout.weight_channel import free_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -67,12 +68,6 @@ class Zygote:
         return proc
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def forked(
     args: tuple[str, ...] | list[str],
     cwd: Path,
@@ -84,7 +79,7 @@ def forked(
     """``python ARGS`` as ``ranks`` processes forked by the zygote (``ranks`` > 1: with
     torchrun's rank environment); the result as ``subprocess.run`` gives it (the ranks'
     outputs one after the other, the first failing status)."""
-    port = _free_port()
+    port = free_port() if ranks > 1 else None
     specs = []
     for rank in range(ranks):
         rank_env = dict(env)
