@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import json
 import os
 import re
 import shlex
@@ -274,6 +275,8 @@ def test_the_real_model_example_config_trains(tmp_path: Path, monkeypatch, capsy
     argv += [*TINY, "train.steps=1", "checkpoint.save_final_model=false"]
     argv += [f"output_dir={tmp_path / 'run'}"]
     assert _dapo_here(argv, monkeypatch, capsys) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["health"] == []  # a normal run raises no health warning
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ def test_short_default_run_writes_everything_and_learns(short_run: Path) -> None
     for key in ("accuracy_before", "accuracy_after", "wall_seconds", "steps"):
         assert key in summary
     assert summary["steps"] == 16
+    assert summary["health"] == []  # the default run raises no health warning
     # The warmed-up model starts well above zero and well below perfect ...
     assert 0.1 < summary["accuracy_before"] < 0.7
     # ... and 16 rollout steps of DAPO already improve held-out accuracy (fixed seed).

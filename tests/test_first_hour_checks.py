@@ -315,7 +315,7 @@ def test_a_run_writes_transcripts_a_person_can_read(random_tiny_model, tmp_path)
         **{**SMALL, "train.steps": 3, "logging.transcripts_per_step": 3},
     )
     records = list(read_transcripts(out))
-    assert [r["step"] for r in records] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [r["step"] for r in records] == [1, 1, 1, 2, 2, 2, 3, 3, 3]  # as the console counts
     for r in records:
         assert r["prompt"].startswith("Add ") and r["turns"][0]["role"] == "assistant"
         rewards = torch.tensor(r["group_rewards"], dtype=torch.float64)

@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 
 import dapo.training.checkpoint as ckpt_mod
 import dapo.training.learner
+import dapo.training.record
 import dapo.training.trainer
 from dapo.cli import main
 from dapo.config import load_config
@@ -76,7 +77,7 @@ def one_thread():
 @pytest.fixture(autouse=True)
 def no_dashboard(monkeypatch):
     """The dashboard PNG is not what these tests are about and costs seconds per run."""
-    monkeypatch.setattr(dapo.training.trainer, "plot_dashboard", lambda *a, **k: None)
+    monkeypatch.setattr(dapo.training.record, "plot_dashboard", lambda *a, **k: None)
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +330,7 @@ def crash_runs(random_tiny_model, train_file, tmp_path_factory):
             overrides=base_overrides(random_tiny_model, train_file, base, *CRASH_EXTRA)
         )
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(dapo.training.trainer, "plot_dashboard", lambda *a, **k: None)
+            mp.setattr(dapo.training.record, "plot_dashboard", lambda *a, **k: None)
             Trainer(cfg, log=quiet).run()
         base_seconds = time.monotonic() - t0
         for t in threads:

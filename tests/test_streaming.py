@@ -300,9 +300,7 @@ def test_a_resume_trains_on_the_queued_batches(tiny_path, tmp_path):
             trainer.train_step()
         time.sleep(1.0)  # the producer fills the queue up to the bound meanwhile
         trainer.save()
-        queued = {
-            k: [g.response_ids for g in groups] for k, (groups, _) in trainer.stream.ready.items()
-        }
+        queued = {k: [g.response_ids for g in b.groups] for k, b in trainer.stream.ready.items()}
     finally:
         trainer.close()
     assert 2 in queued and len(queued) >= 1

@@ -55,8 +55,8 @@ def test_dynamic_sampling_trains_only_mixed_groups_and_reuses_surplus(random_tin
         trained.append(list(groups))
         return original_build(groups)
 
-    def record_fill(produce):
-        out = original_fill(produce)
+    def record_fill(produce, *rest):
+        out = original_fill(produce, *rest)
         carried_after.append(list(trainer.rollouts.sampler.carry))
         return out
 
@@ -360,7 +360,9 @@ def test_overlong_penalty_metric_is_the_penalty_applied(
     )
     trainer = Trainer(cfg, log=lambda _: None)
     try:
-        groups, metrics = trainer.rollouts.fill_batch(0)  # dynamic sampling off: every group kept
+        groups, metrics, _ = trainer.rollouts.fill_batch(
+            0
+        )  # dynamic sampling off: every group kept
     finally:
         trainer.close()
     lengths = [len(r) for g in groups for r in g.response_ids]

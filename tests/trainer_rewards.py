@@ -25,3 +25,27 @@ def rarely_mixed(response: str, ground_truth: str) -> float:
     if int(ground_truth) % 4 == 0:
         return 1.0 if len(response) % 2 else -1.0
     return -1.0
+
+
+def constant_half(response: str, ground_truth: str) -> float:
+    """The same reward for everything: no learning signal anywhere."""
+    return 0.5
+
+
+def odd_length(response: str, ground_truth: str) -> float:
+    """Right when the response has an odd length: mixed groups, learnable by any policy."""
+    return 1.0 if len(response) % 2 else -1.0
+
+
+def batched(completions: list[str], solution: list[str], **kwargs: object) -> list[float]:
+    """TRL's batched form, which dapo does not call."""
+    return [0.0 for _ in completions]
+
+
+def swapped(ground_truth: str, response: str) -> float:
+    """The arguments in the other order."""
+    return 1.0 if ground_truth in response else -1.0
+
+
+def raises(response: str, ground_truth: str) -> float:
+    raise RuntimeError("this reward always fails")

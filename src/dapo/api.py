@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from dapo.config import Config, ConfigError, all_keys, load_config, read_config_
 from dapo.errors import ModelError
 from dapo.models import load_tokenizer
 from dapo.parallel import distributed as D
-from dapo.rewards.user import callable_name
+from dapo.rewards.user import check_signature
 from dapo.run_inputs import RunInputs
 from dapo.training.inputs import check_callbacks
 from dapo.training.trainer import Trainer
@@ -284,7 +283,7 @@ def _reward_funcs(value: Any) -> list[Any]:
                 "a (fn, weight) pair, or a module:function spec (one pair goes in a list: "
                 "[(fn, 2.0)])"
             )
-        _check_signature(fn, where)
+        check_signature(fn, where)
         out.append((fn, _weight(weight, where)))
     return out
 
@@ -293,23 +292,6 @@ def _weight(weight: Any, where: str) -> float:
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
         raise ConfigError(f"{where}: the weight must be a finite number, got {weight!r}")
     return float(weight)
-
-
-def _check_signature(fn: Callable[..., Any], where: str) -> None:
-    """A reward is called ``fn(response, ground_truth)`` (and ``data_source=`` when it takes it)."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin without a signature: called as it is
-        return
-    try:
-        sig.bind("response", "ground truth")
-    except TypeError:
-        raise ConfigError(
-            f"{where} ({callable_name(fn)}{sig}) cannot be called as fn(response, ground_truth): "
-            "a reward takes one response (str) and its ground truth (str), and optionally "
-            "data_source=..., and returns a number (TRL's batched fn(completions, **kwargs) "
-            "form is not supported)"
-        ) from None
 
 
 def _tokenizer(tokenizer: Any, model: Any, cfg: Config) -> Any:

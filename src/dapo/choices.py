@@ -30,6 +30,18 @@ DynamicSamplingMetric = Literal["acc", "reward"]
 Curriculum = Literal["none", "easy_first"]
 # rollout.vllm_quantization: vLLM quantizes the served weights (fp8: online, per tensor)
 VLLMQuantization = Literal["none", "fp8"]
+HealthKind = Literal[
+    "all",
+    "truncation",
+    "constant_reward",
+    "near_greedy",
+    "uniform_groups",
+    "entropy_collapse",
+    "entropy_blowup",
+    "length_to_limit",
+    "zero_gradients",
+    "engine_mismatch",
+]
 CudaGraphs = Literal["auto", "on", "off"]  # rollout.cuda_graphs (the hf engine on CUDA)
 
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)  # algorithm.advantage_scale

@@ -158,12 +158,18 @@ def _print_summary(summary: dict, out: Path) -> None:
         print(
             f"held-out accuracy: {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points)"
         )
+    elif "accuracy_before" in summary:
+        print("held-out accuracy: not measured (every reward call failed: see the warnings)")
     print(f"rollout steps: {summary.get('steps')}   wall time: {summary.get('wall_seconds')} s")
     print(f"metrics: {out / 'metrics.jsonl'}   dashboard: {out / 'dashboard.png'}")
     failures = summary.get("failures") or {}
     if any(failures.values()):
         counts = ", ".join(f"{what} {n}" for what, n in failures.items() if n)
         print(f"failures: {counts} (see reward/failures and env/failures in metrics.jsonl)")
+    health = summary.get("health") or []
+    if health:
+        kinds = ", ".join(f"{h['kind']} (step {h['step']})" for h in health)
+        print(f"health warnings: {kinds} (docs/guides/run-health.md)")
     if (out / "final_model").is_dir():
         print(f"final model (transformers format): {out / 'final_model'}")
     transcripts = out / "rollouts.jsonl"
@@ -377,6 +383,14 @@ def _show(argv: list[str]) -> int:
     from dapo.metrics.transcripts import format_transcript, read_transcripts
 
     records = read_transcripts(args.run_dir)
+    if not records:
+        print(
+            f"dapo show: {args.run_dir} holds no rollouts (rollouts.jsonl is missing or empty: "
+            "the run wrote none, or logging.transcripts_per_step=0); its summary.json and "
+            "metrics.jsonl say what happened",
+            file=sys.stderr,
+        )
+        return 2
     steps = sorted({r.get("step") for r in records if isinstance(r.get("step"), int)})
     if args.step is not None:
         if args.step not in steps:

@@ -37,6 +37,11 @@ class DynamicSamplingError(TrainingError):
     or too many rollout steps in a row found no group with a learning signal."""
 
 
+class HealthError(TrainingError):
+    """A run-health symptom of a kind listed in ``health.fatal``: the run stops (its
+    checkpoints are kept)."""
+
+
 class CheckpointError(DapoError, RuntimeError):
     """A checkpoint could not be written or read; earlier checkpoints are intact."""
 
@@ -65,3 +70,8 @@ class RewardFunctionWarning(UserWarning):
 class DynamicSamplingWarning(UserWarning):
     """The round cap cut a batch short (it trains on fewer groups), or a rollout step found
     no group with a learning signal (its update is skipped)."""
+
+
+class HealthWarning(UserWarning):
+    """A run-health symptom: the metrics say the run cannot learn as configured (once per
+    kind; docs/guides/run-health.md)."""

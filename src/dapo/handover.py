@@ -10,6 +10,7 @@ learner knows no engine, scorer or environment, the producer no optimizer.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -35,6 +36,13 @@ class ScoredGroup:
     episode_stats: list[dict[str, Any]] | None = None
     # The policy version that sampled each response token (streaming rollouts).
     versions: list[list[int]] | None = None
+
+    def scores(self) -> list[float]:
+        """Each response's score as the reward functions gave it: its reward less the
+        length shaping added to it."""
+        if not self.penalty:
+            return list(self.rewards)
+        return [r - p for r, p in zip(self.rewards, self.penalty, strict=True)]
 
     def to_state(self) -> dict[str, Any]:
         """Plain data for a checkpoint (no pickled objects)."""
@@ -73,7 +81,9 @@ class ScoredGroup:
 
 class RolloutBatch(NamedTuple):
     """One rollout step's batch as the producer hands it over: the groups with a learning
-    signal and the metrics of everything generated for them."""
+    signal, the metrics of everything generated for them, and the generated groups left
+    out of training with the reason (filtered by dynamic sampling), for the transcripts."""
 
     groups: list[ScoredGroup]
     metrics: dict[str, float]
+    left_out: Sequence[tuple[ScoredGroup, str]] = ()

@@ -23,6 +23,7 @@ import yaml
 from dapo.choices import (
     Curriculum,
     DataParallelMode,
+    HealthKind,
     LRSchedule,
     Precision,
 )
@@ -416,6 +417,114 @@ class CheckpointConfig:
     )
 
 
+@dataclass
+class HealthConfig:
+    """The run-health monitor (docs/guides/run-health.md): a warning, once per kind, when the
+    metrics say the run cannot learn (most responses cut off, a reward that never varies,
+    near-greedy sampling, entropy collapsing, zero gradients, an engine whose log-probs
+    disagree with the trainer's), naming the metric, its value, the threshold, the cause and
+    the fix; on the console, as health/* in metrics.jsonl, in summary.json and on the
+    dashboard."""
+
+    enabled: bool = opt(True, "Watch the run's health (false: no checks, no health/* metrics).")
+    fatal: list[HealthKind] = opt(
+        help="Kinds of warning that stop the run instead (its checkpoints are kept); [all]: "
+        "every kind. Kinds: truncation, constant_reward, near_greedy, uniform_groups, "
+        "entropy_collapse, entropy_blowup, length_to_limit, zero_gradients, engine_mismatch.",
+        factory=list,
+    )
+    max_truncated: float = opt(
+        0.5,
+        "truncation: warn when this share of a step's responses is cut off at "
+        "rollout.max_completion_length.",
+        gt=0,
+        le=1,
+        hint="a share, e.g. 0.5",
+    )
+    uniform_steps: int = opt(
+        2,
+        "constant_reward, uniform_groups: warn when the reward had one value (or nearly every "
+        "group scored alike) for this many rollout steps in a row.",
+        ge=1,
+        hint="steps, e.g. 2",
+    )
+    max_uniform: float = opt(
+        0.95,
+        "uniform_groups: warn when at least this share of groups scored alike "
+        "(sampling/uniform_groups) for health.uniform_steps steps.",
+        gt=0,
+        le=1,
+        hint="a share, e.g. 0.95",
+    )
+    greedy_temperature: float = opt(
+        0.3,
+        "near_greedy: at or below this rollout.temperature, half the groups scoring alike is "
+        "blamed on the temperature.",
+        ge=0,
+        hint="e.g. 0.3",
+    )
+    baseline_steps: int = opt(
+        2,
+        "The first steps whose mean entropy, accuracy and length the later steps are "
+        "compared with (entropy_collapse, entropy_blowup, length_to_limit).",
+        ge=1,
+        hint="steps, e.g. 2",
+    )
+    flat_acc: float = opt(
+        0.05,
+        "The accuracy counts as flat while within this much of the first steps' "
+        "(entropy_collapse, length_to_limit), and as falling below it by more (entropy_blowup).",
+        gt=0,
+        le=1,
+        hint="a share, e.g. 0.05",
+    )
+    entropy_floor: float = opt(
+        0.1,
+        "entropy_collapse: warn when the entropy falls below this fraction of the first "
+        "steps' with a flat accuracy.",
+        gt=0,
+        lt=1,
+        hint="a fraction, e.g. 0.1",
+    )
+    entropy_ceiling: float = opt(
+        3.0,
+        "entropy_blowup: warn when the entropy rises above this multiple of the first steps' "
+        "while the accuracy falls.",
+        gt=1,
+        hint="a multiple, e.g. 3",
+    )
+    length_share: float = opt(
+        0.9,
+        "length_to_limit: warn when the mean response length reaches this share of "
+        "rollout.max_completion_length, grown health.length_growth times from the first "
+        "steps', with a flat accuracy.",
+        gt=0,
+        le=1,
+        hint="a share, e.g. 0.9",
+    )
+    length_growth: float = opt(
+        1.5,
+        "length_to_limit: how many times the first steps' mean length counts as racing.",
+        ge=1,
+        hint="a multiple, e.g. 1.5",
+    )
+    zero_grad_steps: int = opt(
+        2,
+        "zero_gradients: warn when the gradient norm was exactly 0 for this many rollout "
+        "steps of updates in a row.",
+        ge=1,
+        hint="steps, e.g. 2",
+    )
+    max_mismatch_share: float = opt(
+        0.01,
+        "engine_mismatch: warn when more than this share of sampled tokens has "
+        "pi_trainer / pi_engine outside [0.8, 1.25] (rollout/logprob_ratio_outside).",
+        ge=0,
+        le=1,
+        hint="a share, e.g. 0.01",
+    )
+
+
 def _doc(cls: type) -> str:
     """A section's help: its docstring, with reST literals as Markdown ones."""
     return (cls.__doc__ or "").replace("``", "`")
@@ -451,6 +560,7 @@ class Config:
     train: TrainConfig = opt(help=_doc(TrainConfig), factory=TrainConfig)
     logging: LoggingConfig = opt(help=_doc(LoggingConfig), factory=LoggingConfig)
     checkpoint: CheckpointConfig = opt(help=_doc(CheckpointConfig), factory=CheckpointConfig)
+    health: HealthConfig = opt(help=_doc(HealthConfig), factory=HealthConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data; secret fields (``rollout.server_api_key``) as None."""

@@ -33,6 +33,9 @@ class _Panel:
     left_label: str
     right: tuple[_Series, ...] = ()
     right_label: str = ""
+    # Shares are drawn on a fixed 0-1 axis: autoscaled, 0.9955 -> 0.998 looks like a trend.
+    left_share: bool = False
+    right_share: bool = False
 
 
 _PANELS = (
@@ -54,6 +57,7 @@ _PANELS = (
         "tokens",
         (_Series("response_length/clip_ratio", "truncated share", "C3", style="--"),),
         "truncated share",
+        right_share=True,
     ),
     _Panel("Actor entropy", (_Series("actor/entropy", "entropy", "C4"),), "nats / token"),
     _Panel(
@@ -68,6 +72,7 @@ _PANELS = (
             _Series("actor/clip_frac_high", "clipped high", "C3"),
         ),
         "token share",
+        left_share=True,
     ),
     _Panel(
         "Dynamic sampling",
@@ -79,6 +84,7 @@ _PANELS = (
         "share",
         (_Series("sampling/gen_rounds", "generation rounds", "C0", style="--", marker="."),),
         "rounds",
+        left_share=True,
     ),
     _Panel(
         "Gradient norm and PPO KL",
@@ -126,6 +132,7 @@ _EPISODE_PANELS = (
             _Series("env/ended_bad_tool_call", "bad tool call", "C5"),
         ),
         "share of episodes",
+        left_share=True,
     ),
 )
 
@@ -187,10 +194,14 @@ def _draw_panel(ax: Any, panel: _Panel, records: list[dict]) -> bool:
 
     draw(ax, panel.left)
     n_left = len(handles)
+    if panel.left_share:
+        ax.set_ylim(-0.03, 1.03)
     top = ax
     if panel.right and any(_series(records, s.key)[0] for s in panel.right):
         top = ax.twinx()
         draw(top, panel.right)
+        if panel.right_share:
+            top.set_ylim(-0.03, 1.03)
         top.set_ylabel(panel.right_label, color=panel.right[0].color, fontsize=9)
         top.tick_params(axis="y", labelsize=8, colors=panel.right[0].color)
     if not handles:
@@ -247,14 +258,38 @@ def _build_figure(records: list[dict], title: str) -> Any:
         wspace=0.22,
     )
     axes = fig.subplots(rows, 2, sharex=True)
+    warned = health_marks(records)
     for ax, panel in zip(axes.flat, panels, strict=True):
         _draw_panel(ax, panel, records)
         ax.tick_params(labelbottom=True)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        for step in sorted(set(warned.values())):  # a health warning's first step
+            ax.axvline(step, color="red", ls=":", lw=1.2, alpha=0.7)
     for ax in axes[-1]:
         ax.set_xlabel("rollout step", fontsize=9)
     fig.suptitle(title, fontsize=14, y=1 - 0.2 / height, va="top")
+    if warned:
+        text = ", ".join(f"{kind} (step {step})" for kind, step in warned.items())
+        fig.text(
+            0.5,
+            1 - 0.55 / height,
+            f"health warnings (red dotted lines; docs/guides/run-health.md): {text}",
+            ha="center",
+            va="top",
+            fontsize=10,
+            color="red",
+        )
     return fig
+
+
+def health_marks(records: list[dict]) -> dict[str, int]:
+    """Each health warning's kind and the first step its ``health/<kind>`` metric was set."""
+    first: dict[str, int] = {}
+    for rec in records:
+        for key, value in rec.items():
+            if key.startswith("health/") and key != "health/warnings" and value:
+                first.setdefault(key.removeprefix("health/"), rec["step"])
+    return first
 
 
 def merge_steps(records: list[dict]) -> list[dict]:

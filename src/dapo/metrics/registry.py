@@ -31,6 +31,16 @@ METRICS: tuple[Metric, ...] = (
     Metric("reward/acc", "Share of this step's generated responses scored correct (reward > 0)."),
     Metric("reward/std", "Standard deviation of the rewards of this step's generated responses."),
     Metric(
+        "reward/score_min",
+        "Lowest score the reward functions gave this step's generated responses (before the "
+        "overlong shaping).",
+    ),
+    Metric(
+        "reward/score_max",
+        "Highest score the reward functions gave this step's generated responses (before the "
+        "overlong shaping); equal to reward/score_min: a reward that never varies.",
+    ),
+    Metric(
         "reward/failures",
         "Reward calls this step that raised, returned a non-number or timed out (each scores -1).",
     ),
@@ -144,6 +154,23 @@ METRICS: tuple[Metric, ...] = (
     Metric(
         "rollout/mismatch_kl",
         "The k3 estimate of KL(engine || trainer) over the same tokens.",
+        "as rollout/logprob_mismatch",
+    ),
+    Metric(
+        "rollout/logprob_ratio_p001",
+        "The 0.1th percentile of the per-token ratio pi_trainer / pi_engine over the same "
+        "tokens (1 when they agree; a mean can hide the tails).",
+        "as rollout/logprob_mismatch",
+    ),
+    Metric(
+        "rollout/logprob_ratio_p999",
+        "The 99.9th percentile of the per-token ratio pi_trainer / pi_engine.",
+        "as rollout/logprob_mismatch",
+    ),
+    Metric(
+        "rollout/logprob_ratio_outside",
+        "Share of the same tokens whose ratio pi_trainer / pi_engine is outside [0.8, 1.25] "
+        "(the health check engine_mismatch warns above health.max_mismatch_share).",
         "as rollout/logprob_mismatch",
     ),
     Metric(
@@ -301,6 +328,20 @@ METRICS: tuple[Metric, ...] = (
         "Held-out accuracy (data.eval). Step 0 holds the accuracy before training; the "
         "accuracy after training is a second line of the last step.",
         "before and after training, every logging.eval_every steps",
+    ),
+    # run health (dapo.health, the health config section)
+    Metric(
+        "health/warnings",
+        "Kinds of health warning raised since the run started.",
+        "health.enabled",
+    ),
+    Metric(
+        "health/{kind}",
+        "1 at a step whose metrics show the symptom {kind} (truncation, constant_reward, "
+        "near_greedy, uniform_groups, entropy_collapse, entropy_blowup, length_to_limit, "
+        "zero_gradients, engine_mismatch); the first such step also warns on the console "
+        "(docs/guides/run-health.md).",
+        "health.enabled, at the steps that show the symptom",
     ),
 )
 

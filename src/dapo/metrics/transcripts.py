@@ -234,7 +234,8 @@ def format_transcript(record: dict[str, Any], width: int = 100) -> str:
     rule = "=" * width
     adv = record.get("advantage")
     head = (
-        f"step {record.get('step')}  group {record.get('group')}  sample {record.get('sample')}"
+        ("NOT TRAINED  " if record.get("left_out") else "")
+        + f"step {record.get('step')}  group {record.get('group')}  sample {record.get('sample')}"
         f"  reward {record.get('reward'):+.3f}"
         + (f"  advantage {adv:+.3f}" if isinstance(adv, int | float) else "")
         + f"  end {record.get('end')}"
@@ -251,9 +252,11 @@ def format_transcript(record: dict[str, Any], width: int = 100) -> str:
     lines.append(
         f"reward {record.get('reward')} = score {record.get('score')} + length penalty "
         f"{record.get('penalty')}; correct: {record.get('correct')}; "
-        f"answer: {record.get('ground_truth')!r}"
+        f"ground truth: {record.get('ground_truth')!r}"
     )
     lines.append(f"group rewards: {record.get('group_rewards')}")
     if record.get("failure"):
         lines.append(f"failure: {record['failure']}")
+    if record.get("left_out"):
+        lines.append(f"not trained: {record['left_out']}")
     return "\n".join(lines)

@@ -103,8 +103,14 @@ class DynamicSampler:
         self.empty_in_a_row = 0  # steps in a row without any qualifying group
 
     def fill(
-        self, produce: Callable[[int], list[ScoredGroup]]
+        self,
+        produce: Callable[[int], list[ScoredGroup]],
+        diagnose: Callable[[], str] | None = None,
     ) -> tuple[list[ScoredGroup], FillStats]:
+        """This step's batch: ``produce(k)`` generates and scores ``k`` prompts' groups;
+        ``diagnose()`` names the likely cause when the round cap is reached (the cut-off
+        responses, a reward with one value: :func:`dapo.health.diagnose_groups`), said before
+        the advice on prompt difficulty."""
         stats = FillStats()
         if not self.enabled:
             groups = produce(self.target)
@@ -122,7 +128,7 @@ class DynamicSampler:
         stats.carried_in = len(batch)
         while len(batch) < self.target:
             if stats.rounds >= self.max_rounds:
-                return self._at_cap(batch, stats)
+                return self._at_cap(batch, stats, diagnose() if diagnose else "")
             groups = produce(self._round_size(self.target - len(batch)))
             stats.rounds += 1
             stats.generated_groups += len(groups)
@@ -164,12 +170,13 @@ class DynamicSampler:
         )
 
     def _at_cap(
-        self, batch: list[ScoredGroup], stats: FillStats
+        self, batch: list[ScoredGroup], stats: FillStats, cause: str = ""
     ) -> tuple[list[ScoredGroup], FillStats]:
         """The round cap is reached with ``len(batch) < target`` (the carry-over is empty
-        then): stop, train a short batch, or skip the update (none qualified)."""
+        then): stop, train a short batch, or skip the update (none qualified). ``cause``: the
+        diagnosed cause, said before the generic advice."""
         have, cap = len(batch), f"algorithm.max_gen_rounds={self.max_rounds}"
-        seen = self._situation(stats)
+        seen = self._situation(stats) + (f" {cause}" if cause else "")
         if self.round_cap == "stop":
             self.carry = batch + self.carry  # nothing qualifying is lost
             raise DynamicSamplingError(

@@ -24,9 +24,13 @@ def group_metrics(groups: list[ScoredGroup], scored: bool = True) -> dict[str, f
 def reward_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
     """Rewards, accuracy and the length shaping over every response of ``groups``."""
     rewards = [x for g in groups for x in g.rewards]
+    scores = [x for g in groups for x in g.scores()]
     return {
         "reward/mean": mean(rewards),
         "reward/std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
+        # The reward functions' own scores, before the length shaping: a constant shows here.
+        "reward/score_min": min(scores, default=0.0),
+        "reward/score_max": max(scores, default=0.0),
         "reward/acc": mean([float(x) for g in groups for x in g.correct]),
         # The shaping actually added to the rewards: 0 when it is off.
         "reward/overlong_penalty_mean": mean([x for g in groups for x in g.penalty]),

@@ -37,6 +37,7 @@ from dapo.errors import (
 )
 from dapo.evaluation.run import engine_accuracy
 from dapo.handover import RolloutBatch, ScoredGroup
+from dapo.health import diagnose_groups
 from dapo.parallel import distributed as D
 from dapo.parallel import sharding
 from dapo.producer.dynamic_sampling import DynamicSampler
@@ -48,7 +49,7 @@ from dapo.rollout import Group, SamplingParams, close_engine, make_engine
 from dapo.rollout.episodes import run_episodes
 from dapo.rollout.versioned import VersionedEngine
 from dapo.run_inputs import RunInputs
-from dapo.seeding import mix_seed
+from dapo.seeding import Stream, mix_seed, stream_seed
 
 
 class Policy(Protocol):
@@ -68,51 +69,20 @@ class Rollouts:
         self,
         cfg: Config,
         tokenizer: Any,
-        learner: Policy,
         inputs: RunInputs,
         log: Callable[[str], None],
         spec: EnvironmentSpec | None = None,
     ) -> None:
+        """The prompts, the reward scorer, the environments and the dynamic sampler: what a
+        bad data file or reward spec breaks, before any model is loaded. :meth:`connect`
+        builds the engine from the policy."""
         self.cfg, self.tokenizer, self.dist = cfg, tokenizer, D.current()
         r, a = cfg.rollout, cfg.algorithm
         # Multi-turn episodes: an environment and/or tools (None: one response per prompt).
         # Their prompts are measured as the model sees them: rendered with the tools.
         self.renderer = None if spec is None else ChatRenderer(tokenizer, spec.schemas)
         self._load_prompts(inputs, log)
-        # A separate engine (vLLM, the rollout server) holds its own copy of the weights,
-        # pushed every `rollout.vllm_sync_every` updates; it starts from the base model's
-        # weights (LoRA's merged ones).
-        # With streaming rollouts the transformers engine samples from a copy of the policy
-        # (the policy itself changes while the producer generates), kept like vLLM's.
-        own_copy = r.engine == "hf" and r.max_staleness > 0
-        separate = r.engine != "hf" or own_copy
-        merged = learner.peft is not None and r.engine == "vllm"
-        try:
-            engine = make_engine(
-                r,
-                copy.deepcopy(learner.model) if own_copy else learner.model,
-                tokenizer,
-                seed=cfg.seed,
-                max_model_len=cfg.data.max_prompt_length + r.max_completion_length,
-                state_dict=dict(learner.engine_weights(True)) if merged else None,
-            )
-        except (VLLMUnavailableError, VLLMEngineError) as exc:
-            raise TrainingError(str(exc)) from exc
-        chunk = r.partial_chunk_tokens if r.partial_rollouts else None
-        self.engine = VersionedEngine(engine, version=0, chunk_tokens=chunk)
-        # The copy loads the policy's parameters under their own names (LoRA's too).
-        weights = (
-            (lambda: sharding.full_named_parameters(learner.model))
-            if own_copy
-            else (lambda: learner.engine_weights(separate))
-        )
-        self.sync = EngineSync(
-            self.engine,
-            weights,
-            separate=separate,
-            sync_every=r.vllm_sync_every,
-            sleep=r.vllm_sleep,
-        )
+        self.engine: Any = None
         self.scorer = GroupScorer(cfg, tokenizer, inputs.reward_funcs)
         self.environments = (
             None
@@ -144,6 +114,45 @@ class Rollouts:
         self.samples_generated = 0  # every response generated, trained on or not
         self.env_failures = 0  # episodes whose environment failed, over the run
         self.failed_in_a_row = 0  # rollout steps in a row with no sample that did not fail
+
+    def connect(self, learner: Policy) -> None:
+        """Build the rollout engine from the policy ``learner`` trains, and its weight sync.
+
+        A separate engine (vLLM, the rollout server) holds its own copy of the weights,
+        pushed every ``rollout.vllm_sync_every`` updates; it starts from the base model's
+        weights (LoRA's merged ones). With streaming rollouts the transformers engine samples
+        from a copy of the policy (the policy itself changes while the producer generates),
+        kept like vLLM's."""
+        cfg, r = self.cfg, self.cfg.rollout
+        own_copy = r.engine == "hf" and r.max_staleness > 0
+        separate = r.engine != "hf" or own_copy
+        merged = learner.peft is not None and r.engine == "vllm"
+        try:
+            engine = make_engine(
+                r,
+                copy.deepcopy(learner.model) if own_copy else learner.model,
+                self.tokenizer,
+                seed=cfg.seed,
+                max_model_len=cfg.data.max_prompt_length + r.max_completion_length,
+                state_dict=dict(learner.engine_weights(True)) if merged else None,
+            )
+        except (VLLMUnavailableError, VLLMEngineError) as exc:
+            raise TrainingError(str(exc)) from exc
+        chunk = r.partial_chunk_tokens if r.partial_rollouts else None
+        self.engine = VersionedEngine(engine, version=0, chunk_tokens=chunk)
+        # The copy loads the policy's parameters under their own names (LoRA's too).
+        weights = (
+            (lambda: sharding.full_named_parameters(learner.model))
+            if own_copy
+            else (lambda: learner.engine_weights(separate))
+        )
+        self.sync = EngineSync(
+            self.engine,
+            weights,
+            separate=separate,
+            sync_every=r.vllm_sync_every,
+            sleep=r.vllm_sleep,
+        )
 
     def _load_prompts(self, inputs: RunInputs, log: Callable[[str], None]) -> None:
         """Training and held-out prompts, rendered and tokenized; over-long ones dropped."""
@@ -214,9 +223,21 @@ class Rollouts:
             self.prompts.record(taken, [g.correct for g in scored])
             return scored
 
+        r, h = self.cfg.rollout, self.cfg.health
+
+        def diagnose() -> str:
+            return diagnose_groups(
+                generated,
+                max_completion_length=r.max_completion_length,
+                temperature=r.temperature,
+                metric=self.cfg.algorithm.dynamic_sampling_metric,
+                max_truncated=h.max_truncated,
+                greedy_temperature=h.greedy_temperature,
+            )
+
         reward_failures = self.scorer.failures
         try:
-            batch, fill = self.sampler.fill(produce)
+            batch, fill = self.sampler.fill(produce, diagnose)
         except DynamicSamplingError as exc:  # a step of failures says why it found nothing
             self._check_failures(step, generated, reward_failures, exc)
             raise
@@ -233,6 +254,8 @@ class Rollouts:
                 "sampling/skip_rate": len(skipped) / max(1, len(skipped) + len(generated)),
             }
         )
+        used = {id(g) for g in (*batch, *self.sampler.carry)}
+        left_out = [(g, _left_out_reason(g)) for g in generated if id(g) not in used]
         return RolloutBatch(
             batch,
             {
@@ -254,6 +277,7 @@ class Rollouts:
                     else {}
                 ),
             },
+            left_out,
         )
 
     def _check_failures(
@@ -336,6 +360,42 @@ class Rollouts:
             max_prompt_length=self.cfg.data.max_prompt_length,
         )
 
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out accuracy (avg@``rollout.eval_num_generations``) over all ranks (every
+        rank calls it); ``measured`` is false when every reward call failed (the accuracy
+        means nothing then) and ``error`` is the first failure's."""
+        r = self.cfg.rollout
+        params = SamplingParams(
+            n=r.eval_num_generations,
+            temperature=r.eval_temperature,
+            top_p=r.eval_top_p,
+            top_k=0,
+            max_tokens=r.max_completion_length,
+            seed=stream_seed(self.cfg.seed, Stream.EVALUATION),
+        )
+        records = D.shard(self.eval_records, self.dist)
+        ids = D.shard(self.eval_ids, self.dist)
+        rewards = self.scorer.rewards
+        scored, failed = rewards.scored, rewards.failed
+        ev = self.accuracy(records, ids, params)
+        # Gathered here, not only in generate: a rank without eval prompts never generates.
+        correct, n, scored, failed = D.all_reduce_sum(
+            [
+                ev["acc"] * ev["n"] if ev["n"] else 0.0,
+                float(ev["n"]),
+                float(rewards.scored - scored),
+                float(rewards.failed - failed),
+            ]
+        )
+        measured = not (scored and failed >= scored)
+        return {
+            **ev,
+            "acc": correct / max(n, 1.0),
+            "n": int(n),
+            "measured": measured,
+            "error": rewards.first_error,
+        }
+
     def accuracy(
         self, records: list[Any], ids: list[list[int]], params: SamplingParams
     ) -> dict[str, Any]:
@@ -376,4 +436,20 @@ class Rollouts:
             self.environments.close()
         if self.agents is not None:
             self.agents.close()
-        close_engine(self.engine)
+        if self.engine is not None:
+            close_engine(self.engine)
+
+
+def _left_out_reason(group: ScoredGroup) -> str:
+    """Why dynamic sampling left a group out, as the transcripts say it."""
+    n = group.size
+    if all(group.correct):
+        return f"filtered out by dynamic sampling: all {n} responses correct (no learning signal)"
+    if not any(group.correct) and len(set(group.rewards)) == 1:
+        return (
+            f"filtered out by dynamic sampling: all {n} responses wrong, reward "
+            f"{group.rewards[0]:g} each (no learning signal)"
+        )
+    if len(set(group.rewards)) == 1:
+        return f"filtered out by dynamic sampling: all {n} responses rewarded {group.rewards[0]:g}"
+    return f"filtered out by dynamic sampling: all {n} responses scored alike"

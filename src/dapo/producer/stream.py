@@ -100,17 +100,18 @@ class RolloutStream:
                 if self._thread is None or not self._thread.is_alive():
                     raise TrainingError(f"internal: no producer is filling batch {step}")
                 self._cond.wait(0.2)
-            groups, metrics = self.ready.pop(step)
+            batch = self.ready.pop(step)
             capacity, self.capacity_wait_s = self.capacity_wait_s, 0.0
             self._cond.notify_all()
         return RolloutBatch(
-            groups,
+            batch.groups,
             {
-                **metrics,
+                **batch.metrics,
                 "perf/data_wait_s": time.perf_counter() - t0,
                 "perf/capacity_wait_s": capacity,
                 "stream/queued_batches": float(len(self.ready)),
             },
+            batch.left_out,
         )
 
     @contextlib.contextmanager
@@ -132,8 +133,8 @@ class RolloutStream:
     def state_dict(self) -> dict[str, Any]:
         """The batches filled ahead, as plain data (call it inside :meth:`paused`)."""
         return {
-            str(k): {"groups": [g.to_state() for g in groups], "metrics": dict(metrics)}
-            for k, (groups, metrics) in sorted(self.ready.items())
+            str(k): {"groups": [g.to_state() for g in b.groups], "metrics": dict(b.metrics)}
+            for k, b in sorted(self.ready.items())
         }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -206,6 +207,40 @@ class RolloutStream:
             self.next_step = step + 1
             self._cond.notify_all()
         return True
+
+
+def make_stream(cfg: Any, rollouts: Any, log: Callable[[str], None]) -> RolloutStream | None:
+    """The producer of ``cfg.rollout.max_staleness >= 1`` (None for 0) over ``rollouts``
+    (:class:`dapo.producer.rollouts.Rollouts`); says what it does and how it corrects."""
+    r, a = cfg.rollout, cfg.algorithm
+    if r.max_staleness == 0:
+        return None
+    if D.current().enabled and r.engine == "hf":
+        raise TrainingError(
+            f"rollout.max_staleness={r.max_staleness} with rollout.engine=hf under "
+            "torchrun: the hf engine would sample from a copy of a sharded policy; use "
+            "rollout.engine=vllm (one engine per rank) or vllm-server"
+        )
+    stream = RolloutStream(
+        rollouts.fill_batch,
+        rollouts.engine,
+        max_staleness=r.max_staleness,
+        end=cfg.train.steps,
+        group=D.new_group(),  # its collectives apart from the training thread's
+    )
+    log(
+        f"streaming rollouts: up to {r.max_staleness} rollout steps ahead"
+        + (", partial rollouts" if r.partial_rollouts else "")
+        + "; off-policy correction: "
+        + (
+            "ratio against the proximal policy (recomputed), behaviour "
+            f"importance weights capped at {a.is_cap:g} ({a.is_level}, {a.is_mode})"
+            if a.is_cap is not None
+            else "none (algorithm.is_cap=null): the ratio is taken against the "
+            "behaviour policy's log-probs"
+        )
+    )
+    return stream
 
 
 def staleness_metrics(groups: list[ScoredGroup], step: int, max_staleness: int) -> dict[str, float]:

@@ -28,6 +28,7 @@ from dapo.rewards.user import (
     RewardFn,
     Source,
     callable_name,
+    check_signature,
     load_entry,
     pickle_function,
     run_sample,
@@ -136,6 +137,7 @@ class RewardScorer:
         self._warned: set[tuple[int | None, str]] = set()
         # The first failed call's function and reason, for a run stopped by failures.
         self.first_error: str | None = None
+        self.scored = self.failed = 0  # samples scored and failed, over this scorer's life
         self._lock = threading.Lock()
         self._closed = False
         # (runner, whether it runs the in-process functions); none for num_workers=0
@@ -172,13 +174,17 @@ class RewardScorer:
                 raise ValueError(
                     f"reward.functions[{i}] weight must be a finite number, got {weight!r}"
                 )
+            where = f"reward.functions[{i}]"
             if callable(function):
+                check_signature(function, where)
                 name, source = callable_name(function), self._callable_source(function)
                 entry = RewardFn.of(name, function)
             else:
                 name = str(function)
-                source = self._spec_source(name, f"reward.functions[{i}]")
+                source = self._spec_source(name, where)
                 entry = load_entry(name, source)  # fail here, not in a worker
+                if entry is not None and source not in SCORERS:
+                    check_signature(entry.fn, f"{where} ({name})")
             plan.names.append(name)
             plan.sources.append(source)
             plan.table.append(entry)
@@ -231,7 +237,10 @@ class RewardScorer:
                 ]
             else:
                 outcomes = self._run(requests, plans)
-            return self._assemble(outcomes, plans)
+            result = self._assemble(outcomes, plans)
+            self.scored += len(requests)
+            self.failed += result.failures
+            return result
 
     def score_groups(
         self, texts: Sequence[Sequence[str]], truths: Sequence[tuple[str, str]]

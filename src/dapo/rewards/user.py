@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo import workers
+from dapo.errors import ConfigError
 from dapo.rewards.math import SCORERS
 
 SPEC_FORMS = "'package.module:function' or 'path/to/file.py:function'"
@@ -143,6 +144,48 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
 # ---------------------------------------------------------------------------
 # The function table
 # ---------------------------------------------------------------------------
+
+
+def check_signature(fn: Callable[..., Any], where: str) -> None:
+    """Refuse, naming ``where``, a reward that cannot be called as dapo calls it:
+    ``fn(response, ground_truth)``, plus ``data_source=`` when it takes it. Every path a
+    reward comes by (``reward.functions`` specs on the command line or in YAML, callables
+    from Python) is checked here when the run is set up, before any model is loaded."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return
+    try:
+        sig.bind("response", "ground truth")
+    except TypeError:
+        raise ConfigError(
+            f"{where} ({callable_name(fn)}{sig}) cannot be called as fn(response, ground_truth): "
+            "a reward takes one response (str) and its ground truth (str), and optionally "
+            "data_source=..., and returns a number (TRL's batched fn(completions, **kwargs) "
+            "form is not supported)"
+        ) from None
+    batched = sorted(_BATCH_NAMES & set(sig.parameters))
+    if batched:
+        raise ConfigError(
+            f"{where} ({callable_name(fn)}{sig}) takes {', '.join(batched)}: TRL's batched "
+            "form fn(completions, **kwargs) -> list, which dapo does not call; a reward takes "
+            "one response (str) and its ground truth (str) and returns a number"
+        )
+    first = [
+        p.name
+        for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ][:2]
+    if len(first) == 2 and (first[0] in _TRUTH_NAMES or first[1] in _RESPONSE_NAMES):
+        raise ConfigError(
+            f"{where} ({callable_name(fn)}{sig}) names its parameters in another order than "
+            "dapo passes them: fn(response, ground_truth); reorder them (or wrap the function)"
+        )
+
+
+_BATCH_NAMES = frozenset({"completions", "prompts", "completion_ids"})
+_TRUTH_NAMES = frozenset({"ground_truth", "answer", "solution", "target", "reference", "gt"})
+_RESPONSE_NAMES = frozenset({"response", "completion", "solution_str", "output", "prediction"})
 
 
 def accepts_data_source(fn: Callable[..., Any]) -> bool:

@@ -87,10 +87,14 @@ def logprob_mismatch(
     - ``rollout/logprob_mismatch``: the mean ``|log pi_engine - log pi_trainer|``;
     - ``rollout/mismatch_kl``: the k3 estimate of ``KL(pi_engine || pi_trainer)`` from the
       engine's own samples, the mean of ``r - 1 - log r`` with ``r = pi_trainer / pi_engine``
-      (unbiased, never negative; :func:`dapo.algorithms.kl_penalty`'s ``k3``).
+      (unbiased, never negative; :func:`dapo.algorithms.kl_penalty`'s ``k3``);
+    - ``rollout/logprob_ratio_p001`` and ``_p999``: the 0.1th and 99.9th percentiles of the
+      per-token ``r`` (a mean hides a few tokens far off), and ``rollout/logprob_ratio_outside``:
+      the share of tokens with ``r`` outside ``[0.8, 1.25]``.
 
     Nothing when no sample has the engine's log-probs."""
     gap_sum = kl_sum = count = 0.0
+    log_ratios: list[torch.Tensor] = []
     for s, lp in zip(samples, trainer, strict=True):
         if s.sampling_logprobs is None:
             continue
@@ -100,10 +104,22 @@ def logprob_mismatch(
         gap_sum += float(((engine_lp - trainer_lp).abs() * sampled).sum())
         kl_sum += float((alg.kl_penalty(engine_lp, trainer_lp, "k3") * sampled).sum())
         count += float(sampled.sum())
+        log_ratios.append((trainer_lp - engine_lp)[sampled.bool()])
     gap_sum, kl_sum, n = all_reduce_sum([gap_sum, kl_sum, count])
     if not n:
         return {}
-    return {"rollout/logprob_mismatch": gap_sum / n, "rollout/mismatch_kl": kl_sum / n}
+    mine = torch.cat(log_ratios) if log_ratios else torch.zeros(0, dtype=torch.float64)
+    logs = all_gather_objects(mine.tolist())
+    ratio = torch.cat([torch.as_tensor(x, dtype=torch.float64) for x in logs]).exp()
+    low, high = torch.quantile(ratio, torch.tensor([0.001, 0.999], dtype=ratio.dtype)).tolist()
+    outside = (ratio < 0.8) | (ratio > 1.25)
+    return {
+        "rollout/logprob_mismatch": gap_sum / n,
+        "rollout/mismatch_kl": kl_sum / n,
+        "rollout/logprob_ratio_p001": low,
+        "rollout/logprob_ratio_p999": high,
+        "rollout/logprob_ratio_outside": float(outside.double().mean()),
+    }
 
 
 def cov_selection(

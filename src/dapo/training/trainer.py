@@ -10,8 +10,6 @@ Read :meth:`Trainer.train_step` and :meth:`Trainer.run` top to bottom.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import random
 import time
 import warnings
@@ -24,20 +22,18 @@ import torch
 from dapo.atomic import write_text_atomic
 from dapo.config import Config
 from dapo.environments import load_environment, load_parser, no_template_error, parse_hermes
-from dapo.errors import TrainingError
+from dapo.errors import HealthError, TrainingError
 from dapo.handover import ScoredGroup
-from dapo.metrics import MetricsLogger, plot_dashboard
-from dapo.metrics.transcripts import TranscriptWriter, transcript_records
+from dapo.health import HealthMonitor
 from dapo.models import load_tokenizer, resolve_model_path
 from dapo.models.loading import builtin_chat_template
 from dapo.models.precision import precision_of
 from dapo.parallel import distributed as D
 from dapo.parallel import sharding
 from dapo.producer.rollouts import Rollouts
-from dapo.producer.stream import RolloutStream, staleness_metrics
-from dapo.rollout import SamplingParams
+from dapo.producer.stream import make_stream, staleness_metrics
 from dapo.run_inputs import RunInputs
-from dapo.seeding import Stream, seed_everything, stream_seed
+from dapo.seeding import seed_everything
 from dapo.training.batch import Sample, build_samples, group_sizes
 from dapo.training.checkpoint import (
     latest_checkpoint,
@@ -48,6 +44,7 @@ from dapo.training.checkpoint import (
 )
 from dapo.training.inputs import Callbacks
 from dapo.training.learner import Learner, NonFiniteUpdates
+from dapo.training.record import RunRecord, check_output_dir, write_summary
 from dapo.training.resume import check_resume
 from dapo.training.teacher import load_teacher
 
@@ -62,7 +59,7 @@ class Trainer:
         self.dist = D.init_distributed()
         self.log = log if self.dist.is_main else (lambda _: None)  # only rank 0 speaks
         self.cfg, self.out, inputs = cfg, Path(cfg.output_dir), inputs or RunInputs()
-        _check_output_dir(self.out)
+        check_output_dir(self.out)
         seed_everything(cfg.seed)
         # Multi-turn episodes: the environment, tools and parser are loaded (a bad spec is an
         # error) and the chat template they need is checked before any model is built.
@@ -86,52 +83,33 @@ class Trainer:
         )
         if chat and not getattr(self.tokenizer, "chat_template", None):
             raise no_template_error(tokenizer_name)
-        # The teacher (algorithm.teacher) is checked against the tokenizer before the policy loads.
-        teacher = load_teacher(cfg, self.tokenizer, self.log)
-        self.learner = Learner.from_config(
-            cfg, model_path, self.tokenizer.pad_token_id, self.log, model=inputs.model
-        )
-        self.learner.use_teacher(teacher)
-        # A separate engine's sampling log-probs are compared with (and can correct,
-        # `algorithm.is_cap`) the trainer's, as are the transformers engine's below float32
-        # (its incremental decoding rounds differently).
-        separate = cfg.rollout.engine != "hf"
-        self.learner.needs_old_logprobs |= separate
-        self.learner.compare_engine = (
-            separate or cfg.algorithm.is_cap is not None or precision_of(self.model) != "fp32"
-        )
         self.spec = spec
-        self.rollouts = Rollouts(cfg, self.tokenizer, self.learner, inputs, self.log, spec)
+        # The prompts and the reward scorer first: a bad data file or reward spec is refused
+        # before any weights load. The teacher is checked against the tokenizer before the policy.
+        self.rollouts = Rollouts(cfg, self.tokenizer, inputs, self.log, spec)
+        try:
+            teacher = load_teacher(cfg, self.tokenizer, self.log)
+            self.learner = Learner.from_config(
+                cfg, model_path, self.tokenizer.pad_token_id, self.log, model=inputs.model
+            )
+            self.learner.use_teacher(teacher)
+            # A separate engine's sampling log-probs are compared with (and can correct,
+            # `algorithm.is_cap`) the trainer's, as are the transformers engine's below float32
+            # (its incremental decoding rounds differently).
+            separate = cfg.rollout.engine != "hf"
+            self.learner.needs_old_logprobs |= separate
+            self.learner.compare_engine = (
+                separate or cfg.algorithm.is_cap is not None or precision_of(self.model) != "fp32"
+            )
+            self.rollouts.connect(self.learner)
+        except BaseException:
+            self.rollouts.close()  # its reward and environment workers
+            raise
         # rollout.max_staleness >= 1: a producer thread fills the coming batches meanwhile.
-        self.stream = None
-        if r.max_staleness > 0:
-            if self.dist.enabled and r.engine == "hf":
-                raise TrainingError(
-                    f"rollout.max_staleness={r.max_staleness} with rollout.engine=hf under "
-                    "torchrun: the hf engine would sample from a copy of a sharded policy; use "
-                    "rollout.engine=vllm (one engine per rank) or vllm-server"
-                )
-            self.stream = RolloutStream(
-                self.rollouts.fill_batch,
-                self.rollouts.engine,
-                max_staleness=r.max_staleness,
-                end=cfg.train.steps,
-                group=D.new_group(),  # its collectives apart from the training thread's
-            )
-            a = cfg.algorithm
-            self.log(
-                f"streaming rollouts: up to {r.max_staleness} rollout steps ahead"
-                + (", partial rollouts" if r.partial_rollouts else "")
-                + "; off-policy correction: "
-                + (
-                    "ratio against the proximal policy (recomputed), behaviour "
-                    f"importance weights capped at {a.is_cap:g} ({a.is_level}, {a.is_mode})"
-                    if a.is_cap is not None
-                    else "none (algorithm.is_cap=null): the ratio is taken against the "
-                    "behaviour policy's log-probs"
-                )
-            )
+        self.stream = make_stream(cfg, self.rollouts, self.log)
         self.callbacks = list(inputs.callbacks)
+        self.health = HealthMonitor(cfg, self.log)  # warns when the metrics say it cannot learn
+        self.left_out: list[tuple[ScoredGroup, str]] = []  # the last step's, for transcripts
         self.step = 0
         self.summary: dict[str, Any] = {}
         self.advantages: list[list[float]] = []  # the last step's, per group (transcripts)
@@ -148,12 +126,15 @@ class Trainer:
         step = self.step
         t0 = time.perf_counter()
         if self.stream is None:
-            groups, metrics = self.rollouts.fill_batch(step)  # 1-3. sample, score, filter
+            batch = self.rollouts.fill_batch(step)  # 1-3. sample, score, filter
         else:  # filled ahead by the producer, which goes on with the next ones meanwhile
             if not self.stream.running:
                 self.stream.start(step)
-            groups, metrics = self.stream.take(step)
-            metrics.update(staleness_metrics(groups, step, self.cfg.rollout.max_staleness))
+            batch = self.stream.take(step)
+            batch.metrics.update(
+                staleness_metrics(batch.groups, step, self.cfg.rollout.max_staleness)
+            )
+        groups, metrics, self.left_out = batch.groups, batch.metrics, list(batch.left_out)
         t1 = time.perf_counter()
         self.advantages = []
         if groups:  # none: no group with a learning signal at the round cap, no update
@@ -211,24 +192,10 @@ class Trainer:
 
     # --- evaluation, state, checkpoints -----------------------------------------------------
 
-    def evaluate(self) -> dict[str, float]:
-        """Held-out accuracy (avg@``rollout.eval_num_generations``) over all ranks."""
-        r = self.cfg.rollout
-        params = SamplingParams(
-            n=r.eval_num_generations,
-            temperature=r.eval_temperature,
-            top_p=r.eval_top_p,
-            top_k=0,
-            max_tokens=r.max_completion_length,
-            seed=stream_seed(self.cfg.seed, Stream.EVALUATION),
-        )
-        records = D.shard(self.rollouts.eval_records, self.dist)
-        ids = D.shard(self.rollouts.eval_ids, self.dist)
-        # Gathered here, not only in generate: a rank without eval prompts never generates.
+    def evaluate(self) -> dict[str, Any]:
+        """Held-out accuracy over all ranks (:meth:`Rollouts.evaluate`)."""
         with self._producer_paused(), sharding.full_params(self.model):
-            ev = self.rollouts.accuracy(records, ids, params)
-        correct, n = D.all_reduce_sum([ev["acc"] * ev["n"] if ev["n"] else 0.0, float(ev["n"])])
-        return {**ev, "acc": correct / max(n, 1.0), "n": int(n)}
+            return self.rollouts.evaluate()
 
     def _producer_paused(self) -> Any:
         """No batch is filled inside this block (streaming rollouts)."""
@@ -247,6 +214,7 @@ class Trainer:
             **self.rollouts.state_dict(),
             "summary": self.summary,
             "nonfinite_in_a_row": self.learner.nonfinite_in_a_row,
+            "health": self.health.state_dict(),
             "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
             "config": self.cfg.to_dict(),
         }
@@ -258,6 +226,7 @@ class Trainer:
             self.stream.load_state_dict(state.get("rollout_queue"))
         self.summary = dict(state["summary"])
         self.learner.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        self.health.load_state_dict(state.get("health"))  # absent in older checkpoints
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
 
@@ -292,42 +261,29 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Resume or start, evaluate, train ``train.steps`` rollout steps, evaluate, save."""
-        cfg = self.cfg
-        start = time.time()
+        cfg, start, error = self.cfg, time.time(), None
         try:
             callbacks = Callbacks(self.callbacks)  # a bad one is refused before anything runs
             resumed_from = self._resume_or_start()
         except BaseException:
             self.close()  # run() owns the reward workers and engine: release them on every exit
             raise
-        logger = MetricsLogger(
+        parser = self.spec.parser if self.spec is not None else parse_hermes
+        record = RunRecord(
+            cfg,
             self.out,
-            total_steps=cfg.train.steps,
-            console=cfg.logging.console,
-            tensorboard=cfg.logging.tensorboard,
-            wandb=cfg.logging.wandb,
-            wandb_project=cfg.logging.wandb_project,
-            wandb_run_name=cfg.logging.run_name,
-            verbose=cfg.logging.verbose,
-            config=cfg.to_dict(),
-            resume_step=resumed_from,  # drop lines a crash left after it; None: a new run
-            enabled=self.dist.is_main,  # only rank 0 writes logs
+            resumed_from=resumed_from,
+            is_main=self.dist.is_main,
+            tokenizer=self.tokenizer,
+            parser=parser,
+            health=self.health,
         )
-        per_step = cfg.logging.transcripts_per_step
-        transcripts = (
-            TranscriptWriter(self.out, resume_step=resumed_from)
-            if per_step and self.dist.is_main
-            else None
-        )
-        before: dict[str, float] | None = None  # the weights' accuracy, while no step ran
+        before: dict[str, Any] | None = None  # the weights' accuracy, while no step ran
         try:
             if self.rollouts.eval_records and "accuracy_before" not in self.summary:
                 ev = before = self.evaluate()
-                self.summary["accuracy_before"] = ev["acc"]
-                logger.message(
-                    f"held-out accuracy before training: {ev['acc']:.1%} ({ev['n']} samples)"
-                )
-                logger.log(self.step, {"val/acc": ev["acc"]})
+                self.summary["accuracy_before"] = ev["acc"] if ev["measured"] else None
+                record.evaluated(self.step, ev, "before training")
                 callbacks.on_evaluate(self.step, ev)
             while self.step < cfg.train.steps and not self.budget_spent():
                 before = None
@@ -335,36 +291,27 @@ class Trainer:
                     metrics, groups = self.train_step()
                 except NonFiniteUpdates as exc:
                     raise self.stop_nonfinite(exc) from exc
-                if transcripts is not None and groups:  # a few rollouts as a person reads them
-                    records = transcript_records(
-                        self.step - 1,
-                        groups,
-                        self.advantages,
-                        self.tokenizer,
-                        k=per_step,
-                        seed=cfg.seed,
-                        parser=self.spec.parser if self.spec is not None else parse_hermes,
-                    )
-                    transcripts.write(records)
-                    logger.log_transcripts(self.step - 1, records)
                 every = cfg.logging.eval_every
                 last = self.step >= cfg.train.steps or self.budget_spent()  # evaluated below
                 if self.rollouts.eval_records and every and self.step % every == 0 and not last:
                     ev = self.evaluate()
                     metrics["val/acc"] = ev["acc"]
                     callbacks.on_evaluate(self.step, ev)
-                logger.log(self.step, metrics)
+                try:  # the health checks, a few transcripts, the metrics
+                    record.step(self.step, metrics, groups, self.advantages, self.left_out)
+                except HealthError as exc:
+                    raise HealthError(f"{exc}; the state is saved in {self.save()}") from exc
                 if cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0:
                     callbacks.on_save(self.step, self.save())
                 if callbacks.on_step(self.step, metrics):  # every rank stops together
-                    logger.message(f"stopped: {callbacks.requested}")
+                    record.message(f"stopped: {callbacks.requested}")
                     break
             if self.rollouts.eval_records and before is not None:  # no step since: reuse it
-                self.summary["accuracy_after"] = before["acc"]
+                self.summary["accuracy_after"] = self.summary["accuracy_before"]
             elif self.rollouts.eval_records:
                 ev = self.evaluate()
-                self.summary["accuracy_after"] = ev["acc"]
-                logger.log(self.step, {"val/acc": ev["acc"]})
+                self.summary["accuracy_after"] = ev["acc"] if ev["measured"] else None
+                record.evaluated(self.step, ev, "after training")
                 callbacks.on_evaluate(self.step, ev)
             final = step_dir(self.out / "checkpoints", self.step)
             existed = final.is_dir()
@@ -374,12 +321,13 @@ class Trainer:
                 callbacks.on_save(self.step, final)
             if callbacks.requested:  # not in the checkpoint: a resumed run goes on
                 self.summary["stopped_early"] = callbacks.requested
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            logger.close()
-            if transcripts is not None:
-                transcripts.close()
+            record.close()
             self.close()
-        self._write_summary(start, resumed_from)
+            self._write_summary(start, resumed_from, error)
         D.barrier()
         callbacks.raise_error()  # after the clean stop, on every rank
         return self.summary
@@ -422,7 +370,10 @@ class Trainer:
                 self.model.save_pretrained(final, state_dict=weights)
                 self.tokenizer.save_pretrained(final)
 
-    def _write_summary(self, start: float, resumed_from: int | None) -> None:
+    def _write_summary(
+        self, start: float, resumed_from: int | None, error: BaseException | None
+    ) -> None:
+        """summary.json and the dashboard (rank 0), also after an error."""
         trainable, total = self.learner.parameter_counts
         self.summary.update(
             {
@@ -437,26 +388,13 @@ class Trainer:
                     "reward": self.rollouts.scorer.failures,
                     "env": self.rollouts.env_failures,
                 },
+                "health": self.health.findings,
             }
         )
-        if not self.dist.is_main:
-            return
-        write_text_atomic(
-            self.out / "summary.json", json.dumps(self.summary, indent=2, default=str)
-        )
-        try:
-            plot_dashboard(self.out)
-        except (ValueError, FileNotFoundError) as exc:
-            self.log(f"dashboard not written: {exc}")
-
-
-def _check_output_dir(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        raise TrainingError(
-            f"`output_dir` = {str(out)!r} is not writable ({exc.strerror}); choose another directory"
-        ) from exc
+        if self.dist.is_main:
+            try:
+                write_summary(self.out, self.summary, self.log, error)
+            except Exception as exc:  # noqa: BLE001 - never hide the error the run stopped with
+                if error is None:
+                    raise
+                self.log(f"summary.json not written: {exc}")
