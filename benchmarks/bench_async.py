@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _in_process import in_process, run_here  # benchmarks/_in_process.py (run as a script)
 from _report import provenance, write_report  # benchmarks/_report.py (run as a script)
 
 ALIASES = {"sync": "vllm-0", "async": "vllm-1", "server": "server-0", "server-async": "server-1"}
@@ -123,7 +124,14 @@ def run(
             "checkpoint.save_final_model=false",
             *overrides,
         ]
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        if in_process():  # the smoke test: the trainer in this process, no fresh imports
+            from dapo.cli import main as dapo_main
+
+            status = run_here(lambda: dapo_main(cmd[3:]), 1, out.parent / f"{out.name}.log")
+            if status:
+                raise RuntimeError(f"{mode}: dapo train exited {status}; see {out.name}.log")
+        else:
+            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     finally:
         if server is not None:
             server.terminate()

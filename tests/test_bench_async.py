@@ -31,7 +31,8 @@ def test_modes_name_engine_staleness_and_partial_rollouts(capsys):
 
 @pytest.mark.slow
 @needs_vllm
-def test_bench_async_times_each_mode(tmp_path, capsys):
+def test_bench_async_times_each_mode(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DAPO_BENCH_IN_PROCESS", "1")  # the trainers in this process: no imports
     bench_async = import_benchmark("bench_async")
     out = tmp_path / "async.json"
     report = bench_async.main(

@@ -123,6 +123,18 @@ def test_a_constant_reward_is_named_with_its_value(random_tiny_model, tmp_path):
     assert steps["constant_reward"] == 2 and steps["zero_gradients"] == 2
 
 
+def test_a_reward_of_the_prompt_alone_makes_every_group_uniform(random_tiny_model, tmp_path):
+    texts, summary, exc = run(
+        config(random_tiny_model, tmp_path / "run", reward("prompt_only"), "preset=grpo")
+    )
+    assert first_steps(summary)["uniform_groups"] == 2
+    (text,) = [t for t in texts if "(uniform_groups" in t]
+    m = read_metrics(tmp_path / "run")[1]
+    correct, wrong = m["sampling/all_correct_frac"], m["sampling/all_wrong_frac"]
+    assert correct + wrong == 1.0 and 0 < correct < 1  # uniform groups of both kinds
+    assert f"({correct:.0%} all correct, {wrong:.0%} all wrong)" in text
+
+
 def test_near_greedy_sampling_names_the_temperature(random_tiny_model, tmp_path):
     texts, summary, exc = run(
         config(
@@ -349,6 +361,10 @@ def test_a_reward_spec_that_cannot_be_called_is_refused_before_the_model_loads(
         cfg = config(missing, tmp_path / name, reward(name))
         with pytest.raises(ConfigError, match=r"reward.functions\[0\].*" + re.escape(why)):
             Trainer(cfg, log=lambda _: None)
+    bad_data = tmp_path / "no-such-file.jsonl"
+    cfg = config(missing, tmp_path / "data", reward("odd_length"), f"data.train={bad_data}")
+    with pytest.raises(Exception, match="no-such-file.jsonl"):  # the data, before the weights
+        Trainer(cfg, log=lambda _: None)
     cfg = config(missing, tmp_path / "good", reward("odd_length"))
     with pytest.raises(Exception, match="safetensors|header|weights"):  # precondition
         Trainer(cfg, log=lambda _: None)

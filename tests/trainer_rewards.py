@@ -49,3 +49,8 @@ def swapped(ground_truth: str, response: str) -> float:
 
 def raises(response: str, ground_truth: str) -> float:
     raise RuntimeError("this reward always fails")
+
+
+def prompt_only(response: str, ground_truth: str) -> float:
+    """Depends on the prompt, never on the response: every group is uniform."""
+    return 1.0 if int(ground_truth) % 2 == 0 else -1.0
