@@ -221,7 +221,7 @@ def test_a_fatal_kind_stops_the_run_and_keeps_its_state(random_tiny_model, tmp_p
 
 
 def monitor(*extra: str) -> HealthMonitor:
-    return HealthMonitor(load_config(overrides=list(extra)), log=lambda _: None)
+    return HealthMonitor(load_config(overrides=list(extra)))
 
 
 def feed(m: HealthMonitor, steps: list[dict[str, float]]) -> list[str]:

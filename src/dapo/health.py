@@ -48,21 +48,23 @@ class HealthMonitor:
     """Watches a run's metrics step by step; see the module docstring.
 
     ``cfg``: the run's :class:`~dapo.config.Config` (its ``health`` section, and the settings
-    the advice names). ``log`` prints a warning's line on the console (rank 0's).
+    the advice names). ``warn``: whether this process warns (rank 0 only under torchrun;
+    every rank checks alike, so that a fatal finding stops every rank).
     """
 
-    def __init__(self, cfg: Any, log: Callable[[str], None] = print) -> None:
-        self.cfg, self.h, self.log = cfg, cfg.health, log
-        self.history: list[dict[str, float]] = []
+    def __init__(self, cfg: Any, warn: bool = True) -> None:
+        self.cfg, self.h, self.warn = cfg, cfg.health, warn
+        self.history: list[dict[str, float]] = []  # the WATCHED metrics of each step
         self.raised: dict[str, dict[str, Any]] = {}  # kind -> its first warning
+        self.fatal: HealthError | None = None  # a new finding of a kind in health.fatal
 
     def observe(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """Check rollout step ``step``'s metrics (1-based, as the console counts); the
-        ``health/*`` metrics to log with them. Raises :class:`HealthError` for a kind in
-        ``health.fatal``."""
+        ``health/*`` metrics to log with them. A new finding of a kind in ``health.fatal`` is
+        kept in :attr:`fatal` (the caller logs the step, then raises it) instead of warned."""
         if not self.h.enabled:
             return {}
-        self.history.append({k: float(v) for k, v in metrics.items() if _is_number(v)})
+        self.history.append({k: float(metrics[k]) for k in WATCHED if _is_number(metrics.get(k))})
         found = [f for check in CHECKS if (f := check(self)) is not None]
         out = {f"health/{f.kind}": 1.0 for f in found}
         for f in found:
@@ -71,8 +73,10 @@ class HealthMonitor:
             text = f.text(step)
             self.raised[f.kind] = {"step": step, **asdict(f), "message": text}
             if f.kind in self.h.fatal or "all" in self.h.fatal:
-                raise HealthError(f"{text} (health.fatal includes {f.kind!r}: the run stops)")
-            warnings.warn(text, HealthWarning, stacklevel=2)
+                message = f"{text} (health.fatal includes {f.kind!r}: the run stops)"
+                self.fatal = self.fatal or HealthError(message)
+            elif self.warn:
+                warnings.warn(text, HealthWarning, stacklevel=2)
         out["health/warnings"] = float(len(self.raised))
         return out
 
@@ -310,6 +314,21 @@ CHECKS: tuple[Callable[[HealthMonitor], Finding | None], ...] = (
     engine_mismatch,
 )
 KINDS: tuple[str, ...] = tuple(c.__name__ for c in CHECKS)
+# The metrics the checks read: the monitor keeps (and checkpoints) only these of each step.
+WATCHED: tuple[str, ...] = (
+    "response_length/clip_ratio",
+    "response_length/mean",
+    "reward/score_min",
+    "reward/score_max",
+    "reward/acc",
+    "sampling/uniform_groups",
+    "sampling/all_correct_frac",
+    "sampling/all_wrong_frac",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/updates",
+    "rollout/logprob_ratio_outside",
+)
 
 
 def diagnose_groups(

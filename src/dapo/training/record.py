@@ -71,12 +71,7 @@ class RunRecord:
         """Log rollout step ``step`` (1-based): its health checks, a few of its trained
         groups' transcripts and of those left out (``(group, reason)``: filtered or failed),
         and its metrics. A fatal health finding is raised after the step is logged."""
-        fatal = None
-        try:
-            metrics.update(self.health.observe(step, metrics))
-        except Exception as exc:  # HealthError: logged first, then raised
-            fatal = exc
-            metrics.update({f"health/{k}": 1.0 for k in self.health.raised})
+        metrics.update(self.health.observe(step, metrics))
         if self.transcripts is not None:
             k, seed = self.cfg.logging.transcripts_per_step, self.cfg.seed
             records = transcript_records(
@@ -87,8 +82,8 @@ class RunRecord:
             self.transcripts.write(records)
             self.logger.log_transcripts(step, records)
         self.logger.log(step, metrics)
-        if fatal is not None:
-            raise fatal
+        if self.health.fatal is not None:  # logged first, then raised
+            raise self.health.fatal
 
     def _left_out(
         self, step: int, left_out: Sequence[tuple[ScoredGroup, str]], k: int, seed: int

@@ -109,8 +109,7 @@ def logprob_mismatch(
     if not n:
         return {}
     mine = torch.cat(log_ratios) if log_ratios else torch.zeros(0, dtype=torch.float64)
-    logs = all_gather_objects(mine.tolist())
-    ratio = torch.cat([torch.as_tensor(x, dtype=torch.float64) for x in logs]).exp()
+    ratio = torch.cat(all_gather_objects(mine)).exp()  # every rank's tokens
     low, high = torch.quantile(ratio, torch.tensor([0.001, 0.999], dtype=ratio.dtype)).tolist()
     outside = (ratio < 0.8) | (ratio > 1.25)
     return {

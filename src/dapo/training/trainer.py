@@ -108,7 +108,7 @@ class Trainer:
         # rollout.max_staleness >= 1: a producer thread fills the coming batches meanwhile.
         self.stream = make_stream(cfg, self.rollouts, self.log)
         self.callbacks = list(inputs.callbacks)
-        self.health = HealthMonitor(cfg, self.log)  # warns when the metrics say it cannot learn
+        self.health = HealthMonitor(cfg, warn=self.dist.is_main)  # when it cannot learn
         self.left_out: list[tuple[ScoredGroup, str]] = []  # the last step's, for transcripts
         self.step = 0
         self.summary: dict[str, Any] = {}
