@@ -85,7 +85,7 @@ def cli_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
         ({"train.lrr": 1e-3}, "train.lrr=1e-3"),  # a dotted key
         ({"trian": {"lr": 1e-3}}, "trian.lr=1e-3"),  # a section
         ({"train": {"stpes": 3}}, "train.stpes=3"),
-        ({"learning_rate": 1e-3}, "learning_rate=1e-3"),  # TRL's name
+        ({"num_train_epochs": 3}, "num_train_epochs=3"),  # TRL's name, no equivalent
         ({"preset": "grpoo"}, "preset=grpoo"),
         ({"train": {"steps": "many"}}, "train.steps=many"),
         ({"algorithm.clip_high": -1}, "algorithm.clip_high=-1"),
@@ -155,10 +155,10 @@ def test_python_objects_are_checked_before_anything_runs(random_tiny_model, tmp_
     kw = {**SMALL, "model": str(random_tiny_model), "output_dir": str(tmp_path / "run")}
     with pytest.raises(
         ConfigError,
-        match=r"reward_funcs\[1\] \(.*<locals>.<lambda>\(completions, \*\*kwargs\)\) "
-        r"cannot be called as fn\(response, ground_truth\)",
+        match=r"reward_funcs\[1\] \(.*<locals>.<lambda>\(response\)\) "
+        r"cannot be called in any form dapo knows: fn\(response, ground_truth\)",
     ):
-        dapo.make_trainer(reward_funcs=[parity, lambda completions, **kwargs: 0.0], **kw)
+        dapo.make_trainer(reward_funcs=[parity, lambda response: 0.0], **kw)
     with pytest.raises(ConfigError, match=r"reward_funcs\[0\]: the weight must be a finite number"):
         dapo.make_trainer(reward_funcs=[(parity, float("nan"))], **kw)
     with pytest.raises(ConfigError, match=r"one pair goes in a list"):

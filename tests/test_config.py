@@ -74,8 +74,8 @@ def raises_config_error(overrides: list[str]) -> str:
     [
         ("algorithm.clip_hgh=0.3", "algorithm.clip_hgh", "algorithm.clip_high"),  # typo
         ("algorithm.epsilon_high=0.3", "algorithm.epsilon_high", "algorithm.clip_high"),  # TRL
-        ("epsilon_high=0.3", "epsilon_high", "algorithm.clip_high"),  # TRL, no section
-        ("learning_rate=1e-5", "learning_rate", "train.lr"),  # TRL
+        ("clip_ratio_high=0.3", "clip_ratio_high", "algorithm.clip_high"),  # verl, no section
+        ("lr=1e-5", "lr", "train.lr"),  # no section (TRL's own names are translated)
         ("algoritm.clip_high=0.3", "algoritm", "algorithm"),  # misspelt section
         ("rollout.num_generation=4", "rollout.num_generation", "rollout.num_generations"),
         ("outptu_dir=runs/x", "outptu_dir", "output_dir"),  # unknown top-level key
@@ -514,7 +514,7 @@ def test_impossible_loss_combinations_are_refused(overrides, key, fragment):
     [
         ("algorithm.tis_cap", "algorithm.is_cap"),
         ("loss_mode", "algorithm.policy_loss"),
-        ("vllm_importance_sampling_mode", "algorithm.is_mode"),
+        ("rollout_is", "algorithm.is_level"),
         ("entropy_coeff", "algorithm.entropy_coef"),
         ("clip_cov_lb", "algorithm.clip_cov_low"),
     ],

@@ -261,6 +261,7 @@ def test_length_racing_to_the_limit_with_a_flat_accuracy():
 
 
 def test_uniform_groups_name_a_reward_scale_that_never_crosses_correct():
+    # Only where acc is asked for: "auto" (the default) keeps such a reward's groups by score.
     step = {
         "sampling/uniform_groups": 1.0,
         "sampling/all_correct_frac": 1.0,
@@ -268,7 +269,7 @@ def test_uniform_groups_name_a_reward_scale_that_never_crosses_correct():
         "reward/score_min": 0.1,
         "reward/score_max": 1.0,
     }
-    m = monitor()
+    m = monitor("algorithm.dynamic_sampling_metric=acc")
     with pytest.warns(HealthWarning) as seen:
         m.observe(1, dict(step))
         m.observe(2, dict(step))
@@ -355,7 +356,7 @@ def test_a_reward_spec_that_cannot_be_called_is_refused_before_the_model_loads(
     shutil.copytree(random_tiny_model, missing)
     (missing / "model.safetensors").write_bytes(b"not weights")
     for name, why in (
-        ("batched", "takes completions: TRL's batched form"),
+        ("one_argument", "cannot be called in any form dapo knows"),
         ("swapped", "names its parameters in another order"),
     ):
         cfg = config(missing, tmp_path / name, reward(name))

@@ -807,7 +807,7 @@ def bad_inputs(random_tiny_model, tmp_path_factory) -> Path:
 # id -> (arguments after `dapo train`, substrings that must be in the message)
 BAD_INPUTS: dict[str, tuple[list[str], list[str]]] = {
     "unknown-key": (["train.lrr=1e-5"], ["`train.lrr`", "did you mean `train.lr`"]),
-    "other-library-name": (["learning_rate=1e-5"], ["`learning_rate`", "`train.lr`"]),
+    "other-library-name": (["num_train_epochs=3"], ["`num_train_epochs`", "train.steps"]),
     "model-dtype": (["model.dtype=bfloat16"], ["`model.dtype`", "`train.precision`"]),
     "unknown-section": (["trian.lr=1e-5"], ["`trian`", "`train`"]),
     "wrong-type-int": (["train.steps=ten"], ["`train.steps`", "integer", "'ten'"]),

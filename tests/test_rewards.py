@@ -193,7 +193,7 @@ def test_scorers_registry_and_source_mapping() -> None:
     assert scorer_for_source("aime", mapping) == "math_verify"
     assert scorer_for_source("math_dapo", mapping) == "dapo_math"
     assert scorer_for_source("x", None, default="math_verify") == "math_verify"
-    with pytest.raises(ValueError, match=r"'sympy_magic'.*dapo_math, math_verify"):
+    with pytest.raises(ValueError, match=r"'sympy_magic'.*dapo_math, gsm8k, math_verify"):
         scorer_for_source("aime", {"aime": "sympy_magic"})
     with pytest.raises(ValueError, match=r"'nope'.*reward.default_scorer"):
         scorer_for_source("x", None, default="nope")
@@ -462,7 +462,7 @@ def test_works_from_python_dash_c() -> None:
     [
         (
             {"functions": [("nonsense", 1.0)]},
-            r"'nonsense' is neither a built-in scorer \(dapo_math, math_verify\)",
+            r"'nonsense' is neither a built-in scorer \(dapo_math, gsm8k, math_verify\)",
         ),
         ({"functions": [("dapo_math", float("nan"))]}, r"weight must be a finite number"),
         ({"functions": [("no_such_pkg_xyz:f", 1.0)]}, r"module 'no_such_pkg_xyz' not found"),

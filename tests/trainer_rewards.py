@@ -37,9 +37,9 @@ def odd_length(response: str, ground_truth: str) -> float:
     return 1.0 if len(response) % 2 else -1.0
 
 
-def batched(completions: list[str], solution: list[str], **kwargs: object) -> list[float]:
-    """TRL's batched form, which dapo does not call."""
-    return [0.0 for _ in completions]
+def one_argument(response: str) -> float:
+    """No place for the ground truth: no form dapo knows calls it."""
+    return float(len(response) % 2)
 
 
 def swapped(ground_truth: str, response: str) -> float:
@@ -54,3 +54,15 @@ def raises(response: str, ground_truth: str) -> float:
 def prompt_only(response: str, ground_truth: str) -> float:
     """Depends on the prompt, never on the response: every group is uniform."""
     return 1.0 if int(ground_truth) % 2 == 0 else -1.0
+
+
+def negative_length(response: str, ground_truth: str) -> float:
+    """TRL's quick-start reward on dapo's signature: every value at or below 0."""
+    return -abs(20 - len(response))
+
+
+def partial_credit(response: str, ground_truth: str) -> float:
+    """0.1 for a wrong answer, 1.0 for a right one: every value above 0."""
+    from dapo.rewards import dapo_math_score
+
+    return 1.0 if dapo_math_score(response, ground_truth) > 0 else 0.1

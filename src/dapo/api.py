@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dapo.config import Config, ConfigError, all_keys, load_config, read_config_file
+from dapo.config import Config, ConfigError, all_keys, foreign, load_config, read_config_file
 from dapo.errors import ModelError
 from dapo.models import load_tokenizer
 from dapo.parallel import distributed as D
@@ -101,7 +101,7 @@ def make_trainer(
         tokenizer=_tokenizer(tokenizer, model, cfg),
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
-        reward_funcs=_reward_funcs(reward_funcs),
+        reward_funcs=_reward_funcs(reward_funcs, getattr(config, "reward_weights", None)),
         environment=environment,
         tools=_as_list(tools, "tools"),
         agent=agent,
@@ -134,12 +134,17 @@ def train(
       ``data.train`` / ``data.eval`` and go through the same column rules
       (``data.prompt_key``, ``data.answer_key``), dedup and length filter. Given a
       ``train_dataset`` and neither ``eval_dataset`` nor ``data.eval``, nothing is evaluated.
-    - ``reward_funcs``: a callable or a list of callables ``fn(response, ground_truth)``
-      (``data_source=`` passed too when it takes it) returning a number, or
-      ``(fn, weight)`` pairs; lambdas and closures too. They are sent to the reward
-      workers with cloudpickle (a time-out, exception or non-number costs the sample,
-      ``reward/failures`` counts them), or run in this process when they cannot be pickled.
-      They add to ``reward.functions``; a response is correct when its reward is > 0.
+    - ``reward_funcs``: a callable or a list of callables, or ``(fn, weight)`` pairs;
+      lambdas and closures too. Each is called in the form its parameters say: dapo's
+      ``fn(response, ground_truth)`` (``data_source=`` too when it takes it), TRL's
+      ``fn(completions, **kwargs) -> list`` once per group (``prompts``, ``completion_ids``,
+      the dataset's other columns, ``trainer_state``; ``None`` = not applicable) or verl's
+      ``compute_score(data_source, solution_str, ground_truth, extra_info)``; each returns
+      a number or a dict with ``score`` (its other numbers are logged as
+      ``reward/extra_*``). They are sent to the reward workers with cloudpickle (a
+      time-out, exception or non-number costs the sample, ``reward/failures`` counts
+      them), or run in this process when they cannot be pickled. They add to
+      ``reward.functions``; what counts as correct: the data-and-rewards guide.
     - ``model`` / ``tokenizer``: a loaded transformers model and its tokenizer instead of
       ``model.name_or_path``; the model is trained in place (precision, LoRA, gradient
       checkpointing and device applied as to a loaded path). Without ``tokenizer`` the
@@ -175,6 +180,12 @@ def train(
 # --- helpers ---------------------------------------------------------------------------
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a config object's repr runs to KBs)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _file_layer(config: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """What ``config`` holds, as the mapping a YAML file would hold."""
     if config is None:
@@ -192,9 +203,11 @@ def _file_layer(config: Any, overrides: Mapping[str, Any]) -> dict[str, Any]:
         return dataclasses.asdict(config)
     if isinstance(config, Mapping):
         return dict(config)
+    if foreign.is_trl_config(config):  # a TRL GRPOConfig: the names its user set
+        return foreign.trl_names(config)
     raise ConfigError(
-        f"config = {config!r}: give a YAML file path, a mapping of keys (as the YAML file would "
-        "hold) or a dapo.config.Config"
+        f"config = {_short(config)}: give a YAML file path, a mapping of keys (as "
+        "the YAML file would hold), a dapo.config.Config or a TRL GRPOConfig"
     )
 
 
@@ -264,12 +277,20 @@ def _as_list(value: Any, name: str) -> list[Any]:
     return [value]
 
 
-def _reward_funcs(value: Any) -> list[Any]:
-    """``reward_funcs`` as ``(function, weight)`` pairs, each checked before anything runs."""
+def _reward_funcs(value: Any, weights: Any = None) -> list[Any]:
+    """``reward_funcs`` as ``(function, weight)`` pairs, each checked before anything runs;
+    ``weights``: a TRL config's ``reward_weights``, one per function."""
     if value is None:
         return []
     one = callable(value) or isinstance(value, str)
     items = [value] if one else _as_list(value, "reward_funcs")
+    if weights is not None:
+        if len(weights) != len(items) or any(isinstance(i, tuple) for i in items):
+            raise ConfigError(
+                f"reward_weights = {list(weights)} (the TRL config's) needs one weight per "
+                f"reward function: {len(items)} given, without weights of their own"
+            )
+        items = [(fn, float(w)) for fn, w in zip(items, weights, strict=True)]
     out = []
     for i, item in enumerate(items):
         fn, weight = item if isinstance(item, tuple) and len(item) == 2 else (item, 1.0)
@@ -279,7 +300,8 @@ def _reward_funcs(value: Any) -> list[Any]:
             continue
         if not callable(fn):
             raise ConfigError(
-                f"{where} = {item!r} is not a function; give fn(response, ground_truth) -> float, "
+                f"{where} = {item!r} is not a function; give fn(response, ground_truth) -> float "
+                "(or a TRL or verl reward function), "
                 "a (fn, weight) pair, or a module:function spec (one pair goes in a list: "
                 "[(fn, 2.0)])"
             )

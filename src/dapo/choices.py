@@ -26,7 +26,7 @@ Engine = Literal["hf", "vllm", "vllm-server"]
 Precision = Literal["auto", "fp32", "bf16-mixed", "bf16"]
 LRSchedule = Literal["constant", "cosine"]
 DataParallelMode = Literal["auto", "fsdp", "ddp"]
-DynamicSamplingMetric = Literal["acc", "reward"]
+DynamicSamplingMetric = Literal["auto", "acc", "reward"]
 Curriculum = Literal["none", "easy_first"]
 # rollout.vllm_quantization: vLLM quantizes the served weights (fp8: online, per tensor)
 VLLMQuantization = Literal["none", "fp8"]

@@ -36,6 +36,11 @@ class ScoredGroup:
     episode_stats: list[dict[str, Any]] | None = None
     # The policy version that sampled each response token (streaming rollouts).
     versions: list[list[int]] | None = None
+    # Whether `correct` means what the reward says (False: a reward with no notion of
+    # correct, e.g. partial credit; `correct` is then reward > 0 and claims nothing).
+    claims_correct: bool = True
+    # Numeric fields the reward functions returned beside their scores, per response.
+    info: list[dict[str, float]] | None = None
 
     def scores(self) -> list[float]:
         """Each response's score as the reward functions gave it: its reward less the

@@ -99,9 +99,12 @@ class AlgorithmConfig:
         paper="true",
     )
     dynamic_sampling_metric: DynamicSamplingMetric = opt(
-        "acc",
+        "auto",
         "What must differ within a group to keep it: acc (correctness, the paper's "
-        "0 < correct < G) or reward (the shaped reward, overlong penalty included).",
+        "0 < correct < G), reward (the shaped reward, overlong penalty included), or auto: "
+        "acc where the reward says what correct is (a built-in scorer, a reward that "
+        "returns only -1, 0 and 1, or a dict with an acc field), else the reward functions' "
+        "score before the length shaping.",
     )
     max_gen_rounds: int = opt(
         8,

@@ -8,6 +8,7 @@ Unknown keys and bad values raise :class:`ConfigError` naming the key, the value
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import difflib
 import math
@@ -19,6 +20,7 @@ from typing import Any, get_args, get_origin
 
 import yaml
 
+from dapo.config import foreign
 from dapo.config.fields import check_choice, choices_of, hints
 from dapo.config.presets import PRESETS
 from dapo.config.rules import validate
@@ -87,6 +89,11 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
 def _unknown_key(path: str) -> ConfigError:
     leaf = path.rsplit(".", 1)[-1]
     suggestion = _ALIASES.get(leaf) or _ALIASES.get(path)
+    if suggestion is None and path in foreign.trl_field_names():
+        return ConfigError(
+            f"unknown config key `{path}`: TRL's GRPOConfig name, which has no equivalent in "
+            "dapo (the names that have one are translated: docs/guides/migrating.md)"
+        )
     if suggestion is None:
         keys = all_keys()
         section = path.rsplit(".", 1)[0] + "." if "." in path else ""
@@ -131,6 +138,9 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
+        shorthand = getattr(tp, "SHORTHAND", None)  # e.g. a reward function's bare name
+        if shorthand and isinstance(value, str):
+            value = {shorthand: value}
         if not isinstance(value, dict):
             raise ConfigError(f"`{path}` must be a mapping of keys, got {value!r}")
         return _build(tp, value, path + ".")
@@ -207,14 +217,24 @@ def _renamed(data: dict[str, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
+# While load_config builds a Config: the unknown key paths met, reported together.
+_UNKNOWN: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "dapo_unknown_keys", default=None
+)
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     types_ = hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     data = _renamed(data, prefix)
     kwargs = {}
+    unknown = _UNKNOWN.get()
     for key, value in data.items():
         if key not in fields:
-            raise _unknown_key(f"{prefix}{key}")
+            if unknown is None:
+                raise _unknown_key(f"{prefix}{key}")
+            unknown.append(f"{prefix}{key}")
+            continue
         kwargs[key] = _coerce(f"{prefix}{key}", value, types_[key])
     return cls(**kwargs)
 
@@ -375,11 +395,22 @@ def load_config(
     count as set. ``train.mini_batch_size`` set nowhere follows ``train.prompts_per_step``;
     a rule refusing a value the user never set says where it came from."""
     raw = path if isinstance(path, dict) else {} if path is None else read_config_file(path)
-    file_data = _nest(raw)
     if isinstance(overrides, dict):
         dotted = dict(overrides)
     else:
         dotted = dict(parse_override(o) for o in overrides or [])
+    # TRL's and verl's names: translated where they mean the same, else refused below.
+    ours = frozenset(all_keys())
+    raw, from_file = foreign.split_foreign(raw, ours)
+    dotted, from_cli = foreign.split_foreign(dotted, ours)
+    moved = [foreign.translate(from_file), foreign.translate(from_cli)]
+    raw = {**raw, **moved[0].keys}
+    dotted = {**dotted, **moved[1].keys}
+    refused = moved[0].refused + moved[1].refused
+    for translation in moved:
+        if translation.rows:
+            print(translation.table(), flush=True)
+    file_data = _nest(raw)
     cli_data = _nest(dotted)
     preset = cli_data.get("preset", file_data.get("preset", "dapo"))
     if not isinstance(preset, str):
@@ -400,7 +431,13 @@ def load_config(
     user = _given_paths(file_data) | _given_paths(cli_data)
     from_preset = _given_paths(preset_data)
     _mini_batch_follows(data, user | from_preset)
-    cfg = _build(Config, data)
+    unknown: list[str] = []
+    token = _UNKNOWN.set(unknown)
+    try:
+        cfg = _build(Config, data)
+    finally:
+        _UNKNOWN.reset(token)
+    _refuse_names(refused, unknown)
     try:
         validate(cfg, objects)
     except ConfigError as exc:
@@ -414,6 +451,21 @@ def load_config(
             key=key,
         ) from None
     return cfg
+
+
+def _refuse_names(refused: list[str], unknown: list[str]) -> None:
+    """One error for every name that cannot be used: TRL and verl names refused with their
+    reason, unknown keys with a suggestion where one means the same."""
+    if not refused and len(unknown) == 1:
+        raise _unknown_key(unknown[0])
+    problems = refused + [str(_unknown_key(path)) for path in unknown]
+    if len(problems) == 1:
+        raise ConfigError(f"config name {problems[0]}")
+    if problems:
+        raise ConfigError(
+            f"{len(problems)} config names cannot be used:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
 
 
 def _mini_batch_follows(data: dict[str, Any], given: set[str]) -> None:

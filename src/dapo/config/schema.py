@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -181,12 +181,17 @@ class DataConfig:
 
 @dataclass
 class RewardFunctionConfig:
-    """A reward function: a built-in scorer name or ``module:function``, and its weight."""
+    """A reward function: a built-in scorer name or ``module:function``, and its weight
+    (a bare name in a list stands for ``{name: ..., weight: 1}``)."""
+
+    SHORTHAND: ClassVar[str] = "name"
 
     name: str = opt(
         "dapo_math",
-        "A built-in scorer (dapo_math, math_verify) or module:function, called as "
-        "fn(response, ground_truth[, data_source=...]) and returning a number.",
+        "A built-in scorer (dapo_math, math_verify, gsm8k) or module:function: "
+        "fn(response, ground_truth[, data_source=...]), TRL's fn(completions, **kwargs) "
+        "-> list or verl's compute_score(data_source, solution_str, ground_truth, "
+        "extra_info), returning a number (or a dict with score).",
         nonempty=True,
         hint="a scorer name or module:function",
     )
@@ -198,16 +203,19 @@ class RewardConfig:
     """How responses are scored."""
 
     functions: list[RewardFunctionConfig] = opt(
-        help="Reward functions whose weighted scores are summed, each {name, weight}; "
+        help="Reward functions whose weighted scores are summed, each {name, weight} or "
+        "a bare name (weight 1); "
         "empty: one built-in scorer per row, picked by its data source "
-        "(reward.source_scorers, else reward.default_scorer).",
+        "(reward.source_scorers, else verl's choice for GSM8K (gsm8k), MATH and Numina "
+        "(math_verify), else reward.default_scorer), named at start-up.",
         factory=list,
     )
     default_scorer: str = opt(
         "dapo_math",
-        "Built-in scorer for data sources not in reward.source_scorers. dapo_math is the "
-        "DAPO reference: +1 if the last `Answer:` line matches the ground truth after "
-        "normalisation, -1 otherwise.",
+        "Built-in scorer (dapo_math, math_verify, gsm8k) for data sources neither in "
+        "reward.source_scorers nor known (openai/gsm8k, lighteval/MATH, ...). dapo_math "
+        "is the DAPO reference: +1 if the last `Answer:` line matches the ground truth "
+        "after normalisation, -1 otherwise.",
     )
     source_scorers: dict[str, str] = opt(
         help="data_source -> built-in scorer name, e.g. {math_dapo: dapo_math}.", factory=dict

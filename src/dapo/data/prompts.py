@@ -164,13 +164,14 @@ def history_keys(records: list[PromptRecord], field: str | None) -> list[str]:
 
 
 def load_prompt_set(
-    data: DataConfig, which: str, source: PromptSource | None = None
+    data: DataConfig, which: str, source: PromptSource | None = None, answers: str = "text"
 ) -> list[PromptRecord]:
     """The training (``which="train"``) or held-out (``"eval"``) prompts: ``source`` if
     given (in-memory data such as a ``datasets.Dataset`` or a list of row dicts, or anything
     data.train takes), else ``data.train`` / ``data.eval``. Either way the rows go through
     the same column rules (data.prompt_key, data.answer_key, data.data_source_key, the split
-    of a DatasetDict), errors and dedup; the length filter is :func:`encode_prompts`'."""
+    of a DatasetDict), errors and dedup; the length filter is :func:`encode_prompts`'.
+    ``answers`` says what an answer may be (:class:`~dapo.data.records.RecordOptions`)."""
     if which not in ("train", "eval"):
         raise ValueError(f"which must be 'train' or 'eval', got {which!r}")
     if source is None:
@@ -190,6 +191,7 @@ def load_prompt_set(
         data_source_key=data.data_source_key,
         dedupe=True,
         setting_prefix="data.",
+        answers=answers,
     )
     return records[: data.max_eval_prompts] if which == "eval" else records
 

@@ -24,7 +24,7 @@ class PromptRecord:
     """One prompt with its reference answer."""
 
     prompt: str | list[dict[str, str]]  # plain text, or chat messages [{"role":..., "content":...}]
-    ground_truth: str
+    ground_truth: Any  # a string; a dict where the rewards take one; "" where none asks
     data_source: str = "math_dapo"
     uid: str = ""  # stable id of the problem: identical prompts share it
     extra: dict[str, Any] = field(default_factory=dict)
@@ -203,9 +203,24 @@ def _normalize_prompt(value: Any, where: str, index: int, key: str) -> str | lis
     )
 
 
-def _normalize_answer(value: Any, where: str, index: int, key: str) -> str:
+def _plain_tree(value: Any) -> Any:
+    """``value`` with numpy arrays and scalars made lists and Python scalars, all the way
+    down (a parquet row's nested fields)."""
+    value = _to_plain(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain_tree(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain_tree(v) for v in value]
+    return value
+
+
+def _normalize_answer(
+    value: Any, where: str, index: int, key: str, answers: str = "text"
+) -> str | dict[str, Any]:
     fix = "give every row a non-empty ground-truth answer (string or number), or drop the row"
     value = _to_plain(value)
+    if isinstance(value, Mapping) and answers != "text":
+        return _plain_tree(value)
     if value is None:
         raise _row_error(where, index, key, "ground truth is None", fix)
     if isinstance(value, bool):
@@ -232,12 +247,19 @@ def _normalize_answer(value: Any, where: str, index: int, key: str) -> str:
         if not text:
             raise _row_error(where, index, key, f"ground truth is empty ({value!r})", fix)
         return text
+    dict_fix = (
+        " (a dict answer goes whole to reward functions that take it: give "
+        "reward.functions, as the built-in scorers read text)"
+        if isinstance(value, Mapping)
+        else ""
+    )
     raise _row_error(
         where,
         index,
         key,
         f"ground truth is a {type(value).__name__} ({_short(value)}), not a string or number",
-        "store a single answer as a string or number; check answer_key points at the answer",
+        "store a single answer as a string or number; check answer_key points at the answer"
+        + dict_fix,
     )
 
 
@@ -284,6 +306,9 @@ class RecordOptions(TypedDict, total=False):
     dedupe: bool  # keep the first row of each prompt (else all; repeats share a uid)
     max_rows: int | None  # stop after this many rows
     setting_prefix: str  # how errors name the key options: "data." -> data.prompt_key
+    # What an answer may be: "text" (a string or number: the built-in scorers), "any" (a
+    # dict too: user reward functions), "optional" (and absent: no reward asks for one).
+    answers: str
 
 
 def build_records(
@@ -297,6 +322,7 @@ def build_records(
     dedupe: bool = True,
     max_rows: int | None = None,
     setting_prefix: str = "",
+    answers: str = "text",
 ) -> tuple[list[PromptRecord], LoadStats]:
     """Validate ``(where, row index, row)`` triples into records; ``source`` names the data
     in errors, and the key options are named there ``setting_prefix + "prompt_key"`` etc."""
@@ -314,9 +340,12 @@ def build_records(
             raise _missing_field_error(where, index, row, prompt_key, f"{setting_prefix}prompt_key")
         prompt = _normalize_prompt(raw_prompt, where, index, prompt_key)
         raw_answer = _get_field(row, answer_key)
-        if raw_answer is _MISSING:
+        if raw_answer is _MISSING and answers == "optional":
+            answer: str | dict[str, Any] = ""
+        elif raw_answer is _MISSING:
             raise _missing_field_error(where, index, row, answer_key, f"{setting_prefix}answer_key")
-        answer = _normalize_answer(raw_answer, where, index, answer_key)
+        else:
+            answer = _normalize_answer(raw_answer, where, index, answer_key, answers)
 
         key = _dedupe_key(prompt)
         uid = uids.get(key)
@@ -343,7 +372,7 @@ def build_records(
                     "store the data source as a short string",
                 ) from None
         extra = {
-            k: v
+            k: _plain_tree(v)
             for k, v in row.items()
             if k not in (prompt_key, data_source_key) and not str(k).startswith("__index_level_")
         }

@@ -44,7 +44,7 @@ from dapo.data import PromptRecord, encode_prompts, group_repeats, load_records
 from dapo.data.tasks import TASKS, is_builtin, load_task
 from dapo.errors import EvalError, VLLMEngineError, VLLMUnavailableError
 from dapo.evaluation.stats import mean_or_nan, summarize
-from dapo.rewards import RewardScorer, extract_answer, normalize_final_answer
+from dapo.rewards import RewardScorer, ScoreRequest, extract_answer, normalize_final_answer
 from dapo.rollout import (
     ENGINES,
     Group,
@@ -70,7 +70,14 @@ def score_groups(
 ) -> tuple[list[list[bool]], list[list[str | None]]]:
     """Decode and score each group's responses: per-problem correctness and extracted answers."""
     texts = [g.decode(tokenizer) for g in groups]
-    _, correct, _ = scorer.score_groups(texts, [(r.ground_truth, r.data_source) for r in records])
+    requests = [
+        ScoreRequest(
+            t, r.ground_truth, r.data_source, prompt=r.prompt, columns=r.extra, completion_ids=ids
+        )
+        for g, r, group_texts in zip(groups, records, texts, strict=True)
+        for t, ids in zip(group_texts, g.response_ids, strict=True)
+    ]
+    _, correct, _ = scorer.score_grouped(requests, [len(t) for t in texts])
     answers = [[extract_answer(t) for t in group_texts] for group_texts in texts]
     return correct, answers
 

@@ -28,7 +28,18 @@ METRICS: tuple[Metric, ...] = (
         "reward/mean",
         "Mean reward over every response generated this step (not only the trained ones).",
     ),
-    Metric("reward/acc", "Share of this step's generated responses scored correct (reward > 0)."),
+    Metric(
+        "reward/acc",
+        "Share of this step's generated responses scored correct: a built-in scorer's "
+        "+1, a reward's acc field, or reward > 0 for a reward that returns only -1, 0 and 1. "
+        "Not logged while a reward says nothing of correctness (partial credit, a penalty).",
+    ),
+    Metric(
+        "reward/extra_{field}",
+        "Mean of a numeric field reward functions returned beside their score (a dict "
+        "return's other keys, what a TRL-form function passed to log_metric), over the "
+        "responses that had it.",
+    ),
     Metric("reward/std", "Standard deviation of the rewards of this step's generated responses."),
     Metric(
         "reward/score_min",

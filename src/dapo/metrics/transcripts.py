@@ -13,7 +13,8 @@ step and seed pick the same samples) and describes each as a plain dict:
   the hermes parser) and, for a call that does not parse, ``tool_call_error``. A
   single-turn sample is one assistant turn. An assistant turn's text is decoded without the
   EOS token that ended it;
-- ``reward`` (what was trained on), ``correct`` (the reward functions' verdict),
+- ``reward`` (what was trained on), ``correct`` (the reward functions' verdict; None for
+  a reward that says nothing of correctness, e.g. partial credit),
   ``penalty`` (the overlong length shaping inside ``reward``), ``score`` (``reward -
   penalty``), ``group_rewards`` (every sample's reward of the group), ``advantage``;
 - ``end``: an episode's end reason (``done``, ``max_turns``, ``budget``, ``env_failure``,
@@ -116,7 +117,7 @@ def _record(
         "prompt": tokenizer.decode(list(group.prompt_ids), skip_special_tokens=False),
         "turns": _turns(ids, mask, tokenizer, parser),
         "reward": reward,
-        "correct": bool(group.correct[i]),
+        "correct": bool(group.correct[i]) if getattr(group, "claims_correct", True) else None,
         "penalty": penalty,
         "score": reward - penalty,
         "group_rewards": [float(r) for r in group.rewards],
@@ -249,9 +250,11 @@ def format_transcript(record: dict[str, Any], width: int = 100) -> str:
         if turn.get("tool_call_error"):
             lines.append(f"  -> tool call that does not parse: {turn['tool_call_error']}")
     lines.append("--- outcome ---")
+    correct = record.get("correct")
+    verdict = "not said by the reward" if correct is None and "correct" in record else correct
     lines.append(
         f"reward {record.get('reward')} = score {record.get('score')} + length penalty "
-        f"{record.get('penalty')}; correct: {record.get('correct')}; "
+        f"{record.get('penalty')}; correct: {verdict}; "
         f"ground truth: {record.get('ground_truth')!r}"
     )
     lines.append(f"group rewards: {record.get('group_rewards')}")

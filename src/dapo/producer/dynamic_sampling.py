@@ -32,9 +32,25 @@ ADVICE = (
 
 
 def is_uniform(group: ScoredGroup, metric: str = "acc") -> bool:
-    """True when every response of the group has the same accuracy (or reward)."""
-    values = group.correct if metric == "acc" else group.rewards
+    """True when every response of the group has the same accuracy (or shaped reward);
+    ``auto``: the accuracy where the reward says what correct is, else the reward functions'
+    score (before the length shaping, as the paper's filter ignores it)."""
+    if metric == "auto":
+        values = group.correct if group.claims_correct else group.scores()
+    else:
+        values = group.correct if metric == "acc" else group.rewards
     return len(set(values)) <= 1
+
+
+def _count_uniform(stats: FillStats, group: ScoredGroup) -> None:
+    """Count a uniform group as all correct, all wrong, or neither (uniform by reward, or a
+    reward that does not say what correct is)."""
+    if group.claims_correct and all(group.correct):
+        stats.all_correct += 1
+    elif group.claims_correct and not any(group.correct):
+        stats.all_wrong += 1
+    else:
+        stats.uniform_other += 1
 
 
 @dataclass
@@ -116,11 +132,8 @@ class DynamicSampler:
             groups = produce(self.target)
             stats.rounds, stats.generated_groups, stats.kept = 1, len(groups), len(groups)
             for g in groups:
-                if is_uniform(g, "acc"):
-                    if all(g.correct):
-                        stats.all_correct += 1
-                    else:
-                        stats.all_wrong += 1
+                if is_uniform(g, "auto"):
+                    _count_uniform(stats, g)
             return groups, stats
 
         batch = self.carry[: self.target]
@@ -139,12 +152,7 @@ class DynamicSampler:
                     kept_now += 1
                 else:
                     stats.dropped += 1
-                    if all(g.correct):
-                        stats.all_correct += 1
-                    elif not any(g.correct):
-                        stats.all_wrong += 1
-                    else:
-                        stats.uniform_other += 1
+                    _count_uniform(stats, g)
             if groups:
                 rate = kept_now / len(groups)
                 self.keep_rate = 0.5 * self.keep_rate + 0.5 * rate

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from dapo.handover import ScoredGroup
@@ -22,19 +24,33 @@ def group_metrics(groups: list[ScoredGroup], scored: bool = True) -> dict[str, f
 
 
 def reward_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
-    """Rewards, accuracy and the length shaping over every response of ``groups``."""
+    """Rewards, accuracy and the length shaping over every response of ``groups``; the
+    accuracy only over groups whose reward says what correct is, and the numeric fields
+    reward functions returned beside their scores as ``reward/extra_<field>``."""
     rewards = [x for g in groups for x in g.rewards]
     scores = [x for g in groups for x in g.scores()]
+    claimed = [float(x) for g in groups if g.claims_correct for x in g.correct]
+    extra: dict[str, list[float]] = {}
+    for g in groups:
+        for info in g.info or []:
+            for key, value in info.items():
+                extra.setdefault(key, []).append(value)
     return {
         "reward/mean": mean(rewards),
         "reward/std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
         # The reward functions' own scores, before the length shaping: a constant shows here.
         "reward/score_min": min(scores, default=0.0),
         "reward/score_max": max(scores, default=0.0),
-        "reward/acc": mean([float(x) for g in groups for x in g.correct]),
+        **({"reward/acc": mean(claimed)} if claimed or not groups else {}),
         # The shaping actually added to the rewards: 0 when it is off.
         "reward/overlong_penalty_mean": mean([x for g in groups for x in g.penalty]),
+        **{f"reward/extra_{_metric_name(k)}": mean(v) for k, v in sorted(extra.items())},
     }
+
+
+def _metric_name(key: str) -> str:
+    """A returned field's name as a metric name: lowercase, other characters as ``_``."""
+    return re.sub(r"[^a-z0-9_]+", "_", key.lower()).strip("_") or "field"
 
 
 def episode_metrics(episodes: list[dict]) -> dict[str, float]:

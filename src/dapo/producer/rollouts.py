@@ -81,9 +81,9 @@ class Rollouts:
         # Multi-turn episodes: an environment and/or tools (None: one response per prompt).
         # Their prompts are measured as the model sees them: rendered with the tools.
         self.renderer = None if spec is None else ChatRenderer(tokenizer, spec.schemas)
+        self.scorer = GroupScorer(cfg, tokenizer, inputs.reward_funcs)
         self._load_prompts(inputs, log)
         self.engine: Any = None
-        self.scorer = GroupScorer(cfg, tokenizer, inputs.reward_funcs)
         self.environments = (
             None
             if spec is None
@@ -157,22 +157,28 @@ class Rollouts:
     def _load_prompts(self, inputs: RunInputs, log: Callable[[str], None]) -> None:
         """Training and held-out prompts, rendered and tokenized; over-long ones dropped."""
         d = self.cfg.data
+        answers = self.scorer.rewards.answers
         renderer = self.renderer
         opening = (
             None if renderer is None else (lambda r: renderer.opening_text(prompt_messages(r)))
         )
         self.train_records, self.train_ids, dropped = encode_prompts(
-            load_prompt_set(d, "train", inputs.train_dataset),
+            load_prompt_set(d, "train", inputs.train_dataset, answers),
             self.tokenizer,
             d.max_prompt_length,
             text_of=opening,
         )
         if dropped:
             log(f"dropped {dropped} training prompts longer than data.max_prompt_length")
+        if self.train_records:  # TRL-form rewards take columns by name: all there?
+            self.scorer.rewards.check_columns(set(self.train_records[0].extra), "data.train")
+        if not self.cfg.algorithm.distill_only:
+            for line in self.scorer.rewards.describe([r.data_source for r in self.train_records]):
+                log(line)
         self.eval_records, self.eval_ids = [], []
         if self.cfg.evaluate and (d.eval is not None or inputs.eval_dataset is not None):
             self.eval_records, self.eval_ids, _ = encode_prompts(
-                load_prompt_set(d, "eval", inputs.eval_dataset),
+                load_prompt_set(d, "eval", inputs.eval_dataset, answers),
                 self.tokenizer,
                 d.max_prompt_length,
                 text_of=opening,
@@ -387,13 +393,22 @@ class Rollouts:
                 float(rewards.failed - failed),
             ]
         )
-        measured = not (scored and failed >= scored)
+        all_failed = bool(scored and failed >= scored)
+        claims = rewards.claims_correct
         return {
             **ev,
             "acc": correct / max(n, 1.0),
             "n": int(n),
-            "measured": measured,
+            "measured": not all_failed and claims,
             "error": rewards.first_error,
+            **(
+                {}
+                if all_failed or claims
+                else {
+                    "unmeasured": "the reward says nothing of correct: it is not -1/0/1-valued "
+                    "and returns no acc field"
+                }
+            ),
         }
 
     def accuracy(

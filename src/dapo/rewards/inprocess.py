@@ -13,9 +13,17 @@ from __future__ import annotations
 import threading
 import time
 
-from dapo.rewards.user import ERROR, TIMEOUT, Outcome, RewardFn, describe_exception, run_sample
+from dapo.rewards.user import (
+    ERROR,
+    TIMEOUT,
+    Outcome,
+    RewardFn,
+    Sample,
+    describe_exception,
+    run_item,
+)
 
-Item = tuple[str, str, str, tuple[int, ...]]  # response, ground truth, data source, fn ids
+Item = tuple[tuple[Sample, ...], tuple[int, ...]]  # samples, fn ids
 
 
 class ThreadRunner:
@@ -27,9 +35,10 @@ class ThreadRunner:
         self.timeout_s = timeout_s
         self._poll_s = min(0.05, timeout_s / 10)
 
-    def run(self, items: list[Item]) -> list[Outcome]:
-        """The outcome of each item (:func:`~dapo.rewards.user.run_sample`), in order."""
-        outcomes: list[Outcome] = []
+    def run(self, items: list[Item]) -> list[list[Outcome] | Outcome]:
+        """The outcomes of each item (:func:`~dapo.rewards.user.run_item`), in order; one
+        outcome for an item whose call timed out."""
+        outcomes: list[list[Outcome] | Outcome] = []
         while len(outcomes) < len(items):
             job = _Job(self.table, items[len(outcomes) :])
             outcomes += job.wait(self.timeout_s, self._poll_s)
@@ -42,7 +51,7 @@ class _Job:
     def __init__(self, table: list[RewardFn | None], items: list[Item]) -> None:
         self._lock = threading.Lock()
         self._done = threading.Event()
-        self._results: list[Outcome] = []
+        self._results: list[list[Outcome] | Outcome] = []
         self._call: tuple[int, float] | None = None  # (fn id, start) of the call in progress
         self._abandoned = False
         thread = threading.Thread(
@@ -56,8 +65,8 @@ class _Job:
 
     def _work(self, table: list[RewardFn | None], items: list[Item]) -> None:
         try:
-            for response, truth, source, ids in items:
-                outcome = run_sample(table, ids, response, truth, source, self._on_call)
+            for samples, ids in items:
+                outcome = run_item(table, ids, samples, self._on_call)
                 with self._lock:
                     if self._abandoned:
                         return
@@ -70,7 +79,7 @@ class _Job:
         finally:
             self._done.set()
 
-    def wait(self, timeout_s: float, poll_s: float) -> list[Outcome]:
+    def wait(self, timeout_s: float, poll_s: float) -> list[list[Outcome] | Outcome]:
         """The outcomes of the samples done, ending with a time-out if a call overran (the
         samples after it are not run by this job)."""
         while not self._done.wait(poll_s):

@@ -7,6 +7,12 @@ Built-in scorers take ``(response, ground_truth)`` and return +1.0 (correct) or 
   (:func:`normalize_final_answer`) and compared as strings.
 - ``math_verify``: symbolic comparison with the ``math_verify`` library, so ``0.5``
   matches ``\\frac{1}{2}``.
+- ``gsm8k``: GSM8K's numeric answers, the last ``#### N`` (else ``\\boxed{N}``, else
+  ``Answer: N``) compared as numbers with the ground truth (its ``#### N`` when it is a
+  whole GSM8K solution).
+
+Without reward functions, a row's scorer is picked by its ``data_source`` as verl's default
+scorer picks it (:data:`SOURCE_SCORERS`, then ``reward.default_scorer``).
 """
 
 from __future__ import annotations
@@ -286,17 +292,84 @@ def math_verify_score(response: str, ground_truth: str) -> float:
     return 1.0 if _math_verify().verify(gold, target, timeout_seconds=None) else -1.0
 
 
+# ---------------------------------------------------------------------------
+# GSM8K
+# ---------------------------------------------------------------------------
+
+_HASHES_RE = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
+_BOXED_NUMBER_RE = re.compile(r"\\boxed\s*\{\s*\\?\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)\s*\}")
+
+
+def _last(pattern: re.Pattern[str], text: str) -> str | None:
+    found = pattern.findall(text)
+    return found[-1] if found else None
+
+
+def _number(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return float(text.replace(",", "").replace("$", "").strip().rstrip("."))
+    except ValueError:
+        return None
+
+
+def gsm8k_score(response: str, ground_truth: str) -> float:
+    """+1.0 when the response's final number (``#### N``, else ``\\boxed{N}``, else
+    ``Answer: N``) equals the ground truth's as a number, else -1.0."""
+    truth = str(ground_truth)
+    gold = _number(_last(_HASHES_RE, truth) or truth)
+    answer = _last(_HASHES_RE, response) or _last(_BOXED_NUMBER_RE, response)
+    if answer is None:
+        answer = extract_answer(response)
+    got = _number(answer)
+    return 1.0 if gold is not None and got is not None and got == gold else -1.0
+
+
 SCORERS: dict[str, Callable[[str, str], float]] = {
     "dapo_math": dapo_math_score,
     "math_verify": math_verify_score,
+    "gsm8k": gsm8k_score,
+}
+
+# The built-in scorer of the data sources verl's default scorer knows beside DAPO's (its
+# GSM8K, MATH and Numina sources; DAPO's own get reward.default_scorer, dapo_math unless
+# changed); reward.source_scorers overrides them.
+SOURCE_SCORERS: dict[str, str] = {
+    "openai/gsm8k": "gsm8k",
+    "gsm8k": "gsm8k",
+    "lighteval/MATH": "math_verify",
+    "DigitalLearningGmbH/MATH-lighteval": "math_verify",
+    "HuggingFaceH4/MATH-500": "math_verify",
+    **{
+        f"numina_{name}": "math_verify"
+        for name in (
+            "aops_forum",
+            "synthetic_math",
+            "amc_aime",
+            "synthetic_amc",
+            "cn_k12",
+            "olympiads",
+        )
+    },
+}
+
+SCORER_FORMS = {
+    "dapo_math": "the last 'Answer: ...' line, compared as normalised text",
+    "math_verify": "an 'Answer:' line or a \\boxed{}, compared symbolically by math_verify",
+    "gsm8k": "'#### N' (or \\boxed{N}, 'Answer: N'), compared as a number",
 }
 
 
 def scorer_for_source(
     data_source: str, mapping: dict[str, str] | None = None, default: str = "dapo_math"
 ) -> str:
-    """Name of the built-in scorer for ``data_source`` (``mapping`` entry, else ``default``)."""
-    name = mapping.get(data_source, default) if mapping else default
+    """Name of the built-in scorer for ``data_source``: its ``mapping`` entry, else the one
+    verl's default scorer uses for it (:data:`SOURCE_SCORERS`), else ``default``."""
+    if mapping and data_source in mapping:
+        name = mapping[data_source]
+    else:
+        name = SOURCE_SCORERS.get(data_source, default)
     if name not in SCORERS:
         where = (
             f"reward.source_scorers[{data_source!r}]"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from dapo.rewards.user import ERROR, TIMEOUT, Outcome, Source
+from dapo.rewards.user import ERROR, TIMEOUT, Outcome, Sample, Source
 from dapo.rewards.worker import PROGRESS, main
 from dapo.workers import exit_text, retire, start_worker, stop_workers
 
@@ -30,7 +30,7 @@ _STARTUP_TIMEOUT_S = 120.0
 _MAX_UNBLAMED_RETRIES = 2
 _CHUNKS_PER_WORKER = 2
 
-Item = tuple[str, str, str, tuple[int, ...]]  # response, ground truth, data source, fn ids
+Item = tuple[tuple[Sample, ...], tuple[int, ...]]  # samples, fn ids
 
 
 @dataclass(eq=False)
@@ -80,8 +80,9 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, _shutdown_workers, self._workers)
         self._fill_pool()
 
-    def run(self, items: list[Item]) -> list[Outcome]:
-        """The outcome of each item (:func:`~dapo.rewards.user.run_sample`), in order."""
+    def run(self, items: list[Item]) -> list[list[Outcome] | Outcome]:
+        """The outcomes of each item (:func:`~dapo.rewards.user.run_item`: one per sample),
+        in order; one outcome for an item whose call timed out or whose worker died."""
         n = len(items)
         run = _Run(
             items=[(i, *item) for i, item in enumerate(items)],
@@ -238,7 +239,7 @@ class _Run:
     """State of one :meth:`RewardScorer.score` call on the pool."""
 
     items: list[tuple[Any, ...]]  # (index, *Item)
-    outcomes: list[Outcome | None]
+    outcomes: list[list[Outcome] | Outcome | None]
     retries: list[int]  # requeues of a sample after a worker death with no call to blame
     pending: deque[list[int]] = field(default_factory=deque)
 

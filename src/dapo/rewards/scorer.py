@@ -15,23 +15,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dapo.errors import RewardFunctionWarning
+from dapo.errors import ConfigError, RewardFunctionWarning
 from dapo.rewards.inprocess import ThreadRunner
-from dapo.rewards.math import SCORERS, scorer_for_source
+from dapo.rewards.math import SCORER_FORMS, SCORERS, scorer_for_source
 from dapo.rewards.pool import WorkerPool
 from dapo.rewards.user import (
     ERROR,
     OK,
+    SAMPLE,
     SPEC_FORMS,
     TIMEOUT,
+    TRL,
     Outcome,
     RewardFn,
+    Sample,
     Source,
     callable_name,
     check_signature,
     load_entry,
+    missing_columns,
     pickle_function,
-    run_sample,
+    run_item,
     worker_spec,
 )
 
@@ -40,16 +44,40 @@ RewardSpec = str | Callable[..., Any]  # a SCORERS name, a spec, or a Python cal
 
 @dataclass
 class ScoreRequest:
-    """One response to score."""
+    """One response to score, with its prompt's row (what TRL- and verl-form functions may
+    ask for: :class:`~dapo.rewards.user.Sample`)."""
 
     response: str
-    ground_truth: str
+    ground_truth: Any
     data_source: str = "math_dapo"
+    prompt: Any = None
+    columns: dict[str, Any] | None = None
+    completion_ids: Sequence[int] = ()
+    step: int = 0
+
+    def sample(self) -> Sample:
+        return Sample(
+            self.response,
+            self.ground_truth,
+            self.data_source,
+            self.prompt,
+            self.columns,
+            tuple(self.completion_ids),
+            self.step,
+        )
 
 
 @dataclass
 class ScoreResult:
-    """Rewards of a batch and how many samples failed (failed samples score -1.0)."""
+    """Rewards of a batch and how many samples failed (failed samples score -1.0).
+
+    ``correct`` is each response's correctness as the reward says it: a built-in scorer's
+    (+1), an ``acc`` field of a dict return, or, for a function that has returned only -1,
+    0 and 1 so far, its weighted reward > 0. ``claims_correct`` is False when some function
+    says nothing of the kind (partial credit, a length penalty): ``correct`` then holds
+    reward > 0 and means nothing. ``info`` holds the numeric fields functions returned
+    beside their score (and what TRL-form functions logged), one dict per response.
+    ``unscorable`` counts responses every function called "not applicable" (None)."""
 
     rewards: list[float]
     correct: list[bool]
@@ -57,6 +85,9 @@ class ScoreResult:
     timeouts: int = 0
     errors: int = 0
     bad_values: int = 0
+    claims_correct: bool = True
+    unscorable: int = 0
+    infos: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -72,6 +103,10 @@ class _Plan:
     warm: list[str] = field(default_factory=list)
 
     @property
+    def forms(self) -> list[str]:
+        return [e.form if e is not None else SAMPLE for e in self.table]
+
+    @property
     def in_process(self) -> frozenset[int]:
         return frozenset(i for i, s in enumerate(self.sources) if s is None)
 
@@ -82,10 +117,11 @@ class RewardScorer:
     ``functions`` is a list of ``(function, weight)``; the reward is the weighted sum. A
     function is a :data:`SCORERS` key, a ``module:function`` / ``file.py:function`` spec,
     or a Python callable (a function, a lambda, a closure, a callable object, defined
-    anywhere, ``__main__`` and notebook cells included). Every user function is called as
-    ``fn(response, ground_truth, data_source=...)`` when it accepts ``data_source`` (or
-    ``**kwargs``), else ``fn(response, ground_truth)``, once per sample (there is no batched
-    form). Without functions, each request gets the built-in scorer
+    anywhere, ``__main__`` and notebook cells included). A user function is called in the
+    form its parameter names say (:mod:`dapo.rewards.user`): dapo's
+    ``fn(response, ground_truth[, data_source=...])`` and verl's ``compute_score`` once per
+    response, TRL's ``fn(completions, **kwargs) -> list`` once per group (the ``groups`` of
+    :meth:`score`). Without functions, each request gets the built-in scorer
     ``scorer_for_source(data_source, source_scorers, default_scorer)`` with weight 1
     (``source_scorers`` and ``default_scorer`` only apply then).
 
@@ -134,6 +170,8 @@ class RewardScorer:
         self._plan = self._make_plan(functions)
         self._in_process = self._plan.in_process
         self._source_ids: dict[str, int] = {}
+        # Whether each function has said nothing but -1, 0 and 1 (or an acc) so far.
+        self._binary = [True] * len(self._plan.names)
         self._warned: set[tuple[int | None, str]] = set()
         # The first failed call's function and reason, for a run stopped by failures.
         self.first_error: str | None = None
@@ -221,21 +259,79 @@ class RewardScorer:
 
     # -- public API ---------------------------------------------------------
 
-    def score(self, requests: list[ScoreRequest]) -> ScoreResult:
-        """Score a batch; never raises for a misbehaving reward function."""
+    @property
+    def forms(self) -> list[str]:
+        """The call form of each function (:data:`~dapo.rewards.user.SAMPLE`, ``TRL``,
+        ``VERL``; a built-in scorer's is ``sample``)."""
+        return self._plan.forms
+
+    def describe(self, sources: Sequence[str]) -> list[str]:
+        """Start-up lines: which scorer each of ``sources`` (the data's data sources) gets,
+        or the functions with their forms and weights, and what "correct" means."""
+        if self._plan.fixed_ids is None:
+            lines = []
+            for source in sorted(set(sources)):
+                name = scorer_for_source(source, self._source_scorers, self._default_scorer)
+                lines.append(
+                    f"scoring data_source {source!r} with the built-in {name} scorer "
+                    f"({SCORER_FORMS[name]}): +1 correct, -1 not"
+                )
+            return lines
+        parts = [
+            f"{n} ({'built-in' if s in SCORERS else self._plan.forms[i] + ' form'}, weight {w:g})"
+            for i, (n, s, w) in enumerate(
+                zip(self._plan.names, self._plan.sources, self._plan.weights, strict=True)
+            )
+        ]
+        return [
+            "reward: " + " + ".join(parts) + "; 'acc' counts a response correct by a "
+            "built-in scorer's +1, a dict's acc field, or reward > 0 while every function "
+            "returns only -1, 0 and 1; otherwise acc is not shown and dynamic sampling keeps "
+            "groups whose scores differ"
+        ]
+
+    @property
+    def claims_correct(self) -> bool:
+        """Whether every function has said what correct is so far (:class:`ScoreResult`)."""
+        return all(self._binary)
+
+    @property
+    def answers(self) -> str:
+        """What a row's answer may be for these functions (``answers`` of
+        :class:`~dapo.data.records.RecordOptions`): ``text`` where a built-in scorer reads
+        it, ``optional`` where only TRL-form functions run (they take the columns they
+        name), else ``any`` (a dict answer goes whole to the functions)."""
+        if self._plan.fixed_ids is None or any(s in SCORERS for s in self._plan.sources):
+            return "text"
+        return "optional" if all(f == TRL for f in self._plan.forms) else "any"
+
+    def check_columns(self, columns: set[str], where: str) -> None:
+        """Refuse, naming the function and ``where`` the rows come from, a TRL-form function
+        with a required parameter that is no column of the rows."""
+        for entry in self._plan.table:
+            if entry is None or entry.form != TRL:
+                continue
+            missing = missing_columns(entry.fn, columns)
+            if missing:
+                raise ConfigError(
+                    f"reward function {entry.name!r} takes {', '.join(missing)}, but the rows "
+                    f"of {where} have no such column (their columns: "
+                    f"{', '.join(sorted(columns)) or 'none'}); TRL passes each column of the "
+                    "dataset by its name: add the column or give the parameter a default"
+                )
+
+    def score(
+        self, requests: list[ScoreRequest], groups: Sequence[Sequence[int]] | None = None
+    ) -> ScoreResult:
+        """Score a batch; never raises for a misbehaving reward function. ``groups`` are
+        the request indices a TRL-form function sees in one call (default: all of them)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardScorer is closed; create a new one")
             plans = [self._fn_ids(r.data_source) for r in requests]
-            if not requests:
-                outcomes: list[Outcome] = []
-            elif not self._runners:  # num_workers=0
-                outcomes = [
-                    run_sample(self._plan.table, ids, r.response, r.ground_truth, r.data_source)
-                    for r, ids in zip(requests, plans, strict=True)
-                ]
-            else:
-                outcomes = self._run(requests, plans)
+            if groups is None:
+                groups = [range(len(requests))]
+            outcomes = self._run(requests, plans, groups) if requests else []
             result = self._assemble(outcomes, plans)
             self.scored += len(requests)
             self.failed += result.failures
@@ -252,14 +348,20 @@ class RewardScorer:
             for group, (truth, source) in zip(texts, truths, strict=True)
             for text in group
         ]
-        result = self.score(requests)
-        rewards: list[list[float]] = []
-        correct: list[list[bool]] = []
-        start = 0
-        for group in texts:
-            rewards.append(list(result.rewards[start : start + len(group)]))
-            correct.append(list(result.correct[start : start + len(group)]))
-            start += len(group)
+        return self.score_grouped(requests, [len(g) for g in texts])
+
+    def score_grouped(
+        self, requests: list[ScoreRequest], sizes: Sequence[int]
+    ) -> tuple[list[list[float]], list[list[bool]], ScoreResult]:
+        """Score ``requests`` that come in consecutive groups of ``sizes`` (each a TRL-form
+        function's call): the rewards and correctness per group, and the flat result."""
+        spans, start = [], 0
+        for n in sizes:
+            spans.append(range(start, start + n))
+            start += n
+        result = self.score(requests, [s for s in spans if s])
+        rewards = [[result.rewards[i] for i in s] for s in spans]
+        correct = [[result.correct[i] for i in s] for s in spans]
         return rewards, correct, result
 
     def close(self) -> None:
@@ -302,37 +404,81 @@ class RewardScorer:
             fid = self._source_ids[data_source] = list(SCORERS).index(name)
         return (fid,)
 
-    def _run(self, requests: list[ScoreRequest], plans: list[tuple[int, ...]]) -> list[Outcome]:
+    def _run(
+        self,
+        requests: list[ScoreRequest],
+        plans: list[tuple[int, ...]],
+        groups: Sequence[Sequence[int]],
+    ) -> list[Outcome]:
         """Each runner scores its share of every request's functions (the workers those they
-        loaded, the helper thread the in-process ones); a request's outcome is its first
-        failure, else the values of all its functions in order."""
-        values: list[dict[int, float]] = [{} for _ in requests]
+        loaded, the helper thread the in-process ones), per request, or per group for the
+        TRL-form ones; a request's outcome is its first failure, else the values of all its
+        functions in order and the info they gave."""
+        samples = [r.sample() for r in requests]
+        forms = self._plan.forms
+        values: list[dict[int, float | None]] = [{} for _ in requests]
+        infos: list[dict[str, float]] = [{} for _ in requests]
         failed: list[Outcome | None] = [None] * len(requests)
-        for runner, in_process in self._runners:
-            share = [
-                tuple(f for f in ids if (f in self._in_process) == in_process) for ids in plans
+        runners = self._runners or [(None, None)]  # num_workers=0: in this thread
+        for runner, in_process in runners:
+            mine = [
+                tuple(f for f in ids if in_process is None or (f in self._in_process) == in_process)
+                for ids in plans
             ]
-            todo = [i for i, ids in enumerate(share) if ids]
-            items = [
-                (requests[i].response, requests[i].ground_truth, requests[i].data_source, share[i])
-                for i in todo
-            ]
-            for i, outcome in zip(todo, runner.run(items), strict=True):
-                if outcome[0] == OK:
-                    values[i].update(zip(share[i], outcome[1], strict=True))
-                elif failed[i] is None:
-                    failed[i] = outcome
-        return [failed[i] or (OK, [values[i][f] for f in ids]) for i, ids in enumerate(plans)]
+            items: list[tuple[list[int], tuple[Sample, ...], tuple[int, ...]]] = []
+            for i, ids in enumerate(mine):
+                one = tuple(f for f in ids if forms[f] != TRL)
+                if one:
+                    items.append(([i], (samples[i],), one))
+            for members in groups:  # a group's requests share their functions' plan
+                members = [i for i in members if mine[i]]
+                if not members:
+                    continue
+                batched = tuple(f for f in mine[members[0]] if forms[f] == TRL)
+                if batched:
+                    items.append((members, tuple(samples[i] for i in members), batched))
+            if not items:
+                continue
+            payload = [(s, ids) for _, s, ids in items]
+            if runner is None:
+                results = [run_item(self._plan.table, ids, s) for s, ids in payload]
+            else:
+                results = runner.run(payload)
+            for (members, _, ids), result in zip(items, results, strict=True):
+                per = result if isinstance(result, list) else [result] * len(members)
+                for i, outcome in zip(members, per, strict=True):
+                    if outcome[0] == OK:
+                        values[i].update(zip(ids, outcome[1], strict=True))
+                        infos[i].update(outcome[2])
+                    elif failed[i] is None:
+                        failed[i] = outcome
+        return [
+            failed[i] or (OK, [values[i][f] for f in ids], infos[i]) for i, ids in enumerate(plans)
+        ]
 
     def _assemble(self, outcomes: list[Outcome], plans: list[tuple[int, ...]]) -> ScoreResult:
         result = ScoreResult(rewards=[], correct=[])
         for outcome, ids in zip(outcomes, plans, strict=True):
             if outcome[0] == OK:
+                _, found, info = outcome
                 reward = sum(
-                    self._plan.weights[f] * v for f, v in zip(ids, outcome[1], strict=True)
+                    self._plan.weights[f] * v
+                    for f, v in zip(ids, found, strict=True)
+                    if v is not None
                 )
+                if ids and all(v is None for v in found):
+                    result.unscorable += 1
+                for f, v in zip(ids, found, strict=True):
+                    if v is not None and v not in (-1.0, 0.0, 1.0) and "acc" not in info:
+                        self._binary[f] = False
+                if "acc" in info:
+                    correct = info["acc"] > 0
+                else:
+                    correct = reward > 0
+                    result.claims_correct &= all(self._binary[f] for f in ids)
                 result.rewards.append(reward)
-                result.correct.append(reward > 0)
+                result.correct.append(correct)
+                result.infos.append(info)
                 continue
             kind, fid, detail = outcome
             if self.first_error is None:
@@ -344,6 +490,7 @@ class RewardScorer:
                 self.first_error = f"reward function {name!r} {said}"
             result.rewards.append(-1.0)
             result.correct.append(False)
+            result.infos.append({})
             result.failures += 1
             if kind == TIMEOUT:
                 result.timeouts += 1

@@ -1,8 +1,20 @@
 """User reward functions: ``module:function`` / ``file.py:function`` specs and Python
-callables, loaded into a table of :class:`RewardFn`, and running them on one sample.
+callables, loaded into a table of :class:`RewardFn`, and running them on samples.
 
-A reward function is called ``fn(response, ground_truth, data_source=...)`` when it accepts
-``data_source`` (or ``**kwargs``), else ``fn(response, ground_truth)``, and returns a number.
+A function is called in one of three forms, recognised by its parameter names
+(:func:`reward_form`):
+
+- ``sample`` (dapo's): ``fn(response, ground_truth)``, plus ``data_source=...`` when it takes
+  it, once per response;
+- ``trl`` (TRL's ``GRPOTrainer``): ``fn(prompts=[...], completions=[...],
+  completion_ids=[...], <column>=[...], trainer_state=...)`` once per group of responses,
+  returning a list with a number or ``None`` ("not applicable") per response; conversational
+  completions are message lists when the prompt was;
+- ``verl`` (verl's ``compute_score``): ``fn(data_source=..., solution_str=...,
+  ground_truth=..., extra_info=...)`` once per response.
+
+Each returns a number or a dict with ``score`` (its other numeric fields are logged, an
+``acc`` field says whether the response is correct).
 """
 
 from __future__ import annotations
@@ -17,7 +29,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 from dapo import workers
 from dapo.errors import ConfigError
@@ -25,9 +38,26 @@ from dapo.rewards.math import SCORERS
 
 SPEC_FORMS = "'package.module:function' or 'path/to/file.py:function'"
 
-# How running the functions of one sample ended: (OK, values) or (kind, fn id, detail).
+# How running the functions of one sample ended: (OK, values, info) or (kind, fn id,
+# detail). A value is a float, or None for a TRL-form "not applicable"; info holds the
+# numeric fields a function returned beside its score (and what it logged).
 OK, TIMEOUT, ERROR, BAD_VALUE = "ok", "timeout", "error", "bad_value"
 Outcome = tuple[Any, ...]
+
+# The forms a reward function is called in (see the module's docstring).
+SAMPLE, TRL, VERL = "sample", "trl", "verl"
+
+
+class Sample(NamedTuple):
+    """One response to score, with what the three forms may ask of its prompt's row."""
+
+    response: str
+    ground_truth: Any  # a string, or the row's whole answer when it is a dict
+    data_source: str
+    prompt: Any = None  # the prompt as text or chat messages
+    columns: dict[str, Any] | None = None  # the row's other fields
+    completion_ids: tuple[int, ...] = ()
+    step: int = 0  # the rollout step (TRL's trainer_state.global_step)
 
 
 # ---------------------------------------------------------------------------
@@ -146,31 +176,63 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
 # ---------------------------------------------------------------------------
 
 
+def reward_form(fn: Callable[..., Any]) -> str:
+    """How ``fn`` is called, from its parameter names: :data:`TRL` when it takes
+    ``completions``, ``prompts`` or ``completion_ids``; :data:`VERL` when it takes
+    ``solution_str``; else :data:`SAMPLE`."""
+    names = set(_parameters(fn))
+    if names & _BATCH_NAMES:
+        return TRL
+    if "solution_str" in names:
+        return VERL
+    return SAMPLE
+
+
+def _parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return {}
+
+
 def check_signature(fn: Callable[..., Any], where: str) -> None:
-    """Refuse, naming ``where``, a reward that cannot be called as dapo calls it:
-    ``fn(response, ground_truth)``, plus ``data_source=`` when it takes it. Every path a
-    reward comes by (``reward.functions`` specs on the command line or in YAML, callables
-    from Python) is checked here when the run is set up, before any model is loaded."""
+    """Refuse, naming ``where``, a reward that cannot be called in the form its parameter
+    names say (:func:`reward_form`). Every path a reward comes by (``reward.functions`` specs
+    on the command line or in YAML, callables from Python) is checked here when the run is
+    set up, before any model is loaded."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return
+    form = reward_form(fn)
+    shown = f"{where} ({callable_name(fn)}{sig})"
+    if form == TRL:
+        positional = [p.name for p in sig.parameters.values() if p.kind == p.POSITIONAL_ONLY]
+        if positional:
+            raise ConfigError(
+                f"{shown} takes {', '.join(positional)} by position only; TRL's form passes "
+                "every argument by keyword (prompts=, completions=, completion_ids=, the "
+                "dataset's columns): drop the '/' from its parameters"
+            )
+        return
+    if form == VERL:
+        try:
+            sig.bind(data_source="s", solution_str="r", ground_truth="g")
+        except TypeError as e:
+            raise ConfigError(
+                f"{shown} looks like verl's compute_score(data_source, solution_str, "
+                f"ground_truth, extra_info=None) but cannot be called so: {e}"
+            ) from None
         return
     try:
         sig.bind("response", "ground truth")
     except TypeError:
         raise ConfigError(
-            f"{where} ({callable_name(fn)}{sig}) cannot be called as fn(response, ground_truth): "
-            "a reward takes one response (str) and its ground truth (str), and optionally "
-            "data_source=..., and returns a number (TRL's batched fn(completions, **kwargs) "
-            "form is not supported)"
+            f"{shown} cannot be called in any form dapo knows: fn(response, ground_truth) "
+            "one response at a time; TRL's fn(completions, **kwargs) -> list (a parameter "
+            "named completions, prompts or completion_ids); or verl's "
+            "compute_score(data_source, solution_str, ground_truth, extra_info=None)"
         ) from None
-    batched = sorted(_BATCH_NAMES & set(sig.parameters))
-    if batched:
-        raise ConfigError(
-            f"{where} ({callable_name(fn)}{sig}) takes {', '.join(batched)}: TRL's batched "
-            "form fn(completions, **kwargs) -> list, which dapo does not call; a reward takes "
-            "one response (str) and its ground truth (str) and returns a number"
-        )
     first = [
         p.name
         for p in sig.parameters.values()
@@ -178,12 +240,26 @@ def check_signature(fn: Callable[..., Any], where: str) -> None:
     ][:2]
     if len(first) == 2 and (first[0] in _TRUTH_NAMES or first[1] in _RESPONSE_NAMES):
         raise ConfigError(
-            f"{where} ({callable_name(fn)}{sig}) names its parameters in another order than "
-            "dapo passes them: fn(response, ground_truth); reorder them (or wrap the function)"
+            f"{shown} names its parameters in another order than dapo passes them: "
+            "fn(response, ground_truth); reorder them (or wrap the function)"
         )
 
 
+def missing_columns(fn: Callable[..., Any], columns: set[str]) -> list[str]:
+    """The required parameters of a TRL-form ``fn`` that neither TRL's own arguments nor
+    the dataset's ``columns`` give."""
+    given = _BATCH_NAMES | _TRL_EXTRAS | columns
+    return [
+        p.name
+        for p in _parameters(fn).values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.default is p.empty
+        and p.name not in given
+    ]
+
+
 _BATCH_NAMES = frozenset({"completions", "prompts", "completion_ids"})
+_TRL_EXTRAS = frozenset({"trainer_state", "log_metric", "log_extra"})
 _TRUTH_NAMES = frozenset({"ground_truth", "answer", "solution", "target", "reference", "gt"})
 _RESPONSE_NAMES = frozenset({"response", "completion", "solution_str", "output", "prediction"})
 
@@ -208,10 +284,18 @@ class RewardFn:
     name: str
     fn: Callable[..., Any]
     takes_data_source: bool
+    form: str = SAMPLE
+    accepts: frozenset[str] | None = None  # keyword names it takes; None: any (**kwargs)
 
     @classmethod
     def of(cls, name: str, fn: Callable[..., Any]) -> RewardFn:
-        return cls(name, fn, accepts_data_source(fn))
+        params = _parameters(fn).values()
+        any_kw = not params or any(p.kind == p.VAR_KEYWORD for p in params)
+        names = None if any_kw else frozenset(p.name for p in params)
+        return cls(name, fn, accepts_data_source(fn), reward_form(fn), names)
+
+    def takes(self, name: str) -> bool:
+        return self.accepts is None or name in self.accepts
 
 
 Source = str | bytes | None  # a SCORERS name or a spec, a pickled callable, or not here
@@ -235,7 +319,11 @@ def load_entry(name: str, source: Source) -> RewardFn | None:
 def callable_name(fn: Callable[..., Any]) -> str:
     """A reward callable's display name: its qualified name (``<lambda>``,
     ``make_reward.<locals>.reward``) or, for a callable object, its class's."""
-    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    own = getattr(fn, "__qualname__", None)
+    if own:
+        return own
+    named = getattr(fn, "__name__", None)  # a callable object whose class names it
+    return named if isinstance(named, str) and named else type(fn).__qualname__
 
 
 def pickle_function(fn: Callable[..., Any]) -> bytes:
@@ -272,38 +360,148 @@ def _as_number(value: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _as_score(value: Any, info: dict[str, float]) -> float | None:
+    """A function's return as its score: a number, or a dict's ``score`` (its other numeric
+    fields go to ``info``); None for anything else."""
+    if isinstance(value, dict):
+        score = _as_number(value.get("score"))
+        if score is not None:
+            for key, field_value in value.items():
+                x = _as_number(field_value)
+                if key != "score" and x is not None:
+                    info[str(key)] = x
+        return score
+    return _as_number(value)
+
+
+def _bad(fid: int, value: Any) -> Outcome:
+    text = repr(value)
+    return (BAD_VALUE, fid, text if len(text) <= 200 else text[:200] + "...")
+
+
 def describe_exception(e: BaseException) -> str:
     """What a failure warning says about a user function's exception (at most 500 characters;
     :func:`dapo.workers.describe_exception`)."""
     return workers.describe_exception(e, 500)
 
 
-def run_sample(
+def run_item(
     table: list[RewardFn | None],
     fn_ids: tuple[int, ...],
-    response: str,
-    ground_truth: str,
-    data_source: str,
+    samples: tuple[Sample, ...],
     on_call: Callable[[int], None] | None = None,
-) -> Outcome:
-    """Run the functions ``fn_ids`` of ``table`` on one sample: ``(OK, values)``, or
-    ``(kind, fn id, detail)`` for the first that raised or returned a non-number."""
-    values = []
+) -> list[Outcome]:
+    """Run the functions ``fn_ids`` of ``table`` on ``samples``: one outcome per sample,
+    ``(OK, values, info)`` or ``(kind, fn id, detail)`` for the first function that raised
+    or returned a non-number on it. TRL-form functions get all ``samples`` in one call (an
+    exception costs them all); the other forms one sample per call."""
+    values: list[list[float | None]] = [[] for _ in samples]
+    infos: list[dict[str, float]] = [{} for _ in samples]
+    failed: list[Outcome | None] = [None] * len(samples)
     for fid in fn_ids:
-        if on_call is not None:
-            on_call(fid)
         entry = table[fid]
         assert entry is not None, f"reward function {fid} is not loaded in this process"
-        try:
-            if entry.takes_data_source:
-                value = entry.fn(response, ground_truth, data_source=data_source)
+        if entry.form == TRL:
+            live = [i for i, f in enumerate(failed) if f is None]
+            if not live:
+                break
+            if on_call is not None:
+                on_call(fid)
+            got = _call_trl(entry, fid, [samples[i] for i in live])
+            if isinstance(got, tuple):  # the call failed: every sample in it
+                for i in live:
+                    failed[i] = got
+                continue
+            for i, (value, info) in zip(live, got, strict=True):
+                if value is None or isinstance(value, float):
+                    values[i].append(value)
+                    infos[i].update(info)
+                else:
+                    failed[i] = _bad(fid, value[0])
+            continue
+        for i, sample in enumerate(samples):
+            if failed[i] is not None:
+                continue
+            if on_call is not None:
+                on_call(fid)
+            try:
+                raw = _call_one(entry, sample)
+            except Exception as e:
+                failed[i] = (ERROR, fid, describe_exception(e))
+                continue
+            x = _as_score(raw, infos[i])
+            if x is None:
+                failed[i] = _bad(fid, raw)
             else:
-                value = entry.fn(response, ground_truth)
-        except Exception as e:
-            return (ERROR, fid, describe_exception(e))
+                values[i].append(x)
+    return [f or (OK, v, info) for f, v, info in zip(failed, values, infos, strict=True)]
+
+
+def _call_one(entry: RewardFn, s: Sample) -> Any:
+    """One call of a sample- or verl-form function."""
+    if entry.form == VERL:
+        kwargs: dict[str, Any] = {
+            "data_source": s.data_source,
+            "solution_str": s.response,
+            "ground_truth": s.ground_truth,
+        }
+        if entry.takes("extra_info"):
+            kwargs["extra_info"] = (s.columns or {}).get("extra_info")
+        return entry.fn(**kwargs)
+    if entry.takes_data_source:
+        return entry.fn(s.response, s.ground_truth, data_source=s.data_source)
+    return entry.fn(s.response, s.ground_truth)
+
+
+def _call_trl(
+    entry: RewardFn, fid: int, samples: list[Sample]
+) -> Outcome | list[tuple[Any, dict[str, float]]]:
+    """One call of a TRL-form function on ``samples``, as TRL's trainer makes it: each
+    sample's value (a float, None, or ``(bad value,)``) and info, or the failure of the
+    call."""
+    logged: dict[str, float] = {}
+
+    def log_metric(name: str, value: float) -> None:
         x = _as_number(value)
-        if x is None:
-            text = repr(value)
-            return (BAD_VALUE, fid, text if len(text) <= 200 else text[:200] + "...")
-        values.append(x)
-    return (OK, values)
+        if x is not None:
+            logged[str(name)] = x
+
+    def log_extra(column: str, values: list[Any]) -> None:  # TRL's completions table
+        pass
+
+    chat = [isinstance(s.prompt, list) for s in samples]
+    kwargs: dict[str, Any] = {
+        "prompts": [s.prompt for s in samples],
+        "completions": [
+            [{"role": "assistant", "content": s.response}] if c else s.response
+            for s, c in zip(samples, chat, strict=True)
+        ],
+        "completion_ids": [list(s.completion_ids) for s in samples],
+        "trainer_state": SimpleNamespace(global_step=samples[0].step),
+        "log_metric": log_metric,
+        "log_extra": log_extra,
+    }
+    names = set().union(*((s.columns or {}).keys() for s in samples))
+    for name in names - set(kwargs) - {"completion"}:
+        kwargs[name] = [(s.columns or {}).get(name) for s in samples]
+    kwargs = {k: v for k, v in kwargs.items() if entry.takes(k)}
+    try:
+        raw = entry.fn(**kwargs)
+        out = list(raw)
+    except Exception as e:
+        return (ERROR, fid, describe_exception(e))
+    if len(out) != len(samples):
+        return (
+            BAD_VALUE,
+            fid,
+            f"a list of {len(out)} values for {len(samples)} completions",
+        )
+    result: list[tuple[Any, dict[str, float]]] = []
+    for value in out:
+        info = dict(logged)
+        if value is None:
+            result.append((None, info))
+            continue
+        x = _as_score(value, info)
+        result.append((x, info) if x is not None else ((value,), info))
+    return result

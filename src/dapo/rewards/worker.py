@@ -17,7 +17,7 @@ import time
 from multiprocessing.connection import Connection
 
 from dapo.rewards.math import SCORERS
-from dapo.rewards.user import Outcome, load_entry, run_sample
+from dapo.rewards.user import Outcome, load_entry, run_item
 
 PROGRESS = struct.Struct("<Q")  # shared slot: ((position in chunk + 1) << 16) | fn id, 0 = idle
 _FLUSH_INTERVAL_S = 0.2  # a worker reports finished samples at least this often
@@ -51,9 +51,9 @@ def _worker_loop(conn: Connection, progress: mmap.mmap) -> None:
         chunk = conn.recv()
         if chunk is None:
             return
-        out: list[tuple[int, Outcome]] = []
+        out: list[tuple[int, list[Outcome]]] = []
         last_flush = time.monotonic()
-        for pos, (item_id, response, ground_truth, data_source, fn_ids) in enumerate(chunk):
+        for pos, (item_id, samples, fn_ids) in enumerate(chunk):
             if out and time.monotonic() - last_flush >= _FLUSH_INTERVAL_S:
                 conn.send(("results", out, False))
                 out, last_flush = [], time.monotonic()
@@ -62,8 +62,6 @@ def _worker_loop(conn: Connection, progress: mmap.mmap) -> None:
             def on_call(fid: int, base: int = base) -> None:
                 PROGRESS.pack_into(progress, 0, base | fid)
 
-            out.append(
-                (item_id, run_sample(table, fn_ids, response, ground_truth, data_source, on_call))
-            )
+            out.append((item_id, run_item(table, fn_ids, samples, on_call)))
         PROGRESS.pack_into(progress, 0, 0)
         conn.send(("results", out, True))

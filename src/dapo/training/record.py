@@ -104,10 +104,10 @@ class RunRecord:
             self.logger.message(f"held-out accuracy {when}: {ev['acc']:.1%} ({ev['n']} samples)")
             self.logger.log(step, {"val/acc": ev["acc"]})
         else:
-            self.logger.message(
-                f"held-out accuracy {when}: not measured (every reward call failed: "
-                f"{ev.get('error') or 'see the reward warnings'})"
+            why = ev.get("unmeasured") or (
+                f"every reward call failed: {ev.get('error') or 'see the reward warnings'}"
             )
+            self.logger.message(f"held-out accuracy {when}: not measured ({why})")
 
     def message(self, text: str) -> None:
         self.logger.message(text)

@@ -1,0 +1,541 @@
+"""TRL's and verl's option names, translated to dapo's keys where they mean the same.
+
+A TRL ``GRPOConfig`` (the object, or its keyword names) and verl's nested keys
+(``actor_rollout_ref.actor.clip_ratio_high``) come in as they are. Each name is translated
+when dapo has the same setting (units converted: TRL counts completions where dapo counts
+prompts), refused with the reason when it has none or another meaning, or ignored with the
+reason when it changes nothing a dapo run does (logging to the hub, dataloader workers).
+:func:`translate` returns dapo's dotted keys, the table it prints, and what it refused;
+:mod:`dapo.config.loading` raises every refused and unknown name in one error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+Convert = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one foreign name becomes: ``key`` (same meaning and value), or ``convert``
+    (value and all given names -> dapo keys), or refused (``why``) / ignored (``ignore``)."""
+
+    key: str | None = None
+    convert: Convert | None = None
+    why: str = ""  # refused: the reason and what to set instead
+    ignore: str = ""  # accepted and dropped: why it changes nothing here
+    note: str = ""  # what the table says of a conversion
+
+
+def same(key: str) -> Rule:
+    return Rule(key=key)
+
+
+def refuse(why: str) -> Rule:
+    return Rule(why=why)
+
+
+def ignore(why: str) -> Rule:
+    return Rule(ignore=why)
+
+
+def mapped(key: str, values: Mapping[Any, Any], note: str = "") -> Rule:
+    """A setting whose values have other names here; an unmapped value is refused."""
+
+    def convert(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
+        if value not in values:
+            known = ", ".join(repr(v) for v in values)
+            raise ValueError(f"its value {value!r} has no equivalent here (dapo takes {known})")
+        return {key: values[value]}
+
+    return Rule(convert=convert, note=note)
+
+
+# --- TRL --------------------------------------------------------------------------------------
+
+
+def _completions_to_prompts(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """TRL's batch sizes count completions per device; dapo's count prompts per step."""
+    g = int(given.get("num_generations") or 8)  # TRL's default group size
+    per_device = int(given.get("per_device_train_batch_size") or 8)
+    accumulation = int(given.get("gradient_accumulation_steps") or 1)
+    update = per_device * accumulation  # completions per optimizer update (one process)
+    steps = given.get("steps_per_generation") or accumulation
+    generation = given.get("generation_batch_size") or per_device * int(steps)
+    out = {}
+    for name, completions in (("mini_batch_size", update), ("prompts_per_step", generation)):
+        if completions % g:
+            raise ValueError(
+                f"{completions} completions per {'update' if name == 'mini_batch_size' else 'generation'} "
+                f"are not a whole number of groups of num_generations={g}"
+            )
+        out[f"train.{name}"] = completions // g
+    return out
+
+
+_BATCH = Rule(
+    convert=_completions_to_prompts,
+    note="TRL's completions per device / num_generations = dapo's prompts (one process)",
+)
+
+
+def _engine(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    if not value:
+        return {"rollout.engine": "hf"}
+    if given.get("vllm_mode", "colocate") == "server":
+        return {"rollout.engine": "vllm-server"}
+    return {"rollout.engine": "vllm"}
+
+
+def _server_url(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    return {"rollout.server_url": value} if value else {}
+
+
+def _report_to(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
+    names = [value] if isinstance(value, str) else list(value or [])
+    out = {"logging.wandb": "wandb" in names, "logging.tensorboard": "tensorboard" in names}
+    if "all" in names:
+        out = {"logging.wandb": True, "logging.tensorboard": True}
+    return out
+
+
+def _positive_steps(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
+    if int(value) <= 0:
+        return {}  # TRL's "not set": num_train_epochs decides, refused below
+    return {"train.steps": int(value)}
+
+
+def _bool_to(key: str, true: Any, false: Any) -> Rule:
+    """A true/false setting that is one value of a dapo key."""
+
+    def convert(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(value, bool):
+            raise ValueError(f"it is true or false here; did you mean `{key}`?")
+        return {key: true if value else false}
+
+    return Rule(convert=convert, note=f"true: {true}, false: {false}")
+
+
+def _false_only(why: str) -> Rule:
+    """A switch dapo has no equivalent for when on."""
+
+    def convert(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
+        if value:
+            raise ValueError(why)
+        return {}
+
+    return Rule(convert=convert, note="false only")
+
+
+TRL: dict[str, Rule] = {
+    # GRPOConfig's own names
+    "num_generations": same("rollout.num_generations"),
+    "max_completion_length": same("rollout.max_completion_length"),
+    "max_prompt_length": same("data.max_prompt_length"),
+    "temperature": same("rollout.temperature"),
+    "top_p": same("rollout.top_p"),
+    "top_k": Rule(convert=lambda v, _: {"rollout.top_k": int(v or 0)}, note="None -> 0 (off)"),
+    "epsilon": same("algorithm.clip_low"),
+    "epsilon_high": same("algorithm.clip_high"),
+    "beta": same("algorithm.beta"),
+    "num_iterations": same("train.epochs"),
+    "loss_type": mapped(
+        "algorithm.loss_agg",
+        {
+            "dapo": "token-mean",
+            "bnpo": "token-mean",
+            "grpo": "seq-mean-token-mean",
+            "dr_grpo": "seq-mean-token-sum-norm",
+        },
+    ),
+    "scale_rewards": mapped(
+        "algorithm.advantage_scale",
+        {"group": "group", "batch": "batch", "none": "none", True: "group", False: "none"},
+    ),
+    "mask_truncated_completions": same("algorithm.overlong_filter"),
+    "entropy_coef": same("algorithm.entropy_coef"),
+    "importance_sampling_level": mapped(
+        "algorithm.policy_loss",
+        {"token": "ppo", "sequence": "gspo"},
+        "token -> ppo, sequence -> gspo",
+    ),
+    "use_vllm": Rule(convert=_engine, note="True -> vllm (vllm_mode=server: vllm-server)"),
+    "vllm_mode": ignore("read with use_vllm"),
+    "vllm_server_base_url": Rule(convert=_server_url, note="the server dapo's engine talks to"),
+    "vllm_gpu_memory_utilization": same("rollout.vllm_gpu_memory_utilization"),
+    "vllm_enable_sleep_mode": same("rollout.vllm_sleep"),
+    "per_device_train_batch_size": _BATCH,
+    "gradient_accumulation_steps": _BATCH,
+    "generation_batch_size": _BATCH,
+    "steps_per_generation": _BATCH,
+    "reward_weights": ignore("applied to the reward functions' weights by dapo.train"),
+    "trust_remote_code": same("model.trust_remote_code"),
+    "log_completions": ignore("dapo writes transcripts every step (logging.transcripts_per_step)"),
+    "num_completions_to_print": ignore("dapo show RUN prints transcripts"),
+    "shuffle_dataset": same("data.shuffle"),
+    "disable_dropout": ignore("dapo's models train without dropout"),
+    "ds3_gather_for_generation": ignore("no DeepSpeed here (FSDP2: train.data_parallel)"),
+    "multi_objective_aggregation": mapped(
+        "algorithm.advantage_scale",
+        {"sum_then_normalize": "group"},
+        "sum_then_normalize is dapo's (the weighted sum is normalised per group)",
+    ),
+    "delta": refuse(
+        "TRL's two-sided ratio bound has no equivalent; dapo's dual clip is "
+        "algorithm.clip_c (another bound)"
+    ),
+    "top_entropy_quantile": refuse("no entropy-quantile token masking here"),
+    "sync_ref_model": refuse("dapo's reference (algorithm.beta > 0) is the initial policy"),
+    "vllm_importance_sampling_correction": _bool_to("algorithm.is_cap", 3.0, None),
+    "vllm_importance_sampling_mode": refuse(
+        "its values (token_truncate, sequence_mask, ...) are two dapo settings: "
+        "algorithm.is_level (token|sequence) and algorithm.is_mode (truncate|mask)"
+    ),
+    "vllm_importance_sampling_clip_max": same("algorithm.is_cap"),
+    "vllm_importance_sampling_cap": same("algorithm.is_cap"),
+    "max_tool_calling_iterations": same("rollout.max_turns"),
+    # TrainingArguments' names
+    "output_dir": same("output_dir"),
+    "seed": same("seed"),
+    "learning_rate": same("train.lr"),
+    "max_steps": Rule(convert=_positive_steps, note="rollout steps (-1: not set)"),
+    "num_train_epochs": refuse(
+        "dapo counts rollout steps, not passes over the data: set train.steps (an epoch is "
+        "len(dataset) / train.prompts_per_step steps)"
+    ),
+    "warmup_steps": same("train.warmup_steps"),
+    "warmup_ratio": refuse("give the warm-up in steps: train.warmup_steps"),
+    "lr_scheduler_type": mapped("train.lr_schedule", {"constant": "constant", "cosine": "cosine"}),
+    "weight_decay": same("train.weight_decay"),
+    "adam_beta1": same("train.adam_beta1"),
+    "adam_beta2": same("train.adam_beta2"),
+    "max_grad_norm": same("train.max_grad_norm"),
+    "bf16": _bool_to("train.precision", "bf16-mixed", "fp32"),
+    "fp16": refuse("fp16 is not supported: train.precision=bf16-mixed or fp32"),
+    "gradient_checkpointing": same("model.gradient_checkpointing"),
+    "save_steps": same("checkpoint.save_every"),
+    "save_total_limit": same("checkpoint.keep_last"),
+    "eval_steps": same("logging.eval_every"),
+    "report_to": Rule(convert=_report_to, note="wandb / tensorboard"),
+    "run_name": same("logging.run_name"),
+    "resume_from_checkpoint": _bool_to("resume", True, False),
+}
+
+# TrainingArguments' names that change nothing a dapo run does.
+_TRL_HARMLESS = frozenset(
+    {
+        "logging_steps",
+        "logging_dir",
+        "logging_strategy",
+        "logging_first_step",
+        "save_strategy",
+        "eval_strategy",
+        "per_device_eval_batch_size",
+        "dataloader_num_workers",
+        "dataloader_pin_memory",
+        "remove_unused_columns",
+        "push_to_hub",
+        "hub_model_id",
+        "overwrite_output_dir",
+        "disable_tqdm",
+        "log_level",
+        "do_train",
+        "do_eval",
+        "use_cpu",
+    }
+)
+for _name in _TRL_HARMLESS:
+    TRL.setdefault(_name, ignore("no effect in a dapo run"))
+
+# --- verl -------------------------------------------------------------------------------------
+
+_A, _R = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
+
+
+def _custom_reward(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    path = given.get("custom_reward_function.path")
+    name = given.get("custom_reward_function.name") or "compute_score"
+    return {"reward.functions": [{"name": f"{path}:{name}"}]} if path else {}
+
+
+def _engine_name(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
+    if value in ("vllm", "hf"):
+        return {"rollout.engine": value}
+    raise ValueError(f"its value {value!r} has no equivalent here (dapo takes 'vllm', 'hf')")
+
+
+VERL: dict[str, Rule] = {
+    "data.train_files": same("data.train"),
+    "data.val_files": same("data.eval"),
+    "data.train_batch_size": same("train.prompts_per_step"),
+    "data.max_prompt_length": same("data.max_prompt_length"),
+    "data.max_response_length": same("rollout.max_completion_length"),
+    "data.prompt_key": same("data.prompt_key"),
+    "data.shuffle": same("data.shuffle"),
+    "data.gen_batch_size": ignore("dynamic sampling sizes its rounds itself"),
+    "data.filter_overlong_prompts": ignore("dapo always drops prompts over data.max_prompt_length"),
+    "data.truncation": ignore("over-long prompts are dropped, never truncated"),
+    "actor_rollout_ref.model.path": same("model.name_or_path"),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": same("model.gradient_checkpointing"),
+    "actor_rollout_ref.model.use_remove_padding": ignore("dapo packs sequences without padding"),
+    "actor_rollout_ref.model.lora_rank": same("model.lora.rank"),
+    "actor_rollout_ref.model.lora_alpha": same("model.lora.alpha"),
+    _A + "optim.lr": same("train.lr"),
+    _A + "optim.lr_warmup_steps": same("train.warmup_steps"),
+    _A + "optim.weight_decay": same("train.weight_decay"),
+    _A + "ppo_mini_batch_size": same("train.mini_batch_size"),
+    _A + "ppo_epochs": same("train.epochs"),
+    _A + "ppo_micro_batch_size_per_gpu": ignore(
+        "dapo packs micro-batches by train.micro_batch_tokens"
+    ),
+    _A + "ppo_max_token_len_per_gpu": same("train.micro_batch_tokens"),
+    _A + "use_dynamic_bsz": ignore("dapo always packs micro-batches by tokens"),
+    _A + "clip_ratio_low": same("algorithm.clip_low"),
+    _A + "clip_ratio_high": same("algorithm.clip_high"),
+    _A + "clip_ratio": same("algorithm.clip_low"),
+    _A + "clip_ratio_c": same("algorithm.clip_c"),
+    _A + "loss_agg_mode": mapped(
+        "algorithm.loss_agg",
+        {
+            "token-mean": "token-mean",
+            "seq-mean-token-mean": "seq-mean-token-mean",
+            "seq-mean-token-sum-norm": "seq-mean-token-sum-norm",
+        },
+    ),
+    _A + "policy_loss.loss_mode": mapped(
+        "algorithm.policy_loss", {"vanilla": "ppo", "gspo": "gspo", "cispo": "cispo"}
+    ),
+    _A + "entropy_coeff": same("algorithm.entropy_coef"),
+    _A + "use_kl_loss": ignore("read with kl_loss_coef: algorithm.beta > 0 is the KL loss"),
+    _A + "kl_loss_coef": Rule(
+        convert=lambda v, g: {"algorithm.beta": float(v) if g.get(_A + "use_kl_loss") else 0.0},
+        note="algorithm.beta when use_kl_loss, else 0",
+    ),
+    _A + "kl_loss_type": mapped(
+        "algorithm.kl_estimator", {"low_var_kl": "k3", "k3": "k3", "kl": "k1", "k1": "k1"}
+    ),
+    _A + "grad_clip": same("train.max_grad_norm"),
+    _A + "strategy": ignore("dapo shards with FSDP2 under torchrun (train.data_parallel)"),
+    _R + "n": same("rollout.num_generations"),
+    _R + "temperature": same("rollout.temperature"),
+    _R + "top_p": same("rollout.top_p"),
+    _R + "top_k": Rule(
+        convert=lambda v, _: {"rollout.top_k": max(int(v), 0)}, note="-1 -> 0 (off)"
+    ),
+    _R + "name": Rule(convert=_engine_name, note="vllm / hf"),
+    _R + "gpu_memory_utilization": same("rollout.vllm_gpu_memory_utilization"),
+    _R + "tensor_model_parallel_size": refuse("one engine per rank here; no tensor parallelism"),
+    _R + "log_prob_micro_batch_size_per_gpu": ignore("log-probs are packed by tokens"),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ignore("packed by tokens"),
+    "algorithm.adv_estimator": mapped("algorithm.advantage_scale", {"grpo": "group"}),
+    "algorithm.use_kl_in_reward": _false_only(
+        "a KL penalty in the reward has no equivalent: dapo's KL is a loss term (algorithm.beta)"
+    ),
+    "algorithm.filter_groups.enable": same("algorithm.dynamic_sampling"),
+    "algorithm.filter_groups.metric": mapped(
+        "algorithm.dynamic_sampling_metric",
+        {"acc": "acc", "score": "reward", "seq_reward": "reward"},
+    ),
+    "algorithm.filter_groups.max_num_gen_batches": same("algorithm.max_gen_rounds"),
+    "reward_model.reward_manager": ignore("dapo's scorer runs reward functions in workers"),
+    "reward_model.overlong_buffer.enable": same("algorithm.overlong_penalty"),
+    "reward_model.overlong_buffer.len": same("algorithm.overlong_buffer"),
+    "reward_model.overlong_buffer.penalty_factor": same("algorithm.overlong_penalty_factor"),
+    "reward_model.enable": _false_only(
+        "a learned reward model is not supported: give reward functions"
+    ),
+    "custom_reward_function.path": Rule(
+        convert=_custom_reward, note="reward.functions=[path:name]"
+    ),
+    "custom_reward_function.name": ignore("read with custom_reward_function.path"),
+    "trainer.total_training_steps": same("train.steps"),
+    "trainer.total_epochs": refuse(
+        "dapo counts rollout steps: set train.steps (an epoch is len(data) / "
+        "train.prompts_per_step steps)"
+    ),
+    "trainer.save_freq": same("checkpoint.save_every"),
+    "trainer.test_freq": same("logging.eval_every"),
+    "trainer.default_local_dir": same("output_dir"),
+    "trainer.experiment_name": same("logging.run_name"),
+    "trainer.project_name": same("logging.wandb_project"),
+    "trainer.val_before_train": same("evaluate"),
+    "trainer.resume_mode": mapped("resume", {"auto": True, "disable": False}),
+    "trainer.logger": Rule(convert=_report_to, note="wandb / tensorboard"),
+    "trainer.n_gpus_per_node": refuse("launch one process per GPU with torchrun --nproc-per-node"),
+    "trainer.nnodes": refuse("launch with torchrun --nnodes"),
+    "trainer.critic_warmup": ignore("no critic in GRPO-family runs"),
+}
+
+# The first part of a key that only verl uses (dapo has data. and algorithm. too).
+VERL_ROOTS = frozenset(
+    {"actor_rollout_ref", "critic", "reward_model", "custom_reward_function", "trainer"}
+)
+
+
+def split_foreign(
+    node: Mapping[str, Any], ours: frozenset[str], prefix: str = ""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``node`` (a config mapping: sections and dotted keys) split into what stays (dapo's
+    keys ``ours`` and anything unknown, for the usual checks) and the TRL and verl names,
+    dotted, with their values."""
+    kept: dict[str, Any] = {}
+    foreign: dict[str, Any] = {}
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        root = path.split(".", 1)[0]
+        nested_verl = isinstance(value, Mapping) and any(k.startswith(path + ".") for k in VERL)
+        if path in ours and not nested_verl:
+            kept[key] = value
+        elif path in TRL or path in VERL:
+            foreign[path] = value
+        elif isinstance(value, Mapping) and (root in VERL_ROOTS or nested_verl):
+            inner, more = split_foreign(value, ours, path + ".")
+            foreign.update(more)
+            if inner:
+                kept[key] = inner
+        elif root in VERL_ROOTS:
+            foreign[path] = value
+        else:
+            kept[key] = value
+    return kept, foreign
+
+
+@dataclass
+class Translation:
+    """What :func:`translate` made of the foreign names."""
+
+    keys: dict[str, Any] = field(default_factory=dict)  # dapo's dotted keys and values
+    rows: list[tuple[str, str, Any, str]] = field(default_factory=list)  # theirs, ours, value, note
+    refused: list[str] = field(default_factory=list)  # one line per name
+    reward_weights: list[float] | None = None
+
+    def table(self) -> str:
+        """The translation as lines: their name, our key, the value, the note."""
+        if not self.rows:
+            return ""
+        width = max(len(r[0]) for r in self.rows)
+        lines = ["translated from TRL / verl names:"]
+        for theirs, ours, value, note in self.rows:
+            tail = f"  ({note})" if note else ""
+            lines.append(f"  {theirs:<{width}} -> {ours} = {value!r}{tail}")
+        return "\n".join(lines)
+
+
+def translate(names: Mapping[str, Any]) -> Translation:
+    """Translate ``names`` (foreign dotted names and their values) into dapo's keys; the
+    refused ones (no same meaning, or a value with no equivalent) are listed, not raised."""
+    out = Translation()
+    converted: set[int] = set()  # a conversion reading several names runs once
+    for name, value in names.items():
+        rule = TRL.get(name) or VERL.get(name)
+        if rule is None:
+            out.refused.append(
+                f"`{name}`: a verl key dapo has no equivalent for (see the migration guide, "
+                "docs/guides/migrating.md)"
+            )
+            continue
+        if name == "reward_weights":
+            out.reward_weights = [float(w) for w in value] if value is not None else None
+        if rule.why:
+            out.refused.append(f"`{name}`: {rule.why}")
+            continue
+        if rule.ignore:
+            out.rows.append((name, "-", value, f"ignored: {rule.ignore}"))
+            continue
+        if rule.key is not None:
+            out.keys[rule.key] = value
+            out.rows.append((name, rule.key, value, rule.note))
+            continue
+        assert rule.convert is not None
+        if id(rule) in converted:
+            continue
+        converted.add(id(rule))
+        try:
+            keys = rule.convert(value, names)
+        except (ValueError, TypeError) as e:
+            out.refused.append(f"`{name}` = {value!r}: {e}")
+            continue
+        for key, v in keys.items():
+            out.keys[key] = v
+            out.rows.append((name, key, v, rule.note))
+    return out
+
+
+# The GRPOConfig names whose TRL defaults a translated config keeps (where dapo's differ).
+TRL_RUN_DEFAULTS = frozenset(
+    {
+        "learning_rate",
+        "num_generations",
+        "max_completion_length",
+        "per_device_train_batch_size",
+        "epsilon",
+        "epsilon_high",
+        "beta",
+        "loss_type",
+        "scale_rewards",
+        "temperature",
+        "num_iterations",
+        "max_steps",
+        "output_dir",
+    }
+)
+
+
+def trl_names(args: Any) -> dict[str, Any]:
+    """The names of a TRL ``GRPOConfig`` (or any ``TrainingArguments``) that matter: the run's
+    defining settings at TRL's values (:data:`TRL_RUN_DEFAULTS`, defaults included) and any
+    other whose value differs from a fresh config's (what its user set); None values (TRL's
+    "not set") are left out."""
+    same_machine = {
+        k: getattr(args, k) for k in ("output_dir", "bf16", "fp16", "use_cpu") if hasattr(args, k)
+    }
+    try:  # built as the user's was on this machine: fields its __post_init__ derives agree
+        fresh = type(args)(**same_machine)
+    except Exception:  # a subclass that needs more: compare with the field defaults
+        fresh = None
+    out = {}
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if fresh is not None:
+            default = getattr(fresh, f.name)
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = object()
+        # TRL's defaults of the settings that define a GRPO run count too: they are what
+        # the user's TRL run would use (learning_rate 1e-6, num_generations 8, ...).
+        if f.name in TRL_RUN_DEFAULTS or _differs(value, default):
+            out[f.name] = value
+    if out.get("epsilon_high") is None and "epsilon" in out:  # TRL: symmetric clipping
+        out["epsilon_high"] = out["epsilon"]
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _differs(a: Any, b: Any) -> bool:
+    try:
+        return bool(a != b)
+    except Exception:
+        return True
+
+
+def is_trl_config(obj: Any) -> bool:
+    """Whether ``obj`` is a TRL config object (``GRPOConfig`` or another TrainingArguments)."""
+    return dataclasses.is_dataclass(obj) and any(
+        c.__module__.split(".")[0] in ("trl", "transformers")
+        and c.__name__.endswith(("Config", "Arguments"))
+        for c in type(obj).__mro__
+    )
+
+
+def trl_field_names() -> frozenset[str]:
+    """Every option name of TRL's ``GRPOConfig`` (its own and ``TrainingArguments``'), when
+    TRL is installed: such a name is never answered with a look-alike dapo key."""
+    try:
+        from trl import GRPOConfig
+    except Exception:
+        return frozenset(TRL)
+    return frozenset(f.name for f in dataclasses.fields(GRPOConfig)) | frozenset(TRL)
