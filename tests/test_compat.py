@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dapo.config import load_config
-from dapo.errors import ConfigError
+from dapo.errors import ConfigError, RewardFunctionWarning
 from dapo.handover import ScoredGroup
 from dapo.producer.dynamic_sampling import DynamicSampler, is_uniform
 from dapo.rewards import RewardScorer, ScoreRequest
@@ -624,3 +624,16 @@ def test_a_trl_grpo_config_object_trains_with_its_values_and_reward_weights(
     trainer.close()
     with pytest.raises(ConfigError, match="needs one weight per reward function"):
         dapo.make_trainer(args, model=str(random_tiny_model), reward_funcs=[length_reward])
+
+
+def test_a_trl_reward_returning_the_wrong_number_of_values_costs_its_group():
+    def short(completions, **kwargs):
+        return [1.0] * (len(completions) - 1)
+
+    reqs = [ScoreRequest(t, "") for t in "abcd"]
+    with (
+        pytest.warns(RewardFunctionWarning, match="a list of 1 values for 2 completions"),
+        RewardScorer([(short, 1.0)], num_workers=0) as scorer,
+    ):
+        result = scorer.score(reqs, groups=[range(0, 2), range(2, 4)])
+    assert result.rewards == [-1.0] * 4 and result.bad_values == 4

@@ -529,9 +529,9 @@ def test_raising_hanging_and_bad_reward_functions_do_not_stop_training(
     responses: list[str] = []
     real_score = trainer.rollouts.scorer.rewards.score
 
-    def score(requests):
+    def score(requests, groups=None):
         responses.extend(r.response for r in requests)
-        return real_score(requests)
+        return real_score(requests, groups)
 
     trainer.rollouts.scorer.rewards.score = score
     with warnings.catch_warnings(record=True) as caught:

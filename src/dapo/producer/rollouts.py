@@ -249,7 +249,10 @@ class Rollouts:
             raise
         failed = self._check_failures(step, generated, reward_failures)
         if fill.note and self.dist.is_main:  # the round cap: a short batch or no update
-            warnings.warn(f"rollout step {step}: {fill.note}", DynamicSamplingWarning, stacklevel=3)
+            # Numbered from 1, as the console and the health warnings count steps.
+            warnings.warn(
+                f"rollout step {step + 1}: {fill.note}", DynamicSamplingWarning, stacklevel=3
+            )
         self.samples_generated += sum(g.size for g in generated)
         tokens = sum(len(x) for g in generated for x in g.response_ids)
         skips = (
@@ -311,7 +314,7 @@ class Rollouts:
             )
             raise TrainingError(
                 f"every sample of the last {self.failed_in_a_row} rollout steps failed "
-                f"(train.max_failed_steps={limit}; step {step}: {rewards} reward failures, "
+                f"(train.max_failed_steps={limit}; step {step + 1}: {rewards} reward failures, "
                 f"{len(env)} environment failures of {samples} samples); the first error: "
                 f"{first}. Fix that component; the last checkpoint is intact (continue with "
                 "resume=true)."
