@@ -516,9 +516,11 @@ def test_verl_and_trl_names_are_translated_with_units_and_a_table(capsys):
             "algorithm.filter_groups.metric=acc",
             "reward_model.overlong_buffer.len=32",
             "trainer.total_training_steps=7",
+            "trainer.test_freq=-1",
             "num_iterations=2",
         ]
     )
+    assert cfg.logging.eval_every == 0  # verl's -1: never
     a, t = cfg.algorithm, cfg.train
     assert (a.clip_high, a.clip_c, a.dynamic_sampling, a.dynamic_sampling_metric) == (
         0.28,

@@ -120,6 +120,11 @@ def _bool_to(key: str, true: Any, false: Any) -> Rule:
     return Rule(convert=convert, note=f"true: {true}, false: {false}")
 
 
+def _never_is_zero(key: str) -> Rule:
+    """verl's every-N-steps settings, where -1 is never; dapo's never is 0."""
+    return Rule(convert=lambda v, _: {key: max(int(v), 0)}, note="-1 (never) -> 0")
+
+
 def _false_only(why: str) -> Rule:
     """A switch dapo has no equivalent for when on."""
 
@@ -357,8 +362,8 @@ VERL: dict[str, Rule] = {
         "dapo counts rollout steps: set train.steps (an epoch is len(data) / "
         "train.prompts_per_step steps)"
     ),
-    "trainer.save_freq": same("checkpoint.save_every"),
-    "trainer.test_freq": same("logging.eval_every"),
+    "trainer.save_freq": _never_is_zero("checkpoint.save_every"),
+    "trainer.test_freq": _never_is_zero("logging.eval_every"),
     "trainer.default_local_dir": same("output_dir"),
     "trainer.experiment_name": same("logging.run_name"),
     "trainer.project_name": same("logging.wandb_project"),
