@@ -6,8 +6,10 @@ agent runner (:class:`~dapo.agents.runners.AgentRunner`). :func:`run_agent_episo
 the episode's base URL, then serves their requests until every agent has returned:
 
 - requests are gathered from all live episodes and sampled in one ``engine.generate``
-  call (as soon as every live episode waits on a request, or after ``gather_s`` seconds
-  without a new request); each engine call has its own seed (the round's, mixed with the
+  call as soon as every live episode waits on a request, so that which requests share a
+  call (and so what each samples) does not depend on timing; only after ``gather_s``
+  seconds (2) without a new request, an agent busy on work of its own, are the waiting
+  ones sampled without it. Each engine call has its own seed (the round's, mixed with the
   call's place in the round), ``max_tokens`` the largest
   cap of its requests (each reply keeps its own cap's worth, as sampling with it would);
 - each request is matched against its episode's token sequence
@@ -157,7 +159,7 @@ def run_agent_episodes(
     *,
     max_turns: int,
     max_length: int | None = None,
-    gather_s: float = 0.05,
+    gather_s: float = 2.0,
 ) -> list[Group]:
     """Play ``params.n`` agent episodes per record; one :class:`Group` per record, in order
     (as :func:`dapo.rollout.episodes.run_episodes` returns them)."""
