@@ -114,6 +114,13 @@ def test_trl_none_is_not_applicable_and_a_group_is_one_call():
     assert result.unscorable == 0 and result.failures == 0
     with RewardScorer([(seen, 1.0)], num_workers=0) as scorer:
         assert scorer.score(reqs[1:2]).unscorable == 1
+
+    def by_source(completions, data_source):  # the row's data_source, named explicitly
+        return [1.0 if s == "openai/gsm8k" else 0.0 for s in data_source]
+
+    mixed = [ScoreRequest("a", "", "openai/gsm8k"), ScoreRequest("b", "", "math_dapo")]
+    with RewardScorer([(by_source, 1.0)], num_workers=0) as scorer:
+        assert scorer.score(mixed).rewards == [1.0, 0.0]
     assert alone.rewards == [0.5]
 
 

@@ -484,6 +484,8 @@ def _call_trl(
     names = set().union(*((s.columns or {}).keys() for s in samples))
     for name in names - set(kwargs) - {"completion"}:
         kwargs[name] = [(s.columns or {}).get(name) for s in samples]
+    if entry.accepts is not None and "data_source" in entry.accepts:  # a column split off
+        kwargs.setdefault("data_source", [s.data_source for s in samples])
     kwargs = {k: v for k, v in kwargs.items() if entry.takes(k)}
     try:
         raw = entry.fn(**kwargs)
