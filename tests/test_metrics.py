@@ -23,6 +23,7 @@ from dapo.metrics import (
     plot_dashboard,
     read_metrics,
 )
+from dapo.metrics import logger as logger_module
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -421,10 +422,14 @@ def _err_lines(capsys: pytest.CaptureFixture[str]) -> list[str]:
 
 
 def test_compact_line_of_a_realistic_step(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with _logger(tmp_path, console=True, total_steps=300) as lg:
-        lg._t0 = time.time() - 120  # 2 minutes for the first step: 299 more take 9 h 58 min
+        # 2 minutes for the first step: 299 more take 9 h 58 min. The clock is frozen so
+        # that a loaded machine's slower logging cannot move the eta by a second.
+        now = time.time()
+        lg._t0 = now - 120
+        monkeypatch.setattr(logger_module, "time", types.SimpleNamespace(time=lambda: now))
         lg.log(1, REALISTIC_STEP)
         (line,) = [x for x in _err_lines(capsys) if x.startswith("step ")]
     # Formatted by hand: 57.24%, +0.1439, 0.09004, 31.61 tokens, 0.0243% of tokens
