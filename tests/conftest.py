@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections import Counter
@@ -82,6 +83,13 @@ def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build_model(len(tok), seed=0).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def pytest_collection_finish(session: Any) -> None:
+    """The modules the tests imported (torch, transformers, dapo) live as long as the test
+    process: out of the collector's sight, a full collection (vLLM's engine start runs 5)
+    walks only what the tests made since."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:

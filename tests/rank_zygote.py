@@ -1,8 +1,8 @@
 """A process that has imported torch, transformers and dapo once and forks the ranks of the
 tests' two-rank runs from there (``tests/ranks.py``).
 
-A fresh rank spends ~9 s of a 2-core CPU importing torch and transformers (and 7 s more for
-vLLM, with ``--vllm``) before it does anything, and a two-rank test starts several groups;
+A fresh rank spends ~9 s of a 2-core CPU importing torch and transformers (and 18 s more for
+vLLM and its engine's modules, with ``--vllm``) before it does anything, and a two-rank test starts several groups;
 a forked rank starts in milliseconds with those modules already loaded. It serves single
 processes too (a group of one). This process starts no thread (a fork copies only the
 forking thread), computes nothing, and serves one group at a time:
@@ -18,6 +18,8 @@ status like ``subprocess``'s (negative: the signal that ended it).
 
 from __future__ import annotations
 
+import gc
+import importlib
 import json
 import os
 import runpy
@@ -29,15 +31,42 @@ import traceback
 import torch  # noqa: F401 - imported here once, for every rank forked afterwards
 import torch.distributed  # noqa: F401
 import transformers  # noqa: F401
+from matplotlib.figure import Figure  # noqa: F401 - every run's dashboard (~1 s)
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM  # noqa: F401
 
 import dapo.cli  # noqa: F401
 import dapo.training.trainer  # noqa: F401
 
-if "--vllm" in sys.argv[1:]:  # the flavour for runs with rollout.engine=vllm (+7 s of imports)
+# vLLM's package imports lazily: without these, each engine's first ``vllm.LLM`` spends ~7 s
+# importing its entry point, config, engine core, CPU worker and model runner.
+VLLM_MODULES = (
+    "vllm.entrypoints.llm",
+    "vllm.v1.engine.core",
+    "vllm.v1.engine.llm_engine",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.v1.attention.backends.cpu_attn",
+    "vllm.v1.core.sched.scheduler",
+    "vllm.v1.core.kv_cache_manager",
+    "vllm.model_executor.model_loader",
+    "vllm.model_executor.models.llama",
+    "vllm.model_executor.layers.quantization.online",
+    "vllm.triton_utils.dispatcher",
+    "compressed_tensors.compressors",
+)
+
+if "--vllm" in sys.argv[1:]:  # the flavour for runs with rollout.engine=vllm (+18 s of imports)
     from dapo.rollout.vllm_engine import import_vllm
 
     import_vllm()
+    for name in VLLM_MODULES:
+        importlib.import_module(name)
+
+# Everything imported so far lives as long as the ranks: out of the collector's sight, a
+# rank's gc.collect() (vLLM's engine start calls it 5 times: 3.8 s of an 8 s start) walks
+# only what the rank itself made.
+gc.freeze()
 
 
 def run_rank(spec: dict) -> int:
