@@ -11,6 +11,11 @@ forking thread), computes nothing, and serves one group at a time:
                                       "timeout": seconds}
     reply (a JSON line on stdout):   {"codes": [exit status per rank], "timed_out": bool}
 
+or one process started and left running (a server beside the test's trainers):
+
+    request:  {"spawn": {"argv", "cwd", "env", "stdout", "stderr"}, "status_file": path}
+    reply:    {"pid": pid}; its exit status is written to status_file once it has ended
+
 Each rank runs ``argv`` as ``python ARGV`` would (``-m module ...`` or ``script.py ...``)
 with the given environment and working directory, its output in the given files; an exit
 status like ``subprocess``'s (negative: the signal that ended it).
@@ -72,7 +77,8 @@ gc.freeze()
 def run_rank(spec: dict) -> int:
     """In the forked child: become the rank ``spec`` describes and run it; its status."""
     out = os.open(spec["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    err = os.open(spec["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    same = spec["stderr"] == spec["stdout"]  # 2>&1
+    err = out if same else os.open(spec["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(out, 1)
     os.dup2(err, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
@@ -108,6 +114,8 @@ def fork_rank(spec: dict) -> int:
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the zygote's, not the rank's
+        DETACHED.clear()
         status = 1
         try:
             status = run_rank(spec)
@@ -142,11 +150,38 @@ def serve_group(request: dict) -> dict:
     return {"codes": [codes[pid] for pid in pids], "timed_out": timed_out}
 
 
+# Processes started with a "spawn" request (servers a test runs beside its trainers): pid ->
+# the file their exit status is written to once the zygote has reaped them.
+DETACHED: dict[int, str] = {}
+
+
+def reap_detached(*_: object) -> None:
+    """SIGCHLD: record the exit status of each detached process that has ended."""
+    for pid, status_file in list(DETACHED.items()):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            del DETACHED[pid]
+            with open(status_file + ".tmp", "w") as fh:
+                fh.write(str(os.waitstatus_to_exitcode(status)))
+            os.replace(status_file + ".tmp", status_file)
+
+
+def spawn(request: dict) -> dict:
+    """Fork one process and answer at once with its pid (not waited for: see DETACHED)."""
+    pid = fork_rank(request["spawn"])
+    DETACHED[pid] = request["status_file"]
+    reap_detached()  # in case it ended before it was registered
+    return {"pid": pid}
+
+
 def main() -> None:
+    signal.signal(signal.SIGCHLD, reap_detached)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         if line.strip():
-            print(json.dumps(serve_group(json.loads(line))), flush=True)
+            request = json.loads(line)
+            reply = spawn(request) if "spawn" in request else serve_group(request)
+            print(json.dumps(reply), flush=True)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from ranks import forked_popen  # tests/ranks.py
 from serve_with_faults import HANG_SEED  # tests/serve_with_faults.py
 from vllm_check import needs_vllm  # tests/vllm_check.py
 
@@ -56,7 +57,8 @@ def request(
 
 
 class Server:
-    """``dapo vllm-serve builtin:tiny`` (with faults) in a subprocess; started on demand."""
+    """``dapo vllm-serve builtin:tiny`` (with faults) in a process of its own, forked from
+    the tests' zygote (tests/ranks.py); started on demand."""
 
     def __init__(self, tiny: Path, logs: Path, faults: str, key: str | None = KEY) -> None:
         self.tiny, self.logs, self.faults, self.key = tiny, logs, faults, key
@@ -88,6 +90,7 @@ class Server:
                 env=env,
                 timeout_s=300,
                 command=FAULTS,
+                popen=forked_popen,  # forked from a process that has imported vLLM
             )
         return f"http://127.0.0.1:{self.port}"
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ranks import forked, torchrun  # tests/ranks.py
+from ranks import forked, forked_popen, torchrun  # tests/ranks.py
 from vllm_check import needs_vllm  # tests/vllm_check.py
 
 from dapo.data.tasks.addition import addition_records
@@ -468,11 +468,15 @@ def test_dapo_eval_with_vllm_fits_long_prompts(tiny_path, tmp_path):
 
 
 def start_server(tiny_path: Path, port: int, log: Path) -> subprocess.Popen:
-    """`dapo vllm-serve builtin-tiny` on 127.0.0.1:port, once it answers /health."""
+    """`dapo vllm-serve builtin-tiny` on 127.0.0.1:port, once it answers /health (forked
+    from the tests' zygote that has imported vLLM, tests/ranks.py)."""
     from dapo.rollout.server import launch
 
     env = dict(os.environ, DAPO_CACHE=str(tiny_path.parent), OMP_NUM_THREADS="1")
-    return launch(str(tiny_path), port, log=log, max_model_len=256, env=env, timeout_s=300)
+    return launch(
+        str(tiny_path), port, log=log, max_model_len=256, env=env, timeout_s=300,
+        popen=forked_popen,
+    )  # fmt: skip
 
 
 def health(url: str) -> dict:
@@ -520,10 +524,11 @@ def test_train_against_a_rollout_server_that_dies_then_resume(tmp_path, tiny_pat
     env = dict(os.environ, DAPO_CACHE=str(tiny_path.parent), OMP_NUM_THREADS="1")
     common = [*SERVER_RUN, f"rollout.server_url={url}"]
     server = start_server(tiny_path, port, tmp_path / "server1.log")
+    trainer = None
     try:
         # 1. Three steps, one process: the server samples with the weights just trained.
         out = tmp_path / "run"
-        # The trainers are forked from the tests' zygote (tests/ranks.py), but for step 3's.
+        # The trainers and servers are forked from the tests' zygotes (tests/ranks.py).
         proc = forked(dapo_cmd(tiny_path, out, *common, "train.steps=3")[1:], tmp_path, env, 900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -540,22 +545,27 @@ def test_train_against_a_rollout_server_that_dies_then_resume(tmp_path, tiny_pat
         mismatch = [x["rollout/logprob_mismatch"] for x in lines if "actor/loss" in x]
         assert len(mismatch) == 2 and max(mismatch) < 1e-5, mismatch
         # 3. Continue the first run; the server dies (SIGKILL) after step 5's checkpoint.
-        trainer = subprocess.Popen(
+        logs = tmp_path / "trainer.out", tmp_path / "trainer.err"
+        trainer = forked_popen(
             dapo_cmd(tiny_path, out, *common, "train.steps=40", "resume=true"),
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            stdout=logs[0].open("w"),
+            stderr=logs[1].open("w"),
+            vllm=False,
         )
         deadline = time.monotonic() + 600
         while not (out / "checkpoints" / "step_000005").exists():
-            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()
+            alive = trainer.poll() is None and time.monotonic() < deadline
+            assert alive, [p.read_text()[-3000:] for p in logs]
             time.sleep(0.2)
         server.kill()
         server.wait()
-        stdout, stderr = trainer.communicate(timeout=300)
+        trainer.wait(timeout=300)
+        stdout, stderr = (p.read_text() for p in logs)
     finally:
         server.kill()
+        if trainer is not None:
+            trainer.kill()
     assert trainer.returncode == 1, stdout[-2000:] + stderr[-2000:]
     error = stderr.strip().splitlines()[-1]
     print(error)

@@ -538,11 +538,13 @@ def launch(
     timeout_s: float = 600.0,
     args: Sequence[str] = (),
     command: Sequence[str] | None = None,
+    popen: Callable[..., Any] = subprocess.Popen,
 ) -> subprocess.Popen:
     """Start ``dapo vllm-serve MODEL`` on 127.0.0.1:``port`` in a subprocess (its output
     to ``log``) and return it once it answers ``/health`` (tests and benchmarks). ``args``:
-    more options; ``command``: what runs instead of ``python -m dapo``. Raises
-    ``RuntimeError`` with the end of its log if it exits or does not come up."""
+    more options; ``command``: what runs instead of ``python -m dapo``; ``popen``: what
+    starts it (``subprocess.Popen``'s signature; the tests fork it from a warm process).
+    Raises ``RuntimeError`` with the end of its log if it exits or does not come up."""
     cmd = [
         *(command or [sys.executable, "-m", "dapo"]),
         "vllm-serve",
@@ -555,7 +557,7 @@ def launch(
         str(max_model_len),
         *args,
     ]
-    proc = subprocess.Popen(
+    proc = popen(
         cmd,
         env=dict(os.environ) if env is None else env,
         stdout=log.open("w"),
