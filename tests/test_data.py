@@ -663,3 +663,26 @@ def test_a_prompt_set_is_tokenized_once_per_tokenizer_and_texts(monkeypatch):
     assert theirs != [char_ids(t) for t in texts] and P.tokenize_texts(texts, other) == theirs
     assert P.tokenize_texts(["abd"], char_tokenizer()) == [char_ids("abd")]
     assert len(P._RECENT) == 3
+
+
+def test_repeated_prompt_texts_are_tokenized_once_each():
+    """The tokenizer sees each distinct text once; every repeat gets the same ids, in its
+    own list (as many lists as texts, in their order)."""
+    import dapo.data.prompts as P
+
+    seen: list[str] = []
+    tok = char_tokenizer()
+    original = type(tok).__call__
+
+    class Counted(type(tok)):
+        def __call__(self, batch, **kw):
+            seen.extend(batch)
+            return original(self, batch, **kw)
+
+    tok.__class__ = Counted
+    texts = ["12+3", "4+5", "12+3", "12+3", "7", "4+5"]
+    ids = P.tokenize_texts(texts, tok)
+    assert sorted(seen) == ["12+3", "4+5", "7"]
+    assert ids == [char_ids(t) for t in texts]
+    ids[0].append(99)
+    assert ids[2] == char_ids("12+3") and ids[0] is not ids[3]
