@@ -72,7 +72,8 @@ class StepMemory:
             torch.cuda.reset_peak_memory_stats()
             return torch.cuda.memory_allocated() / 2**20
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        return _status_mb("VmRSS")
+        self.before = _status_mb("VmRSS")
+        return self.before
 
     def stop(self) -> float:
         if self.cuda:
@@ -80,7 +81,10 @@ class StepMemory:
 
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() / 2**20
-        return _status_mb("VmHWM")
+        # The kernel's RSS counters lag by a few pages per thread: a VmHWM read after the
+        # step was 8 kB under the VmRSS read before it (CI, 2026-11-28). The peak of the
+        # step includes its start.
+        return max(_status_mb("VmHWM"), self.before)
 
 
 # --- the model --------------------------------------------------------------------------------
