@@ -41,7 +41,7 @@ def main(model: str, out: str) -> None:
         rollout={"num_generations": 4, "max_completion_length": 12},
         algorithm={"overlong_buffer": 4},
         reward={"num_workers": 1},
-        logging={"tensorboard": False, "console": False},
+        logging={"tensorboard": False, "dashboard": False, "console": False},
         checkpoint={"save_every": 0, "save_final_model": False},
     )
     Path(out, f"rank{rank}.json").write_text(json.dumps({"seen": seen, "summary": summary}))

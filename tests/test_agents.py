@@ -290,6 +290,7 @@ def agent_config(model: Path, out: Path, agent: str, *extra: str):
             "rollout.num_generations=2",
             "algorithm.dynamic_sampling=false",
             "logging.tensorboard=false",
+            "logging.dashboard=false",
             "logging.console=false",
             "checkpoint.save_final_model=false",
             "reward.num_workers=1",

@@ -393,7 +393,7 @@ def test_the_same_config_as_yaml_and_as_python_gives_the_same_metrics(random_tin
         eval_dataset=held_out,
         reward_funcs=[by_answer_class],
         **{**SMALL, "train.steps": 3},
-        logging={"eval_every": 2, "tensorboard": False, "console": False},
+        logging={"eval_every": 2, "tensorboard": False, "dashboard": False, "console": False},
     )
     runs = compare_runs()
     a, b = runs.load(tmp_path / "yaml"), runs.load(tmp_path / "python")

@@ -110,8 +110,11 @@ def test_the_summary_prints_failure_counts(tmp_path, capsys):
     _print_summary({"steps": 3, "wall_seconds": 1, "failures": {"reward": 5, "env": 0}}, tmp_path)
     out = capsys.readouterr().out
     assert "failures: reward 5 (" in out and "env 0" not in out
-    _print_summary({"steps": 3, "wall_seconds": 1}, tmp_path)
-    assert "failures" not in capsys.readouterr().out
+    assert f"dashboard: {tmp_path / 'dashboard.png'}" in out
+    _print_summary({"steps": 3, "wall_seconds": 1}, tmp_path, dashboard=False)
+    out = capsys.readouterr().out
+    assert "failures" not in out
+    assert f"dashboard: off (dapo plot {tmp_path} draws it)" in out
 
 
 @pytest.fixture(autouse=True)

@@ -55,6 +55,7 @@ def _small_run(model: Path, out: Path) -> list[str]:
         "algorithm.overlong_buffer=4",
         "algorithm.dynamic_sampling=false",
         "logging.tensorboard=false",
+        "logging.dashboard=false",
         "checkpoint.save_every=1",
         "train.micro_batch_tokens=60",
     ]

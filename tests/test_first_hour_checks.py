@@ -23,6 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ENVS = Path(__file__).with_name("sample_environments.py")
 QUIET = [
     "logging.tensorboard=false",
+    "logging.dashboard=false",
     "logging.console=false",
     "checkpoint.save_every=0",
     "checkpoint.save_final_model=false",

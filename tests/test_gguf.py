@@ -112,6 +112,7 @@ def test_dapo_train_and_eval_take_a_gguf_file_and_save_transformers_format(
             "algorithm.dynamic_sampling=false",
             "evaluate=false",
             "logging.tensorboard=false",
+            "logging.dashboard=false",
             "logging.console=false",
             "train.lr=1e-2",
             "reward.num_workers=0",

@@ -39,6 +39,7 @@ def config(model: Path, out: Path, *extra: str):
             "algorithm.max_gen_rounds=2",
             "evaluate=false",
             "logging.tensorboard=false",
+            "logging.dashboard=false",
             "logging.console=false",
             "checkpoint.save_every=0",
             "checkpoint.save_final_model=false",
@@ -82,7 +83,8 @@ def test_truncation_is_named_under_dapo_and_grpo(random_tiny_model, tmp_path):
     # Two tokens: a random model's responses all hit the limit.
     cut = ("rollout.max_completion_length=2", "algorithm.overlong_buffer=1")
     texts, summary, exc = run(
-        config(random_tiny_model, tmp_path / "dapo", *cut), error=DynamicSamplingError
+        config(random_tiny_model, tmp_path / "dapo", *cut, "logging.dashboard=true"),
+        error=DynamicSamplingError,
     )
     assert first_steps(summary)["truncation"] == 1
     (text,) = [t for t in texts if "(truncation" in t]

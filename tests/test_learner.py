@@ -168,6 +168,7 @@ def test_a_checkpoint_of_release_a5216fc_resumes_with_its_carry_over(tmp_path) -
         "evaluate=false",
         "checkpoint.save_every=1",
         "logging.tensorboard=false",
+        "logging.dashboard=false",
         "logging.console=false",
         f"output_dir={tmp_path}",
     ]

@@ -48,6 +48,7 @@ def episode_config(model: Path, out: Path, *extra: str):
             "train.mini_batch_size=2",
             "rollout.num_generations=4",
             "logging.tensorboard=false",
+            "logging.dashboard=false",
             "logging.console=false",
             "checkpoint.save_every=0",
             "checkpoint.save_final_model=false",

@@ -198,6 +198,7 @@ def _run(tmp: Path, model_dir: Path, *extra: str) -> tuple[list[dict], list[str]
             "evaluate=false",
             "logging.console=false",
             "logging.tensorboard=false",
+            "logging.dashboard=false",
             "checkpoint.save_every=0",
             *extra,
         ]

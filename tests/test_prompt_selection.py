@@ -47,6 +47,7 @@ def config(model: Path, data: Path, out: Path, *extra: str):
             "algorithm.overlong_buffer=2",
             "evaluate=false",
             "logging.tensorboard=false",
+            "logging.dashboard=false",
             "logging.console=false",
             "checkpoint.save_every=0",
             "checkpoint.save_final_model=false",

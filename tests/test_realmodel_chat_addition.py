@@ -125,6 +125,7 @@ def test_a_short_run_trains_on_the_training_split_and_evaluates_on_the_held_out_
         "train.lr=1e-5",
         "train.warmup_steps=0",
         "logging.tensorboard=false",
+        "logging.dashboard=false",
         "logging.console=false",
         "reward.num_workers=1",
     ]

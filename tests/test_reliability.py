@@ -110,6 +110,7 @@ def base_overrides(model: Path, data: Path, out: Path, *extra: str) -> list[str]
         "algorithm.overlong_buffer=4",
         "evaluate=false",
         "logging.tensorboard=false",
+        "logging.dashboard=false",
         "logging.console=false",
         "checkpoint.save_every=0",
         "checkpoint.save_final_model=false",
@@ -1107,6 +1108,7 @@ def test_bad_input_gives_the_documented_error(
         f"output_dir={bad_inputs / 'out' / case}",
         "evaluate=false",
         "logging.tensorboard=false",
+        "logging.dashboard=false",
         "logging.console=false",
         "train.steps=1",
     ]

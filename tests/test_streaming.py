@@ -35,6 +35,7 @@ SMALL = [
     "algorithm.overlong_buffer=4",
     "evaluate=false",
     "logging.tensorboard=false",
+    "logging.dashboard=false",
     "logging.console=false",
     "checkpoint.save_every=0",
     "checkpoint.save_final_model=false",

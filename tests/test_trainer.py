@@ -30,6 +30,7 @@ def small_config(model: Path, out: Path, *extra: str):
             "data.max_eval_prompts=8",
             "evaluate=false",
             "logging.tensorboard=false",
+            "logging.dashboard=false",
             "logging.console=false",
             "checkpoint.save_every=0",
             "checkpoint.save_final_model=false",
@@ -194,19 +195,27 @@ def test_existing_checkpoints_are_not_overwritten_without_resume(random_tiny_mod
 
 @pytest.mark.slow
 def test_same_seed_same_metrics(random_tiny_model, tmp_path):
+    """Two runs of one seed log the same metrics; logging.dashboard changes only whether
+    dashboard.png is drawn at the end."""
     import json
 
-    def run(out: Path) -> list[dict]:
+    def run(out: Path, dashboard: bool) -> list[dict]:
         cfg = small_config(
-            random_tiny_model, out, "algorithm.dynamic_sampling=false", "train.steps=2"
+            random_tiny_model,
+            out,
+            "algorithm.dynamic_sampling=false",
+            "train.steps=2",
+            f"logging.dashboard={str(dashboard).lower()}",
         )
         Trainer(cfg, log=lambda _: None).run()
+        assert (out / "dashboard.png").is_file() == dashboard
+        assert (out / "summary.json").is_file()
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         return [
             {k: v for k, v in r.items() if not k.startswith("perf/") and k != "time"} for r in rows
         ]
 
-    assert run(tmp_path / "a") == run(tmp_path / "b")
+    assert run(tmp_path / "a", True) == run(tmp_path / "b", False)
 
 
 @pytest.mark.slow

@@ -300,6 +300,7 @@ def train(tiny_path: Path, out: Path, *overrides: str) -> list[dict]:
         "train",
         "rollout.engine=vllm",
         "logging.tensorboard=false",
+        "logging.dashboard=false",
         f"output_dir={out}",
         *overrides,
     ]
@@ -493,6 +494,7 @@ def dapo_cmd(tiny_path: Path, out: Path, *overrides: str) -> list[str]:
         *launch,
         "train",
         "logging.tensorboard=false",
+        "logging.dashboard=false",
         "evaluate=false",
         f"model.name_or_path={tiny_path}",
         f"output_dir={out}",

@@ -79,7 +79,7 @@ def _train(argv: list[str]) -> int:
             print(_interrupted(cfg, path, argv), file=sys.stderr)
             return 130
     distributed.destroy()  # every rank gets here; a failed run exits through torchrun instead
-    _print_summary(summary, Path(cfg.output_dir))
+    _print_summary(summary, Path(cfg.output_dir), cfg.logging.dashboard)
     return 0
 
 
@@ -151,7 +151,7 @@ def _in_dapo(filename: str) -> bool:
 _PACKAGE = Path(__file__).resolve().parent
 
 
-def _print_summary(summary: dict, out: Path) -> None:
+def _print_summary(summary: dict, out: Path, dashboard: bool = True) -> None:
     print("\n== dapo run summary ==")
     before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
     if before is not None and after is not None:
@@ -161,7 +161,8 @@ def _print_summary(summary: dict, out: Path) -> None:
     elif "accuracy_before" in summary:
         print("held-out accuracy: not measured (every reward call failed: see the warnings)")
     print(f"rollout steps: {summary.get('steps')}   wall time: {summary.get('wall_seconds')} s")
-    print(f"metrics: {out / 'metrics.jsonl'}   dashboard: {out / 'dashboard.png'}")
+    drawn = out / "dashboard.png" if dashboard else f"off (dapo plot {out} draws it)"
+    print(f"metrics: {out / 'metrics.jsonl'}   dashboard: {drawn}")
     failures = summary.get("failures") or {}
     if any(failures.values()):
         counts = ", ".join(f"{what} {n}" for what, n in failures.items() if n)

@@ -380,6 +380,11 @@ class LoggingConfig:
         False, "With logging.console: print every metric, grouped, at every rollout step."
     )
     tensorboard: bool = opt(True, "Write TensorBoard event files under output_dir/tensorboard.")
+    dashboard: bool = opt(
+        True,
+        "Draw output_dir/dashboard.png (the run's metrics, one panel per signal) when the run "
+        "ends, also after an error; 1-2 s on a CPU. `dapo plot RUN` draws it at any time.",
+    )
     wandb: bool = opt(False, "Log to Weights & Biases (needs the wandb package).")
     wandb_project: str = opt("dapo", "Weights & Biases project.")
     run_name: str | None = opt(None, "Weights & Biases run name; null lets wandb pick one.")

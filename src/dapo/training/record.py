@@ -119,12 +119,19 @@ class RunRecord:
 
 
 def write_summary(
-    out: Path, summary: dict[str, Any], log: Callable[[str], None], error: BaseException | None
+    out: Path,
+    summary: dict[str, Any],
+    log: Callable[[str], None],
+    error: BaseException | None,
+    dashboard: bool = True,
 ) -> None:
-    """summary.json and the dashboard; with ``error``, the error the run stopped with."""
+    """summary.json and (``dashboard``) the dashboard; with ``error``, the error the run
+    stopped with."""
     if error is not None:
         summary["error"] = f"{type(error).__name__}: {error}"
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
+    if not dashboard:
+        return
     try:
         plot_dashboard(out)
     except (ValueError, FileNotFoundError) as exc:

@@ -393,7 +393,7 @@ class Trainer:
         )
         if self.dist.is_main:
             try:
-                write_summary(self.out, self.summary, self.log, error)
+                write_summary(self.out, self.summary, self.log, error, self.cfg.logging.dashboard)
             except Exception as exc:  # noqa: BLE001 - never hide the error the run stopped with
                 if error is None:
                     raise
