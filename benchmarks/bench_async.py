@@ -58,6 +58,9 @@ DEFAULTS = [
     "algorithm.dynamic_sampling=false",
 ]
 SKIP = 2  # steps dropped at the start
+# What starts `dapo vllm-serve` (subprocess.Popen's signature; the smoke test forks it from
+# a process that has imported vLLM).
+SERVER_POPEN: Any = subprocess.Popen
 
 
 def parse_mode(mode: str) -> dict[str, Any] | None:
@@ -91,7 +94,7 @@ def model_path(name: str, tmp: Path) -> str:
 def start_server(model: str, port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
     from dapo.rollout.server import launch
 
-    return launch(model, port, log=log, max_model_len=1024, env=env)
+    return launch(model, port, log=log, max_model_len=1024, env=env, popen=SERVER_POPEN)
 
 
 def run(

@@ -16,7 +16,8 @@ or one process started and left running (a server beside the test's trainers):
     request:  {"spawn": {"argv", "cwd", "env", "stdout", "stderr"}, "status_file": path}
     reply:    {"pid": pid}; its exit status is written to status_file once it has ended
 
-Each rank runs ``argv`` as ``python ARGV`` would (``-m module ...`` or ``script.py ...``)
+Each rank runs ``argv`` as ``python ARGV`` would (``-c code``, ``-m module ...`` or
+``script.py ...``)
 with the given environment and working directory, its output in the given files; an exit
 status like ``subprocess``'s (negative: the signal that ended it).
 """
@@ -87,7 +88,11 @@ def run_rank(spec: dict) -> int:
     os.chdir(spec["cwd"])
     argv = spec["argv"]
     try:
-        if argv[0] == "-m":
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path.insert(0, "")
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+        elif argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             sys.path.insert(0, spec["cwd"])
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from benchmark_modules import import_benchmark  # tests/benchmark_modules.py
+from ranks import forked_popen  # tests/ranks.py
 from vllm_check import needs_vllm  # tests/vllm_check.py
 
 
@@ -34,6 +35,8 @@ def test_modes_name_engine_staleness_and_partial_rollouts(capsys):
 def test_bench_async_times_each_mode(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("DAPO_BENCH_IN_PROCESS", "1")  # the trainers in this process: no imports
     bench_async = import_benchmark("bench_async")
+    # The servers forked from a process that has imported vLLM (tests/ranks.py).
+    monkeypatch.setattr(bench_async, "SERVER_POPEN", forked_popen)
     out = tmp_path / "async.json"
     report = bench_async.main(
         [
