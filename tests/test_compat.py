@@ -541,15 +541,20 @@ def test_verl_and_trl_names_are_translated_with_units_and_a_table(capsys):
     assert (cfg.rollout.num_generations, a.overlong_buffer) == (4, 32)
     table = capsys.readouterr().out
     assert "data.train_batch_size" in table and "-> train.prompts_per_step = 8" in table
-    # TRL counts completions per device, dapo prompts: 8 x 2 / 4 = 4
+    # TRL counts completions per device, dapo prompts: 8 x 2 / 4 = 4. A caller may take the
+    # table (log=) instead of having it printed.
+    told: list[str] = []
     cfg = load_config(
         overrides={
             "per_device_train_batch_size": 8,
             "gradient_accumulation_steps": 2,
             "num_generations": 4,
             "loss_type": "dr_grpo",
-        }
+        },
+        log=told.append,
     )
+    assert capsys.readouterr().out == ""
+    assert len(told) == 1 and "per_device_train_batch_size" in told[0]
     assert (cfg.train.mini_batch_size, cfg.train.prompts_per_step) == (4, 4)
     assert cfg.algorithm.loss_agg == "seq-mean-token-sum-norm"
 

@@ -14,7 +14,7 @@ import difflib
 import math
 import types
 import typing
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -384,6 +384,7 @@ def load_config(
     path: str | Path | dict[str, Any] | None = None,
     overrides: list[str] | dict[str, Any] | None = None,
     objects: Collection[str] = (),
+    log: Callable[[str], None] | None = None,
 ) -> Config:
     """Defaults < preset < YAML file < overrides; validated.
 
@@ -393,7 +394,8 @@ def load_config(
     mapping may use dotted keys too. ``objects``: keys given as Python objects instead
     (``rollout.environment``, ``rollout.tools`` from :func:`dapo.train`), which the rules
     count as set. ``train.mini_batch_size`` set nowhere follows ``train.prompts_per_step``;
-    a rule refusing a value the user never set says where it came from."""
+    a rule refusing a value the user never set says where it came from. ``log`` gets the
+    table of TRL or verl names translated (default: printed)."""
     raw = path if isinstance(path, dict) else {} if path is None else read_config_file(path)
     if isinstance(overrides, dict):
         dotted = dict(overrides)
@@ -409,7 +411,7 @@ def load_config(
     refused = moved[0].refused + moved[1].refused
     for translation in moved:
         if translation.rows:
-            print(translation.table(), flush=True)
+            (log or _print)(translation.table())
     file_data = _nest(raw)
     cli_data = _nest(dotted)
     preset = cli_data.get("preset", file_data.get("preset", "dapo"))
@@ -521,3 +523,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         raise ConfigError(f"`preset` = {cfg.preset!r} is not a known preset; run `dapo presets`")
     validate(cfg)
     return cfg
+
+
+def _print(text: str) -> None:
+    print(text, flush=True)

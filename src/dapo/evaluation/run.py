@@ -71,9 +71,7 @@ def score_groups(
     """Decode and score each group's responses: per-problem correctness and extracted answers."""
     texts = [g.decode(tokenizer) for g in groups]
     requests = [
-        ScoreRequest(
-            t, r.ground_truth, r.data_source, prompt=r.prompt, columns=r.extra, completion_ids=ids
-        )
+        ScoreRequest.of(r, t, ids)
         for g, r, group_texts in zip(groups, records, texts, strict=True)
         for t, ids in zip(group_texts, g.response_ids, strict=True)
     ]

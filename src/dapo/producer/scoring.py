@@ -102,17 +102,7 @@ class GroupScorer:
             before = len(requests)
             for t, ids, r, end in zip(texts, g.response_ids, e, x, strict=True):
                 if r is None and end != "env_failure":
-                    requests.append(
-                        ScoreRequest(
-                            t,
-                            rec.ground_truth,
-                            rec.data_source,
-                            prompt=rec.prompt,
-                            columns=rec.extra,
-                            completion_ids=ids,
-                            step=step,
-                        )
-                    )
+                    requests.append(ScoreRequest.of(rec, t, ids, step))
             sizes.append(len(requests) - before)
         scored, right, result = self.rewards.score_grouped(requests, sizes)
         self.last = result

@@ -55,6 +55,22 @@ class ScoreRequest:
     completion_ids: Sequence[int] = ()
     step: int = 0
 
+    @classmethod
+    def of(
+        cls, record: Any, response: str, completion_ids: Sequence[int] = (), step: int = 0
+    ) -> ScoreRequest:
+        """The request for ``response`` to the prompt of ``record`` (a
+        :class:`~dapo.data.records.PromptRecord`: its answer, source, prompt and columns)."""
+        return cls(
+            response,
+            record.ground_truth,
+            record.data_source,
+            prompt=record.prompt,
+            columns=record.extra,
+            completion_ids=completion_ids,
+            step=step,
+        )
+
     def sample(self) -> Sample:
         return Sample(
             self.response,
