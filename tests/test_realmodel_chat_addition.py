@@ -128,6 +128,10 @@ def test_a_short_run_trains_on_the_training_split_and_evaluates_on_the_held_out_
         "logging.dashboard=false",
         "logging.console=false",
         "reward.num_workers=1",
+        # Not what this test checks (test_realmodel.py's resume and export do): 1.6 GB of
+        # checkpoint and final model written and synced, ~10 s.
+        "checkpoint.save_every=0",
+        "checkpoint.save_final_model=false",
     ]
     assert main(["train", *args]) == 0
     rows = read_metrics(out)
