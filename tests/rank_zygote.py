@@ -1,11 +1,11 @@
 """A process that has imported torch, transformers and dapo once and forks the ranks of the
 tests' two-rank runs from there (``tests/ranks.py``).
 
-A fresh rank spends ~9 s of a 2-core CPU importing torch and transformers (and 18 s more for
-vLLM and its engine's modules, with ``--vllm``) before it does anything, and a two-rank test starts several groups;
-a forked rank starts in milliseconds with those modules already loaded. It serves single
-processes too (a group of one). This process starts no thread (a fork copies only the
-forking thread), computes nothing, and serves one group at a time:
+A fresh rank spends ~9 s of a 2-core CPU importing torch and transformers (and 18 s more
+for vLLM and its engine's modules, with ``--vllm``) before it does anything, and a two-rank
+test starts several groups; a forked rank starts in milliseconds with those modules already
+loaded. It serves single processes too (a group of one). This process starts no thread (a
+fork copies only the forking thread), computes nothing, and serves one group at a time:
 
     request (a JSON line on stdin):  {"ranks": [{"argv", "cwd", "env", "stdout", "stderr"}],
                                       "timeout": seconds}
@@ -17,9 +17,8 @@ or one process started and left running (a server beside the test's trainers):
     reply:    {"pid": pid}; its exit status is written to status_file once it has ended
 
 Each rank runs ``argv`` as ``python ARGV`` would (``-c code``, ``-m module ...`` or
-``script.py ...``)
-with the given environment and working directory, its output in the given files; an exit
-status like ``subprocess``'s (negative: the signal that ended it).
+``script.py ...``) with the given environment and working directory, its output in the given
+files; an exit status like ``subprocess``'s (negative: the signal that ended it).
 """
 
 from __future__ import annotations

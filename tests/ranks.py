@@ -70,6 +70,14 @@ class Zygote:
             atexit.register(proc.stdin.close)
         return proc
 
+    @classmethod
+    def ask(cls, request: dict, vllm: bool = False) -> dict:
+        """Send one request (a JSON line) to the zygote and return its reply."""
+        zygote = cls.get(vllm)
+        zygote.stdin.write(json.dumps(request) + "\n")
+        zygote.stdin.flush()
+        return json.loads(zygote.stdout.readline())
+
 
 def forked(
     args: tuple[str, ...] | list[str],
@@ -106,10 +114,7 @@ def forked(
             {"argv": list(args), "cwd": str(cwd), "env": rank_env, "stdout": str(out),
              "stderr": str(err)}
         )  # fmt: skip
-    zygote = Zygote.get(vllm)
-    zygote.stdin.write(json.dumps({"ranks": specs, "timeout": timeout}) + "\n")
-    zygote.stdin.flush()
-    reply = json.loads(zygote.stdout.readline())
+    reply = Zygote.ask({"ranks": specs, "timeout": timeout}, vllm)
     outs = [Path(r["stdout"]).read_text(errors="replace") for r in specs]
     errs = [Path(r["stderr"]).read_text(errors="replace") for r in specs]
     for r in specs:
@@ -203,22 +208,19 @@ class ForkedProcess:
 
 
 def forked_popen(
-    cmd: list[str], *, env: dict[str, str], stdout: Any, stderr: Any = None, vllm: bool = True
+    cmd: list[str], *, env: dict[str, str], stdout: Any, stderr: Any, vllm: bool = True
 ) -> ForkedProcess:
     """``subprocess.Popen(cmd, ...)`` for ``cmd = [python, ARGS...]``, the process forked by
     the zygote (with vLLM imported: a ``dapo vllm-serve`` starts ~25 s sooner) and left
-    running beside the test. ``stdout`` is an open file (``stderr``: the same, or
-    ``subprocess.STDOUT``) as ``dapo.rollout.server.launch`` passes them."""
+    running beside the test. ``stdout`` and ``stderr`` are open files, or ``stderr`` is
+    ``subprocess.STDOUT``, as ``dapo.rollout.server.launch`` passes them."""
     assert cmd[0] == sys.executable, cmd
     path = Path(stdout.name)
     stdout.close()
-    same = stderr is None or stderr == subprocess.STDOUT
-    err = path if same else Path(stderr.name)
+    err = path if stderr == subprocess.STDOUT else Path(stderr.name)
     status_file = path.with_name(path.name + ".status")
     status_file.unlink(missing_ok=True)
     spec = {"argv": cmd[1:], "cwd": os.getcwd(), "env": env, "stdout": str(path),
             "stderr": str(err)}  # fmt: skip
-    zygote = Zygote.get(vllm)
-    zygote.stdin.write(json.dumps({"spawn": spec, "status_file": str(status_file)}) + "\n")
-    zygote.stdin.flush()
-    return ForkedProcess(json.loads(zygote.stdout.readline())["pid"], status_file)
+    reply = Zygote.ask({"spawn": spec, "status_file": str(status_file)}, vllm)
+    return ForkedProcess(reply["pid"], status_file)
