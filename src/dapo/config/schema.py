@@ -328,8 +328,9 @@ class TrainConfig:
         "about half the activation memory and much faster on GPUs. bf16: weights and AdamW "
         "state in bfloat16 (~8 bytes per parameter); updates smaller than ~1/256 of a "
         "weight round away, so small learning rates (the paper's 1e-6) barely train. auto: "
-        "bf16-mixed on CUDA, fp32 on CPU. Log-probs, ratios, loss and entropy are float32 "
-        "in every mode; generation runs in the forward's precision.",
+        "bf16-mixed on CUDA and, for a model of hidden size 512 or more, on a CPU with native "
+        "bf16 (AVX-512 BF16 or AMX); fp32 elsewhere. Log-probs, ratios, loss and entropy are "
+        "float32 in every mode; generation runs in the forward's precision.",
     )
     logits_chunk_size: int = opt(
         1024,

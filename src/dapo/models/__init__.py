@@ -13,6 +13,19 @@
 """
 
 from dapo.errors import ModelError
-from dapo.models.loading import context_length, load_policy, load_tokenizer, resolve_model_path
+from dapo.models.loading import (
+    context_length,
+    hidden_size,
+    load_policy,
+    load_tokenizer,
+    resolve_model_path,
+)
 
-__all__ = ["ModelError", "context_length", "load_policy", "load_tokenizer", "resolve_model_path"]
+__all__ = [
+    "ModelError",
+    "context_length",
+    "hidden_size",
+    "load_policy",
+    "load_tokenizer",
+    "resolve_model_path",
+]

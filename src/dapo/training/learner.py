@@ -23,7 +23,7 @@ from dapo import algorithms as alg
 from dapo.algorithms import LossSettings
 from dapo.config import Config, TrainConfig
 from dapo.errors import TrainingError
-from dapo.models import context_length, load_policy, lora
+from dapo.models import context_length, hidden_size, load_policy, lora
 from dapo.models.data_parallel import wrap_data_parallel
 from dapo.models.inputs import device_of
 from dapo.models.precision import (
@@ -199,8 +199,12 @@ class Learner:
         t = cfg.train
         cuda = torch.cuda.is_available()
         native_bf16 = cpu_has_native_bf16()  # read once: the choice, the line, the warning
-        precision = resolve_precision(t.precision, cuda, native_bf16)
-        log(f"precision: {precision}{precision_origin(t.precision, cuda, native_bf16)}")
+        if model is not None:
+            size = getattr(getattr(model, "config", None), "hidden_size", None)
+        else:
+            size = hidden_size(model_path, trust_remote_code=cfg.model.trust_remote_code)
+        precision = resolve_precision(t.precision, cuda, native_bf16, size)
+        log(f"precision: {precision}{precision_origin(t.precision, cuda, native_bf16, size)}")
         if precision == "bf16":
             log(bf16_rounding_warning(t.lr))
         if not cuda and precision != "fp32" and not native_bf16:

@@ -24,7 +24,7 @@ import torch
 from dapo import algorithms as alg
 from dapo.config import Config
 from dapo.errors import ModelError, RolloutServerError, TrainingError
-from dapo.models import load_policy, load_tokenizer, resolve_model_path
+from dapo.models import hidden_size, load_policy, load_tokenizer, resolve_model_path
 from dapo.models.precision import load_dtype, reference_copy, resolve_precision, set_precision
 from dapo.parallel import distributed as D
 from dapo.training.batch import Sample
@@ -200,7 +200,8 @@ def _model_teacher(
         raise TrainingError(_named(name, exc)) from exc
     check_tokenizers(tokenizer, teacher_tok, student, name)
     cuda = torch.cuda.is_available()
-    precision = resolve_precision(cfg.train.precision, cuda)
+    size = hidden_size(path, trust_remote_code=trust)
+    precision = resolve_precision(cfg.train.precision, cuda, hidden_size=size)
     try:
         model = load_policy(path, dtype=load_dtype(precision), trust_remote_code=trust)
     except ModelError as exc:
