@@ -90,6 +90,20 @@ def test_trl_rewards_score_what_they_return_when_called_directly(workers):
     assert direct[2][1] != 0.0 and direct[2][3] == -1.0
 
 
+def test_trl_log_extra_numbers_are_kept_per_response_and_log_metric_per_call():
+    def judged(completions, log_extra, log_metric, **kwargs):
+        log_extra("length", [len(c) for c in completions])  # a number per completion: kept
+        log_extra("note", [f"saw {c}" for c in completions])  # text: not a metric
+        log_extra("short", [1.0])  # not one per completion: ignored
+        log_metric("calls", 1.0)
+        return [1.0 for _ in completions]
+
+    reqs = [ScoreRequest(t, "") for t in ("a", "bbb", "cc")]
+    with RewardScorer([(judged, 1.0)], num_workers=0) as scorer:
+        result = scorer.score(reqs, groups=[range(0, 3)])
+    assert result.infos == [{"calls": 1.0, "length": float(len(t))} for t in ("a", "bbb", "cc")]
+
+
 def test_trl_none_is_not_applicable_and_a_group_is_one_call():
     calls = []
 
@@ -113,7 +127,12 @@ def test_trl_none_is_not_applicable_and_a_group_is_one_call():
     assert result.rewards == pytest.approx([1.5, 0.5, 1.5, 0.5, 1.5])
     assert result.unscorable == 0 and result.failures == 0
     with RewardScorer([(seen, 1.0)], num_workers=0) as scorer:
-        assert scorer.score(reqs[1:2]).unscorable == 1
+        with pytest.warns(RewardFunctionWarning, match="returned None .* scores 0") as said:
+            assert scorer.score(reqs[1:2]).unscorable == 1
+        assert len(said) == 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            assert scorer.score(reqs).unscorable == 2
 
     def by_source(completions, data_source):  # the row's data_source, named explicitly
         return [1.0 if s == "openai/gsm8k" else 0.0 for s in data_source]
@@ -340,6 +359,33 @@ def test_trl_rewards_train_unchanged_from_python_and_the_cli(tool_model, tmp_pat
     ]
     expected = [sum(v[i] for v in direct if v[i] is not None) for i in range(len(again))]
     assert [r["reward"] for r in again] == pytest.approx(expected)
+
+
+@pytest.mark.slow
+def test_responses_no_trl_reward_judges_are_counted_per_step(tool_model, tmp_path):
+    import datasets
+
+    import dapo
+
+    def judges_some(completions, **kwargs):  # "not applicable" to responses with a 7
+        return [
+            None if "7" in c[0]["content"] else float(len(c[0]["content"]) % 2) for c in completions
+        ]
+
+    out = tmp_path / "run"
+    cfg = [*SMALL, f"model.name_or_path={tool_model}", "algorithm.dynamic_sampling=false"]
+    with pytest.warns(RewardFunctionWarning, match="returned None"):
+        dapo.train(
+            load_config(overrides=[*cfg, f"output_dir={out}"]),
+            train_dataset=datasets.Dataset.from_list(trl_rows()),
+            reward_funcs=[judges_some],
+        )
+    seen = read_jsonl(out / "rollouts.jsonl")
+    assert len(seen) == 32  # every sample of both steps
+    steps = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/unscorable" in r]
+    counts = [sum("7" in r["turns"][0]["text"] for r in seen if r["step"] == s) for s in (1, 2)]
+    assert [r["reward/unscorable"] for r in steps] == counts
+    assert sum(counts) > 0  # precondition: some responses were not judged
 
 
 def verl_rows(n: int = 8, source: str = "openai/gsm8k") -> list[dict]:

@@ -56,6 +56,11 @@ METRICS: tuple[Metric, ...] = (
         "Reward calls this step that raised, returned a non-number or timed out (each scores -1).",
     ),
     Metric(
+        "reward/unscorable",
+        "Responses this step for which every reward function returned None (a TRL-form "
+        "'not applicable'): they score 0, as TRL's nansum gives, in their group's baseline.",
+    ),
+    Metric(
         "reward/failures_total",
         "Reward calls that failed since the run started (resumed runs included).",
     ),

@@ -241,13 +241,14 @@ class Rollouts:
                 greedy_temperature=h.greedy_temperature,
             )
 
-        reward_failures = self.scorer.failures
+        reward_failures, unscorable = self.scorer.failures, self.scorer.unscorable
         try:
             batch, fill = self.sampler.fill(produce, diagnose)
         except DynamicSamplingError as exc:  # a step of failures says why it found nothing
             self._check_failures(step, generated, reward_failures, exc)
             raise
         failed = self._check_failures(step, generated, reward_failures)
+        failed["reward/unscorable"] = float(self.scorer.unscorable - unscorable)
         if fill.note and self.dist.is_main:  # the round cap: a short batch or no update
             # Numbered from 1, as the console and the health warnings count steps.
             warnings.warn(

@@ -37,6 +37,7 @@ class GroupScorer:
         self.penalty_factor = a.overlong_penalty_factor if a.overlong_penalty else 0.0
         self.max_len, self.buffer = cfg.rollout.max_completion_length, a.overlong_buffer
         self.failures = 0  # reward calls that raised or timed out, over the run
+        self.unscorable = 0  # responses every function called "not applicable", over the run
         self.last: ScoreResult | None = None  # the last batch's result (its info, claims)
 
     def score(
@@ -107,6 +108,7 @@ class GroupScorer:
         scored, right, result = self.rewards.score_grouped(requests, sizes)
         self.last = result
         self.failures += result.failures
+        self.unscorable += result.unscorable
         rewards, correct, infos = [], [], []
         flat = iter(result.infos)
         for e, x, sc, ok in zip(env, ends, scored, right, strict=True):

@@ -484,6 +484,7 @@ class RewardScorer:
                 )
                 if ids and all(v is None for v in found):
                     result.unscorable += 1
+                    self._warn_unscorable()
                 for f, v in zip(ids, found, strict=True):
                     if v is not None and v not in (-1.0, 0.0, 1.0) and "acc" not in info:
                         self._binary[f] = False
@@ -516,6 +517,19 @@ class RewardScorer:
                 result.bad_values += 1
             self._warn_once(kind, fid, detail)
         return result
+
+    def _warn_unscorable(self) -> None:
+        if (None, "unscorable") in self._warned:
+            return
+        self._warned.add((None, "unscorable"))
+        warnings.warn(
+            "every reward function returned None (not applicable) for a response: it scores 0, "
+            "as TRL's nansum gives, and counts in its group's baseline (reward/unscorable "
+            "counts them per step). Return a number for every response a reward can judge, or "
+            "add a function that judges the rest. (Warned once.)",
+            RewardFunctionWarning,
+            stacklevel=4,
+        )
 
     def _warn_once(self, kind: str, fid: int | None, detail: str) -> None:
         if (fid, kind) in self._warned:

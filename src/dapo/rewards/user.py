@@ -466,8 +466,14 @@ def _call_trl(
         if x is not None:
             logged[str(name)] = x
 
-    def log_extra(column: str, values: list[Any]) -> None:  # TRL's completions table
-        pass
+    columns: dict[str, list[Any]] = {}
+
+    def log_extra(column: str, values: list[Any]) -> None:
+        # TRL's completions table: one value per completion; the numbers are kept, per
+        # response, as reward/extra_<column> (text has no place in the metrics).
+        values = list(values)
+        if len(values) == len(samples):
+            columns[str(column)] = values
 
     chat = [isinstance(s.prompt, list) for s in samples]
     kwargs: dict[str, Any] = {
@@ -499,8 +505,12 @@ def _call_trl(
             f"a list of {len(out)} values for {len(samples)} completions",
         )
     result: list[tuple[Any, dict[str, float]]] = []
-    for value in out:
+    for i, value in enumerate(out):
         info = dict(logged)
+        for column, values in columns.items():
+            x = _as_number(values[i])
+            if x is not None:
+                info[column] = x
         if value is None:
             result.append((None, info))
             continue
