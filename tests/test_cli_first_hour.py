@@ -28,6 +28,7 @@ def test_help_mentions_multi_turn_and_the_python_entry_point(capsys):
 
 def test_print_prompt_renders_a_single_turn_prompt_without_the_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DAPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DAPO_BUILD_BUILTIN", "1")  # a model asked for would be built
     assert main(["train", "--print-prompt", "data.train=builtin:addition"]) == 0
     out, err = capsys.readouterr()
     from dapo.data.tasks import load_task
@@ -40,6 +41,7 @@ def test_print_prompt_renders_a_single_turn_prompt_without_the_model(tmp_path, m
 
 def test_print_prompt_shows_a_multi_turn_opening_with_its_tools(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DAPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DAPO_BUILD_BUILTIN", "1")  # a model asked for would be built
     argv = [
         "train",
         "--print-prompt",

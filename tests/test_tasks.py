@@ -377,6 +377,7 @@ def test_a_second_process_waits_for_the_first_build(tmp_path, monkeypatch):
     from dapo.models import tiny
 
     monkeypatch.setenv("DAPO_CACHE", str(tmp_path))
+    monkeypatch.setenv("DAPO_BUILD_BUILTIN", "1")  # not the shipped copy: build it
     builds = []
 
     def fake_warm_up(path, name, log):
@@ -400,3 +401,47 @@ def test_a_second_process_waits_for_the_first_build(tmp_path, monkeypatch):
     first.join()
     assert builds == ["builtin:tiny"] and paths[0] == paths[1] == tiny.cache_dir("builtin:tiny")
     assert logs[1] and logs[1][0].startswith("waiting for another process building builtin:tiny")
+
+
+def test_the_shipped_models_are_used_while_their_recipe_is_the_same(tmp_path, monkeypatch):
+    """builtin:tiny and builtin:tiny-tool ship as warm_up built them; a changed recipe or
+    $DAPO_BUILD_BUILTIN=1 builds into the cache instead."""
+    import dataclasses
+    import json
+
+    from transformers import AutoConfig
+
+    from dapo.models import tiny
+
+    monkeypatch.setenv("DAPO_CACHE", str(tmp_path))
+    builds = []
+
+    def fake_warm_up(path, name, log):
+        builds.append(name)
+        path.mkdir(parents=True)
+        (path / "builtin.json").write_text(json.dumps({"name": name}))
+        return path
+
+    monkeypatch.setattr(tiny, "warm_up", fake_warm_up)
+    for name in ("builtin:tiny", "builtin:tiny-tool"):
+        path = tiny.ensure_builtin_model(name, log=lambda _: None)
+        assert path == tiny.SHIPPED / tiny.cache_dir(name).name
+        meta = json.loads((path / "builtin.json").read_text())
+        recipe = tiny.RECIPES[name]
+        assert (meta["name"], meta["version"], meta["steps"], meta["seed"]) == (
+            name,
+            recipe.version,
+            recipe.steps,
+            0,
+        )
+        assert AutoConfig.from_pretrained(path).hidden_size == 128
+        assert (path / "model.safetensors").stat().st_size > 3_000_000
+    assert builds == [] and not any(tmp_path.iterdir())
+    assert tiny.shipped_model("builtin:tiny-long") is None  # not shipped: built on first use
+
+    bumped = dataclasses.replace(tiny.RECIPES["builtin:tiny"], steps=301)
+    monkeypatch.setitem(tiny.RECIPES, "builtin:tiny", bumped)
+    assert tiny.ensure_builtin_model("builtin:tiny", log=lambda _: None) == tiny.cache_dir()
+    monkeypatch.setenv("DAPO_BUILD_BUILTIN", "1")
+    tiny.ensure_builtin_model("builtin:tiny-tool", log=lambda _: None)
+    assert builds == ["builtin:tiny", "builtin:tiny-tool"]
