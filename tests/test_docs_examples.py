@@ -257,6 +257,21 @@ def test_multiturn_example_configs_train(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["calculator.yaml", "agent_calculator.yaml"])
+def test_the_tool_examples_raise_no_health_warning(
+    name: str, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """The calculator examples as written (the shipped builtin:tiny-tool, their group size and
+    lengths) for the 3 rollout steps within which a health warning shows: none does."""
+    argv = ["train", str(ROOT / "examples" / name), "train.steps=3", "train.prompts_per_step=8"]
+    argv += ["data.max_eval_prompts=16", "checkpoint.save_every=0"]
+    argv += ["checkpoint.save_final_model=false", f"output_dir={tmp_path / 'run'}"]
+    assert _dapo_here(argv, monkeypatch, capsys) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["health"] == []
+
+
+@pytest.mark.slow
 def test_the_distillation_example_config_trains(tmp_path: Path, monkeypatch, capsys) -> None:
     """examples/distill.yaml with builtin:tiny as its own teacher: the same tokenizer as the
     example's builtin:tiny-long, without that model's minutes of warm-up on a fresh machine."""
