@@ -341,6 +341,7 @@ def test_auto_on_a_native_bf16_cpu_keeps_float32_for_a_small_model(
         "bf16-mixed"  # asked for: kept
     )
     assert hidden_size(str(random_tiny_model)) == 128
+    assert hidden_size(build_model(len(build_tokenizer()))) == 128  # a loaded model: its config
     assert hidden_size(str(tmp_path / "missing")) is None
     assert "hidden size 128 (< 512)" in precision_origin("auto", False, True, 128)
 

@@ -178,15 +178,18 @@ def load_policy(
     return model
 
 
-def hidden_size(name_or_path: str, *, trust_remote_code: bool = False) -> int | None:
-    """The model's hidden size from its config (None when the config cannot be read or
-    names none): read before the weights, to choose their precision."""
+def hidden_size(model: str | torch.nn.Module, *, trust_remote_code: bool = False) -> int | None:
+    """The hidden size of a model (its text part) from its config, a loaded model's or the
+    one at ``model``'s path, read before the weights (None when the config cannot be read or
+    names none): to choose the weights' precision."""
     from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except Exception:  # noqa: BLE001 - unknown size: the caller decides without it
-        return None
+    config = getattr(model, "config", None)
+    if isinstance(model, str):
+        try:
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        except Exception:  # noqa: BLE001 - unknown size: the caller decides without it
+            return None
     config = getattr(config, "get_text_config", lambda: config)()
     size = getattr(config, "hidden_size", None)
     return size if isinstance(size, int) else None

@@ -40,6 +40,10 @@ RESOLVED = ("fp32", "bf16-mixed", "bf16")
 CPU_BF16_MIN_HIDDEN = 512
 
 
+def _small_for_cpu_bf16(hidden_size: int | None) -> bool:
+    return hidden_size is not None and hidden_size < CPU_BF16_MIN_HIDDEN
+
+
 def resolve_precision(
     requested: str, cuda: bool, cpu_bf16: bool | None = None, hidden_size: int | None = None
 ) -> str:
@@ -51,8 +55,7 @@ def resolve_precision(
         if cuda:
             return "bf16-mixed"
         native = cpu_has_native_bf16() if cpu_bf16 is None else cpu_bf16
-        small = hidden_size is not None and hidden_size < CPU_BF16_MIN_HIDDEN
-        return "bf16-mixed" if native and not small else "fp32"
+        return "bf16-mixed" if native and not _small_for_cpu_bf16(hidden_size) else "fp32"
     if requested not in RESOLVED:
         raise ValueError(f"unknown precision {requested!r}; choose one of {('auto', *RESOLVED)}")
     return requested
@@ -66,7 +69,7 @@ def precision_origin(
         return ""
     if cuda:
         return " (auto: CUDA)"
-    if cpu_bf16 and hidden_size is not None and hidden_size < CPU_BF16_MIN_HIDDEN:
+    if cpu_bf16 and _small_for_cpu_bf16(hidden_size):
         return (
             f" (auto: no CUDA; a CPU with native bf16, but at hidden size {hidden_size} "
             f"(< {CPU_BF16_MIN_HIDDEN}) float32 is faster)"

@@ -40,6 +40,7 @@ from dapo.rewards.user import (
 )
 
 RewardSpec = str | Callable[..., Any]  # a SCORERS name, a spec, or a Python callable
+UNSCORABLE = "unscorable"  # a warning kind beside the failures: every function said None
 
 
 @dataclass
@@ -484,7 +485,7 @@ class RewardScorer:
                 )
                 if ids and all(v is None for v in found):
                     result.unscorable += 1
-                    self._warn_unscorable()
+                    self._warn_once(UNSCORABLE, None, "")
                 for f, v in zip(ids, found, strict=True):
                     if v is not None and v not in (-1.0, 0.0, 1.0) and "acc" not in info:
                         self._binary[f] = False
@@ -518,24 +519,21 @@ class RewardScorer:
             self._warn_once(kind, fid, detail)
         return result
 
-    def _warn_unscorable(self) -> None:
-        if (None, "unscorable") in self._warned:
-            return
-        self._warned.add((None, "unscorable"))
-        warnings.warn(
-            "every reward function returned None (not applicable) for a response: it scores 0, "
-            "as TRL's nansum gives, and counts in its group's baseline (reward/unscorable "
-            "counts them per step). Return a number for every response a reward can judge, or "
-            "add a function that judges the rest. (Warned once.)",
-            RewardFunctionWarning,
-            stacklevel=4,
-        )
-
     def _warn_once(self, kind: str, fid: int | None, detail: str) -> None:
         if (fid, kind) in self._warned:
             return
         self._warned.add((fid, kind))
         name = self._plan.names[fid] if fid is not None else "<reward worker>"
+        if kind == UNSCORABLE:
+            warnings.warn(
+                "every reward function returned None (not applicable) for a response: it "
+                "scores 0, as TRL's nansum gives, and counts in its group's baseline "
+                "(reward/unscorable counts them per step). Return a number for every response "
+                "a reward can judge, or add a function that judges the rest. (Warned once.)",
+                RewardFunctionWarning,
+                stacklevel=4,
+            )
+            return
         if kind == TIMEOUT:
             where = (
                 "the call was abandoned (it runs on in a background thread)"

@@ -199,10 +199,8 @@ class Learner:
         t = cfg.train
         cuda = torch.cuda.is_available()
         native_bf16 = cpu_has_native_bf16()  # read once: the choice, the line, the warning
-        if model is not None:
-            size = getattr(getattr(model, "config", None), "hidden_size", None)
-        else:
-            size = hidden_size(model_path, trust_remote_code=cfg.model.trust_remote_code)
+        source = model if model is not None else model_path
+        size = hidden_size(source, trust_remote_code=cfg.model.trust_remote_code)
         precision = resolve_precision(t.precision, cuda, native_bf16, size)
         log(f"precision: {precision}{precision_origin(t.precision, cuda, native_bf16, size)}")
         if precision == "bf16":
