@@ -299,7 +299,13 @@ def test_auto_on_a_cpu_follows_native_bf16_and_the_env_override(monkeypatch) -> 
     monkeypatch.delenv(precision.CPU_BF16_ENV)
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     assert precision.cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
-    slowdown = precision.bf16_cpu_slowdown(64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        slowdown = precision.bf16_cpu_slowdown(64)
+        assert torch.get_num_threads() == 2  # the probe runs on one thread and gives them back
+    finally:
+        torch.set_num_threads(threads)
     assert slowdown > 0 and math.isfinite(slowdown)
 
 

@@ -98,19 +98,27 @@ def cpu_has_native_bf16() -> bool:
 
 def bf16_cpu_slowdown(size: int = 256) -> float:
     """How many times slower a ``size``-square bf16 matrix product runs than a float32 one on
-    this CPU (the median of 3 runs each; ~0.1 s where bf16 is emulated)."""
+    this CPU, on one thread (the fastest of 5 runs each; ~0.3 s where bf16 is emulated). One
+    thread, so that another busy process slows both alike: on two threads the float32
+    product waits for the other core, and a median of 3 read 3x where the products are 70x
+    apart."""
 
     def seconds(dtype: torch.dtype) -> float:
         a = torch.randn(size, size).to(dtype)
         a @ a  # warm-up
         runs = []
-        for _ in range(3):
+        for _ in range(5):
             t0 = time.perf_counter()
             a @ a
             runs.append(time.perf_counter() - t0)
-        return sorted(runs)[1]
+        return min(runs)
 
-    return seconds(torch.bfloat16) / max(seconds(torch.float32), 1e-9)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return seconds(torch.bfloat16) / max(seconds(torch.float32), 1e-9)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cpu_bf16_warning(precision: str, slowdown: float) -> str:
