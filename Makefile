@@ -45,7 +45,7 @@ GPU_PYTHON ?= python3
 GPU_DIR    ?= .gpu
 GPU_ARGS   ?=
 
-.PHONY: setup train train-real test test-quick lint docs browser clean gpu-wheels test-gpu bench-gpu gpu-all
+.PHONY: setup train train-real test test-quick test-avx2 lint docs browser clean gpu-wheels test-gpu bench-gpu gpu-all
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -86,6 +86,14 @@ test-quick: setup
 	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not slow and not realmodel and not gpu" \
 		--ignore=tests/test_vllm.py --ignore=tests/test_rollout_server_vllm.py \
 		--ignore=tests/test_docs_site.py --ignore-glob='tests/test_bench_*.py' $(PYTEST_ARGS)
+
+# An AVX2-only CPU (an AMD EPYC without AVX-512 BF16 or AMX) on any x86 machine: MKL, oneDNN
+# and ATen limited to AVX2 (bf16 products emulated, ~100x slower than fp32) and the bf16
+# detection told so. `make test-avx2` runs the whole suite that way (docs/development.md).
+AVX2_ONLY := MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 DAPO_CPU_BF16=0
+
+test-avx2:
+	$(AVX2_ONLY) $(MAKE) test
 
 # The site: reference pages generated from the code at build time (scripts/docs_hooks.py).
 docs: setup

@@ -360,3 +360,31 @@ def test_auto_on_a_native_bf16_cpu_keeps_float32_for_a_small_model(
         "precision: fp32 (auto: no CUDA; a CPU with native bf16, but at hidden size 128 "
         "(< 512) float32 is faster)"
     ) in lines
+
+
+def test_make_test_avx2_runs_as_on_a_cpu_without_native_bf16() -> None:
+    """``make test-avx2``'s variables make this x86 CPU compute as an AVX2-only one: ATen
+    dispatches AVX2 kernels, bf16 is not detected as native, and the start-up probe measures
+    bf16 products many times slower than float32 (emulated), as on an AMD EPYC."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text()
+    assignment = re.search(r"^AVX2_ONLY := (.+)$", makefile, re.M)
+    assert assignment, "the Makefile defines AVX2_ONLY"
+    env = dict(os.environ) | dict(x.split("=", 1) for x in assignment.group(1).split())
+    code = (
+        "import torch; from dapo.models import precision as p; "
+        "print(torch.backends.cpu.get_cpu_capability(), p.cpu_has_native_bf16(), "
+        "p.bf16_cpu_slowdown())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    if not out[0].startswith("AVX"):
+        pytest.skip(f"not an x86 CPU (ATen capability {out[0]})")
+    assert out[0] == "AVX2"
+    assert out[1] == "False"
+    assert float(out[2]) >= 10, f"bf16 measured only {float(out[2]):.1f}x slower"
