@@ -23,7 +23,7 @@ loading does not count), and also the resident memory before the step. A table a
     python benchmarks/bench_memory.py [--prompts 2] [--generations 4] [--max-completion-length 32]
         [--sides fp32,bf16-mixed,bf16-mixed+ckpt,trl] [--output benchmarks/results/memory.json]
 
-On a GPU, the issue's work: ``--prompts 32 --generations 8 --max-completion-length 256``.
+On a GPU, a Qwen2.5-0.5B-sized rollout step: ``--prompts 32 --generations 8 --max-completion-length 256``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The real model on this CPU (issue 29): SmolLM2-135M-Instruct (``builtin:smollm2``) on
+"""The real model on this CPU: SmolLM2-135M-Instruct (``builtin:smollm2``) on
 ``builtin:chat_addition``, with the settings of ``examples/chat_addition.yaml`` (``make
 train-real``).
 

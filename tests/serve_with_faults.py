@@ -3,8 +3,8 @@ inside its engine, for ``tests/test_rollout_server_vllm.py``. ``DAPO_TEST_FAULTS
 
 - ``hang``: a generation with seed :data:`HANG_SEED` blocks the engine thread for ever.
 - ``no-vocab-check``: token ids are not checked against the vocabulary, so an
-  out-of-vocabulary id reaches vLLM and fails inside its forward pass (the failure of
-  issue 31: ``IndexError: index out of range in self``).
+  out-of-vocabulary id reaches vLLM and fails inside its forward pass (``IndexError: index out of
+  range in self``, as users met it).
 """
 
 from __future__ import annotations

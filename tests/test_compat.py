@@ -645,7 +645,7 @@ def test_no_trl_or_verl_name_is_answered_with_a_key_of_another_meaning():
             assert "did you mean" not in str(e), (name, str(e))
         else:
             pytest.fail(f"{name} was accepted without a translation")
-    # the names the issue found misdirected, each now right or refused
+    # names that TRL and verl users set and we misdirected: each now right or refused
     cfg = load_config(overrides={"num_iterations": 3, "save_steps": 10})
     assert (cfg.train.epochs, cfg.checkpoint.save_every) == (3, 10)
     with pytest.raises(ConfigError, match="dapo counts rollout steps"):

@@ -441,7 +441,7 @@ def test_loss_agg_accepts_exactly_the_algorithm_modes():
 
 
 # --------------------------------------------------------------------------------------
-# Loss variants, corrections, entropy controls (issue 19)
+# Loss variants, corrections, entropy controls
 # --------------------------------------------------------------------------------------
 
 
@@ -534,7 +534,7 @@ def test_new_enumerations_come_from_dapo_choices():
 
 
 # --------------------------------------------------------------------------------------
-# Constraints next to their fields (issue 26): bounds, Literal choices, section rules
+# Constraints next to their fields: bounds, Literal choices, section rules
 # --------------------------------------------------------------------------------------
 
 

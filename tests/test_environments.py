@@ -1,4 +1,4 @@
-"""Multi-turn environments and tools (issue #27): schemas, tool-call parsing, loading,
+"""Multi-turn environments and tools: schemas, tool-call parsing, loading,
 token-in/token-out rendering, the environment pool's failure handling, and the episode
 runner's limits, masks and log-probs."""
 

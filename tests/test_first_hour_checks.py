@@ -1,4 +1,4 @@
-"""What a new user met on the multi-turn and failure paths (issue #35 items 1, 7, 9): the
+"""What a new user met on the multi-turn and failure paths: the
 prompt length is measured as the model sees it (tool schemas included), a multi-turn run on
 a model without a chat template is refused before the model is built, and a run in which
 every sample fails stops, naming the failing component, instead of finishing quietly."""

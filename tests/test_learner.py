@@ -1,4 +1,4 @@
-"""The learner's update: what it logs, how deep it calls, and resuming a run (issue #26)."""
+"""The learner's update: what it logs, how deep it calls, and resuming a run."""
 
 from __future__ import annotations
 

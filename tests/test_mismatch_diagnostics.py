@@ -1,5 +1,5 @@
 """Engine-vs-trainer mismatch: ``algorithm.is_level=geometric``, ``rollout/mismatch_kl`` and
-``rollout.vllm_quantization`` (issue 30), checked against values computed by hand."""
+``rollout.vllm_quantization``, checked against values computed by hand."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Multi-turn episodes in training (issue #27): the trainer's log-probs of the model's tokens
+"""Multi-turn episodes in training: the trainer's log-probs of the model's tokens
 equal the engine's, environment tokens count in no loss or denominator, a failing
 environment costs its episode, and carried-over episode groups survive a resume.
 

@@ -247,7 +247,7 @@ def test_a_server_gone_mid_run_is_retried_then_named(monkeypatch, server):
     assert "resume=true" in msg and "dapo vllm-serve" in msg
 
 
-# --- requests checked before the engine (issue 31) -------------------------------------------
+# --- requests checked before the engine ---------------------------------------------------------
 
 
 def post(url: str, path: str, body: bytes | dict, key: str | None = None) -> tuple[int, dict]:

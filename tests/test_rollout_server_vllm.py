@@ -1,11 +1,11 @@
 """The rollout server with vLLM in a subprocess on 127.0.0.1: bad requests, a failing or
-stuck engine, stopping, the API key and the model check (issue 31).
+stuck engine, stopping, the API key and the model check.
 
 One server (``builtin:tiny``, an API key, a fault that makes a generation with seed
 ``HANG_SEED`` hang; ``tests/serve_with_faults.py``) is shared by the tests of this module;
 a test that ends it leaves the next one to start another. The engine-failure test starts
 its own, whose token ids are not checked, so that an out-of-vocabulary id fails inside
-vLLM's forward pass as in the issue.
+vLLM's forward pass, as users met it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Multi-turn environments and tools (issue #27).
+"""Multi-turn environments and tools.
 
 - :mod:`~dapo.environments.base`: the contract (``reset(record)``, ``step(assistant_text)``),
   the optional base class :class:`Environment`, the tool layer :class:`ToolEnvironment`.
