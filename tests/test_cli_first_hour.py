@@ -13,6 +13,7 @@ import dapo.cli
 from dapo.cli import _print_summary, compact_warnings, main
 from dapo.environments import EnvironmentWarning
 from dapo.metrics import TranscriptWriter, transcript_records
+from dapo.models.tiny import BUILD_ENV
 
 
 def test_help_mentions_multi_turn_and_the_python_entry_point(capsys):
@@ -28,7 +29,7 @@ def test_help_mentions_multi_turn_and_the_python_entry_point(capsys):
 
 def test_print_prompt_renders_a_single_turn_prompt_without_the_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DAPO_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("DAPO_BUILD_BUILTIN", "1")  # a model asked for would be built
+    monkeypatch.setenv(BUILD_ENV, "1")  # a model asked for would be built
     assert main(["train", "--print-prompt", "data.train=builtin:addition"]) == 0
     out, err = capsys.readouterr()
     from dapo.data.tasks import load_task
@@ -41,7 +42,7 @@ def test_print_prompt_renders_a_single_turn_prompt_without_the_model(tmp_path, m
 
 def test_print_prompt_shows_a_multi_turn_opening_with_its_tools(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DAPO_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("DAPO_BUILD_BUILTIN", "1")  # a model asked for would be built
+    monkeypatch.setenv(BUILD_ENV, "1")  # a model asked for would be built
     argv = [
         "train",
         "--print-prompt",

@@ -5,7 +5,11 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import random
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -366,11 +370,6 @@ def test_make_test_avx2_runs_as_on_a_cpu_without_native_bf16() -> None:
     """``make test-avx2``'s variables make this x86 CPU compute as an AVX2-only one: ATen
     dispatches AVX2 kernels, bf16 is not detected as native, and the start-up probe measures
     bf16 products many times slower than float32 (emulated), as on an AMD EPYC."""
-    import os
-    import re
-    import subprocess
-    import sys
-
     makefile = (Path(__file__).parents[1] / "Makefile").read_text()
     assignment = re.search(r"^AVX2_ONLY := (.+)$", makefile, re.M)
     assert assignment, "the Makefile defines AVX2_ONLY"

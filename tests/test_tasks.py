@@ -377,7 +377,7 @@ def test_a_second_process_waits_for_the_first_build(tmp_path, monkeypatch):
     from dapo.models import tiny
 
     monkeypatch.setenv("DAPO_CACHE", str(tmp_path))
-    monkeypatch.setenv("DAPO_BUILD_BUILTIN", "1")  # not the shipped copy: build it
+    monkeypatch.setenv(tiny.BUILD_ENV, "1")  # not the shipped copy: build it
     builds = []
 
     def fake_warm_up(path, name, log):
@@ -442,6 +442,6 @@ def test_the_shipped_models_are_used_while_their_recipe_is_the_same(tmp_path, mo
     bumped = dataclasses.replace(tiny.RECIPES["builtin:tiny"], steps=301)
     monkeypatch.setitem(tiny.RECIPES, "builtin:tiny", bumped)
     assert tiny.ensure_builtin_model("builtin:tiny", log=lambda _: None) == tiny.cache_dir()
-    monkeypatch.setenv("DAPO_BUILD_BUILTIN", "1")
+    monkeypatch.setenv(tiny.BUILD_ENV, "1")
     tiny.ensure_builtin_model("builtin:tiny-tool", log=lambda _: None)
     assert builds == ["builtin:tiny", "builtin:tiny-tool"]

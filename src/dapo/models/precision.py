@@ -98,7 +98,7 @@ def cpu_has_native_bf16() -> bool:
 
 def bf16_cpu_slowdown(size: int = 256) -> float:
     """How many times slower a ``size``-square bf16 matrix product runs than a float32 one on
-    this CPU, on one thread (the fastest of 5 runs each; ~0.3 s where bf16 is emulated). One
+    this CPU, on one thread (the fastest of 5 runs each; ~0.15 s where bf16 is emulated). One
     thread, so that another busy process slows both alike: on two threads the float32
     product waits for the other core, and a median of 3 read 3x where the products are 70x
     apart."""
