@@ -8,8 +8,12 @@ loaded. It serves single processes too (a group of one). This process starts no 
 fork copies only the forking thread), computes nothing, and serves one group at a time:
 
     request (a JSON line on stdin):  {"ranks": [{"argv", "cwd", "env", "stdout", "stderr"}],
-                                      "timeout": seconds}
+                                      "timeout": seconds, "grace": seconds (optional)}
     reply (a JSON line on stdout):   {"codes": [exit status per rank], "timed_out": bool}
+
+Ranks still running at the timeout, or ``grace`` seconds (default 30) after another rank of
+the group failed (as torchrun stops a failed rank's peers), are stopped with SIGABRT, which
+makes faulthandler print their Python stacks to their stderr, then SIGKILL.
 
 or one process started and left running (a server beside the test's trainers):
 
@@ -23,6 +27,7 @@ files; an exit status like ``subprocess``'s (negative: the signal that ended it)
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import importlib
 import json
@@ -85,6 +90,9 @@ def run_rank(spec: dict) -> int:
     os.environ.clear()
     os.environ.update(spec["env"])
     os.chdir(spec["cwd"])
+    # A rank still running at the group's deadline is sent SIGABRT first: its threads' Python
+    # stacks go to its stderr, so a hang says where it hung.
+    faulthandler.enable(all_threads=True)
     argv = spec["argv"]
     try:
         if argv[0] == "-c":
@@ -132,26 +140,45 @@ def fork_rank(spec: dict) -> int:
     return pid
 
 
+# How long the other ranks of a group may run on once one has failed (as torchrun, which
+# stops them at once, would not let them): long enough to end with their own error where
+# they are about to, short of the group's timeout where they wait for the failed rank.
+FAILED_PEER_GRACE_S = 30.0
+
+
+def stop(pids: list[int]) -> None:
+    """SIGABRT (faulthandler prints each one's Python stacks to its stderr), then SIGKILL."""
+    for pid in pids:
+        os.kill(pid, signal.SIGABRT)
+    time.sleep(2.0)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)  # harmless on one already ended and not yet reaped
+
+
 def serve_group(request: dict) -> dict:
     pids = [fork_rank(spec) for spec in request["ranks"]]
     codes: dict[int, int] = {}
     deadline = time.monotonic() + float(request["timeout"])
-    timed_out = False
+    a_rank_failed, timed_out = False, False
     while len(codes) < len(pids):
         for pid in pids:
-            if pid in codes:
-                continue
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                codes[pid] = os.waitstatus_to_exitcode(status)
-        if len(codes) < len(pids):
-            if time.monotonic() > deadline and not timed_out:
-                timed_out = True
-                for pid in pids:
-                    if pid not in codes:
-                        os.kill(pid, signal.SIGKILL)
-            time.sleep(0.02)
-    return {"codes": [codes[pid] for pid in pids], "timed_out": timed_out}
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+                    if codes[pid] != 0 and not timed_out:  # failed on its own
+                        grace = float(request.get("grace", FAILED_PEER_GRACE_S))
+                        deadline = min(deadline, time.monotonic() + grace)
+                        a_rank_failed = True
+        running = [pid for pid in pids if pid not in codes]
+        if running and time.monotonic() > deadline and not timed_out:
+            timed_out = True
+            stop(running)
+        time.sleep(0.02)
+    return {
+        "codes": [codes[pid] for pid in pids],
+        "timed_out": timed_out and not a_rank_failed,
+    }
 
 
 # Processes started with a "spawn" request (servers a test runs beside its trainers): pid ->

@@ -23,11 +23,12 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
-from dapo.rollout.weight_channel import free_port
+from torch.distributed import TCPStore
 
 HERE = Path(__file__).resolve().parent
 
@@ -48,6 +49,14 @@ def _report(proc: subprocess.CompletedProcess, cwd: Path) -> str:
     fatal = err.find("Fatal Python error")
     head = err[fatal : fatal + 3000] + "\n...\n" if fatal >= 0 else ""
     return f"stages {stages(cwd)}\n{head}{proc.stdout[-3000:]}{err[-3000:]}"
+
+
+def _stacks(err: str) -> str:
+    """A timed-out rank's stderr: what it printed last, then the stacks faulthandler dumped."""
+    fatal = err.find("Fatal Python error")
+    if fatal < 0:
+        return err[-4000:]
+    return err[max(0, fatal - 1500) : fatal + 4000]
 
 
 class Zygote:
@@ -86,11 +95,23 @@ def forked(
     timeout: float,
     ranks: int = 1,
     vllm: bool = False,
+    grace: float | None = None,
 ) -> subprocess.CompletedProcess:
     """``python ARGS`` as ``ranks`` processes forked by the zygote (``ranks`` > 1: with
     torchrun's rank environment); the result as ``subprocess.run`` gives it (the ranks'
-    outputs one after the other, the first failing status)."""
-    port = free_port() if ranks > 1 else None
+    outputs one after the other, the first failing status). Ranks still running ``grace``
+    seconds (the zygote's default: 30) after another failed are stopped, their stacks in
+    their stderr."""
+    # As torchrun's agent does, this process hosts the group's store and every rank is its
+    # client: the store binds a port the OS picks as it listens, where a port chosen free
+    # beforehand for rank 0 to bind could be taken in between by any other process on this
+    # host (rank 0 then dies of EADDRINUSE and rank 1 waits for its store).
+    store = (
+        TCPStore("127.0.0.1", 0, world_size=ranks, is_master=True, wait_for_workers=False)
+        if ranks > 1
+        else None
+    )
+    run_id = f"dapo-tests-{uuid.uuid4().hex[:12]}"  # a port may come again; this id may not
     specs = []
     for rank in range(ranks):
         rank_env = dict(env)
@@ -104,25 +125,35 @@ def forked(
                 LOCAL_WORLD_SIZE=str(ranks),
                 ROLE_WORLD_SIZE=str(ranks),
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
+                MASTER_PORT=str(store.port),
+                TORCHELASTIC_USE_AGENT_STORE="True",
                 TORCHELASTIC_RESTART_COUNT="0",
                 TORCHELASTIC_MAX_RESTARTS="0",
-                TORCHELASTIC_RUN_ID=f"dapo-tests-{port}",
+                TORCHELASTIC_RUN_ID=run_id,
             )
         out, err = cwd / f".rank{rank}.out", cwd / f".rank{rank}.err"
         specs.append(
             {"argv": list(args), "cwd": str(cwd), "env": rank_env, "stdout": str(out),
              "stderr": str(err)}
         )  # fmt: skip
-    reply = Zygote.ask({"ranks": specs, "timeout": timeout}, vllm)
+    try:
+        request = {"ranks": specs, "timeout": timeout}
+        if grace is not None:
+            request["grace"] = grace
+        reply = Zygote.ask(request, vllm)
+    finally:
+        del store
     outs = [Path(r["stdout"]).read_text(errors="replace") for r in specs]
     errs = [Path(r["stderr"]).read_text(errors="replace") for r in specs]
     for r in specs:
         Path(r["stdout"]).unlink()
         Path(r["stderr"]).unlink()
     cmd = ["rank_zygote", *args]
-    if reply["timed_out"]:
-        raise subprocess.TimeoutExpired(cmd, timeout, "".join(outs), "".join(errs))
+    if reply["timed_out"]:  # the ranks' stacks at the deadline are in their stderr
+        tails = "\n".join(f"--- rank {i} stderr ---\n{_stacks(e)}" for i, e in enumerate(errs))
+        raise AssertionError(
+            f"{' '.join(cmd)} timed out after {timeout} s; stages {stages(cwd)}\n{tails}"
+        )
     code = next((c for c in reply["codes"] if c != 0), 0)
     return subprocess.CompletedProcess(cmd, code, "".join(outs), "".join(errs))
 
