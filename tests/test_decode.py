@@ -82,6 +82,32 @@ def test_the_row_cache_writes_each_rows_key_at_its_own_slot():
         assert keys[0][row, :, others].abs().sum() == 0
 
 
+def test_bf16_mixed_keeps_its_cache_in_bf16_with_the_same_results(tok, prompts, monkeypatch):
+    """Under bf16-mixed the attention products read the cache in bf16: stored in bf16 (not
+    float32, rounded again at every step), the call samples the same tokens with the same
+    log-probs as with a float32 cache."""
+    from dapo.rollout import decode
+
+    model = set_precision(make_model(tok, seed=0), "bf16-mixed")
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=3)
+    dtypes: list[torch.dtype] = []
+    real = decode.decode_step
+
+    def recorded(m, s, cache, *a, **k):
+        dtypes.extend(x.dtype for x in (*cache.keys, *cache.values))
+        real(m, s, cache, *a, **k)
+
+    monkeypatch.setattr(decode, "decode_step", recorded)
+    bf16 = HFEngine(model, EOS, PAD).generate(prompts, params)
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+    dtypes.clear()
+    monkeypatch.setattr(decode.Decoder, "_cache_dtype", lambda self, x: x.dtype)
+    fp32 = HFEngine(model, EOS, PAD).generate(prompts, params)
+    assert torch.float32 in dtypes  # the keys leave the rotary embedding in float32
+    assert [g.response_ids for g in bf16] == [g.response_ids for g in fp32]
+    assert [g.logprobs for g in bf16] == [g.logprobs for g in fp32]
+
+
 def test_refilled_and_packed_rows_give_the_forwards_logprobs_to_1e5(
     tok, prompts, direct, monkeypatch
 ):
