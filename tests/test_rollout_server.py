@@ -10,6 +10,7 @@ retries and messages are tested in seconds. ``tests/test_vllm.py`` runs the real
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from dapo.rollout import Group, SamplingParams
 from dapo.rollout.fingerprint import Fingerprint
 from dapo.rollout.server import RolloutServer
 from dapo.rollout.server_client import ServerEngine
-from dapo.rollout.weight_channel import WeightGroup, WeightReceiver, free_port
+from dapo.rollout.weight_channel import WeightGroup, WeightReceiver, free_port, host_store
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -171,6 +172,28 @@ def test_weights_go_over_the_weight_channel(server):
             assert torch.equal(engine.worker.loaded[name], p.detach())
     eng.close()
     assert engine.worker._dapo_group is None and eng.group is None
+
+
+def test_rank_0s_store_listens_before_its_port_is_given_out():
+    """The trainer's side of a gloo weight channel: the store is bound (no other process can
+    take its port) before any member is told the port, and the group forms on it."""
+    store = host_store("127.0.0.1", 2, timeout_s=30)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", store.port))  # already taken: by the store
+    got: list = []
+
+    def receiver() -> None:
+        group = WeightGroup("127.0.0.1", store.port, 1, 2, timeout_s=30)
+        got.extend(group.receive([("w", "float32", [3])]))
+        group.close()
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    sender = WeightGroup("127.0.0.1", store.port, 0, 2, timeout_s=30, store=store)
+    sender.send([("w", torch.tensor([1.0, 2.0, 3.0]))])
+    thread.join(30)
+    sender.close()
+    assert [(n, t.tolist()) for n, t in got] == [("w", [1.0, 2.0, 3.0])]
 
 
 def test_weight_group_alone_sends_in_order():

@@ -42,7 +42,14 @@ from dapo.parallel import distributed as D
 from dapo.rollout.base import Group, SamplingParams
 from dapo.rollout.fingerprint import Fingerprint
 from dapo.rollout.protocol import API_KEY_ENV
-from dapo.rollout.weight_channel import WeightGroup, address_towards, dtype_name, free_port, spec_of
+from dapo.rollout.weight_channel import (
+    WeightGroup,
+    address_towards,
+    dtype_name,
+    free_port,
+    host_store,
+    spec_of,
+)
 
 RESUME_HINT = (
     "If the server stopped, start it again (dapo vllm-serve MODEL --port PORT) and continue "
@@ -204,10 +211,15 @@ class ServerEngine:
             return
         backend = "nccl" if torch.cuda.is_available() and self.info["device"] == "cuda" else "gloo"
         device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+        host = address_towards(self.host, self.port)
+        world_size = 1 + int(self.info["tensor_parallel_size"])
+        # gloo: the store listens before the server is told its port (vLLM's NCCL group binds
+        # its own port, so it gets one that is free now).
+        store = host_store(host, world_size, self.timeout_s) if backend == "gloo" else None
         body = {
-            "host": address_towards(self.host, self.port),
-            "port": free_port(),
-            "world_size": 1 + int(self.info["tensor_parallel_size"]),
+            "host": host,
+            "port": store.port if store is not None else free_port(),
+            "world_size": world_size,
             "backend": backend,
             "timeout_s": self.timeout_s,
         }
@@ -222,6 +234,7 @@ class ServerEngine:
                     backend=backend,
                     device=device,
                     timeout_s=self.timeout_s,
+                    store=store,
                 )
             except Exception as exc:
                 if answer.done() and answer.exception() is not None:

@@ -16,6 +16,7 @@ import contextlib
 import socket
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -48,8 +49,21 @@ def address_towards(host: str, port: int) -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
+def host_store(host: str, world_size: int, timeout_s: float = 600.0) -> Any:
+    """Rank 0's store for a gloo weight group, listening on a port the OS picks as it binds
+    (``.port``: what the other members are told). A port chosen free beforehand could be
+    taken by another process before rank 0 bound it; this one cannot."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )  # fmt: skip
+
+
 class WeightGroup:
-    """One member of the weight channel (``rank`` 0: the trainer, hosting the store).
+    """One member of the weight channel (``rank`` 0: the trainer, hosting the store; with
+    gloo, ``store`` is the one :func:`host_store` made, already listening on ``port``).
 
     Building it blocks until all ``world_size`` members have joined (or ``timeout_s``).
     """
@@ -64,6 +78,7 @@ class WeightGroup:
         backend: str = "gloo",
         device: torch.device | str = "cpu",
         timeout_s: float = 600.0,
+        store: Any = None,
     ) -> None:
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device(device)
@@ -72,9 +87,11 @@ class WeightGroup:
         if backend == "gloo":
             import torch.distributed as dist
 
-            store = dist.TCPStore(
-                host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-            )
+            if store is None:
+                store = dist.TCPStore(
+                    host, port, world_size, is_master=rank == 0, timeout=timeout,
+                    wait_for_workers=False,
+                )  # fmt: skip
             self._pg = dist.ProcessGroupGloo(
                 dist.PrefixStore("dapo-weights", store), rank, world_size, timeout
             )
