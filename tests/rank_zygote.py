@@ -171,10 +171,11 @@ def serve_group(request: dict) -> dict:
                         deadline = min(deadline, time.monotonic() + grace)
                         a_rank_failed = True
         running = [pid for pid in pids if pid not in codes]
-        if running and time.monotonic() > deadline and not timed_out:
-            timed_out = True
-            stop(running)
-        time.sleep(0.02)
+        if running:
+            if time.monotonic() > deadline and not timed_out:
+                timed_out = True
+                stop(running)
+            time.sleep(0.02)
     return {
         "codes": [codes[pid] for pid in pids],
         "timed_out": timed_out and not a_rank_failed,

@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from torch.distributed import TCPStore
+from dapo.rollout.weight_channel import host_store
 
 HERE = Path(__file__).resolve().parent
 
@@ -106,11 +106,7 @@ def forked(
     # client: the store binds a port the OS picks as it listens, where a port chosen free
     # beforehand for rank 0 to bind could be taken in between by any other process on this
     # host (rank 0 then dies of EADDRINUSE and rank 1 waits for its store).
-    store = (
-        TCPStore("127.0.0.1", 0, world_size=ranks, is_master=True, wait_for_workers=False)
-        if ranks > 1
-        else None
-    )
+    store = host_store("127.0.0.1", ranks) if ranks > 1 else None
     run_id = f"dapo-tests-{uuid.uuid4().hex[:12]}"  # a port may come again; this id may not
     specs = []
     for rank in range(ranks):
@@ -136,10 +132,10 @@ def forked(
             {"argv": list(args), "cwd": str(cwd), "env": rank_env, "stdout": str(out),
              "stderr": str(err)}
         )  # fmt: skip
+    request = {"ranks": specs, "timeout": timeout}
+    if grace is not None:
+        request["grace"] = grace
     try:
-        request = {"ranks": specs, "timeout": timeout}
-        if grace is not None:
-            request["grace"] = grace
         reply = Zygote.ask(request, vllm)
     finally:
         del store

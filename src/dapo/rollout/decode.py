@@ -431,8 +431,8 @@ class Decoder:
         """What the cache stores ``x`` (a prefill's keys or values) as: under autocast, the
         dtype the attention products read it in. The keys leave bf16-mixed's rotary
         embedding in float32, and autocast would round the whole cache to bf16 again at
-        every step of every layer (a quarter of the copying in SmolLM2's bf16 decoding, profiled); stored rounded
-        once, the products read the same numbers."""
+        every step of every layer (a quarter of the copying in SmolLM2's bf16 decoding,
+        profiled); stored rounded once, the products read the same numbers."""
         kind = self.device.type
         if torch.is_autocast_enabled(kind) and x.is_floating_point():
             low = torch.get_autocast_dtype(kind)
