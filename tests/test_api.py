@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -291,6 +292,41 @@ def test_hooks_see_every_step_evaluation_and_checkpoint(random_tiny_model, tmp_p
 
 
 @pytest.mark.slow
+def test_dapo_train_releases_its_trainer_before_leaving_the_group(
+    random_tiny_model, tmp_path, monkeypatch
+):
+    """As `dapo train` does: the trainer (and its distributed objects) is freed before the
+    process group is destroyed, not after, when a peer may be gone."""
+    import weakref
+
+    import dapo.api
+
+    made: list[weakref.ref] = []
+    real_make = dapo.api.make_trainer
+
+    def make(*a, **k):
+        trainer = real_make(*a, **k)
+        made.append(weakref.ref(trainer))
+        return trainer
+
+    alive_at_destroy: list[bool] = []
+    real_destroy = dapo.api.D.destroy
+
+    def destroy() -> None:
+        gc.collect()  # what D.destroy does first: a cycle alone does not keep it
+        alive_at_destroy.append(made[0]() is not None)
+        real_destroy()
+
+    monkeypatch.setattr(dapo.api, "make_trainer", make)
+    monkeypatch.setattr(dapo.api.D, "destroy", destroy)
+    dapo.train(
+        model=str(random_tiny_model), output_dir=str(tmp_path / "run"),
+        train_dataset=rows("train", 8), reward_funcs=[parity], evaluate=False,
+        **{**SMALL, "train.steps": 1},
+    )  # fmt: skip
+    assert alive_at_destroy == [False]
+
+
 def test_zero_steps_only_evaluates_once(random_tiny_model, tmp_path):
     """train.steps=0 "only evaluates": one evaluation, before == after, no training step."""
     out = tmp_path / "run"

@@ -172,6 +172,10 @@ def train(
         **overrides,
     )
     summary = trainer.run()
+    # Released while every rank is still in the group, as `dapo train` releases its trainer:
+    # freed after the group was destroyed (at this function's return), the run's distributed
+    # objects hung rank 0 in native code there, once in CI, its peer gone.
+    del trainer
     if created:
         D.destroy()  # every rank gets here; a failed run raises on its own
     return summary
