@@ -157,7 +157,7 @@ def test_a_model_without_chat_template_is_refused_before_it_is_built(monkeypatch
     def no_build(*args, **kwargs):
         raise AssertionError("the model was built before the check")
 
-    monkeypatch.setattr("dapo.training.trainer.resolve_model_path", no_build)
+    monkeypatch.setattr("dapo.training.loading.resolve_model_path", no_build)
     cfg = load_config(
         overrides=[
             f"output_dir={tmp_path}",

@@ -21,12 +21,10 @@ import torch
 
 from dapo.atomic import write_text_atomic
 from dapo.config import Config
-from dapo.environments import load_environment, load_parser, no_template_error, parse_hermes
+from dapo.environments import parse_hermes
 from dapo.errors import HealthError, TrainingError
 from dapo.handover import ScoredGroup
 from dapo.health import HealthMonitor
-from dapo.models import load_tokenizer, resolve_model_path
-from dapo.models.loading import builtin_chat_template
 from dapo.models.precision import precision_of
 from dapo.parallel import distributed as D
 from dapo.parallel import sharding
@@ -44,6 +42,7 @@ from dapo.training.checkpoint import (
 )
 from dapo.training.inputs import Callbacks
 from dapo.training.learner import Learner, NonFiniteUpdates
+from dapo.training.loading import load_spec_and_tokenizer
 from dapo.training.record import RunRecord, check_output_dir, write_summary
 from dapo.training.resume import check_resume
 from dapo.training.teacher import load_teacher
@@ -61,28 +60,8 @@ class Trainer:
         self.cfg, self.out, inputs = cfg, Path(cfg.output_dir), inputs or RunInputs()
         check_output_dir(self.out)
         seed_everything(cfg.seed)
-        # Multi-turn episodes: the environment, tools and parser are loaded (a bad spec is an
-        # error) and the chat template they need is checked before any model is built.
-        r = cfg.rollout
-        spec = load_environment(
-            inputs.environment or r.environment, [*r.tools, *inputs.tools], r.tool_parser
-        )
-        tokenizer_name = cfg.model.tokenizer or cfg.model.name_or_path
-        builtin_without = builtin_chat_template(tokenizer_name) is False
-        agent = r.agent is not None or inputs.agent is not None
-        if agent:
-            load_parser(r.tool_parser)  # the endpoint parses the agents' tool calls with it
-        chat = spec is not None or agent
-        if chat and inputs.tokenizer is None and builtin_without:
-            raise no_template_error(tokenizer_name)
-        model_path = ""
-        if inputs.model is None or inputs.tokenizer is None:
-            model_path = resolve_model_path(cfg.model.name_or_path, log=self.log)
-        self.tokenizer = inputs.tokenizer or load_tokenizer(
-            cfg.model.tokenizer or model_path, trust_remote_code=cfg.model.trust_remote_code
-        )
-        if chat and not getattr(self.tokenizer, "chat_template", None):
-            raise no_template_error(tokenizer_name)
+        # The episode spec and the tokenizer, checked against each other before any weights.
+        spec, self.tokenizer, model_path = load_spec_and_tokenizer(cfg, inputs, self.log)
         self.spec = spec
         # The prompts and the reward scorer first: a bad data file or reward spec is refused
         # before any weights load. The teacher is checked against the tokenizer before the policy.

@@ -1,0 +1,43 @@
+"""What a run loads before its prompts and its policy: the multi-turn episode spec and the
+tokenizer, checked against each other, so that a bad environment, tool or parser spec, or a
+model without the chat template episodes and agents need, is refused before weights load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dapo.config import Config
+from dapo.environments import EnvironmentSpec, load_environment, load_parser, no_template_error
+from dapo.models import load_tokenizer, resolve_model_path
+from dapo.models.loading import builtin_chat_template
+from dapo.run_inputs import RunInputs
+
+
+def load_spec_and_tokenizer(
+    cfg: Config, inputs: RunInputs, log: Callable[[str], None]
+) -> tuple[EnvironmentSpec | None, Any, str]:
+    """``(spec, tokenizer, model_path)``: the episode spec (None for single-turn runs), the
+    tokenizer (``inputs``' or loaded) and the resolved model path ("" when ``inputs`` holds
+    both the model and the tokenizer)."""
+    r = cfg.rollout
+    spec = load_environment(
+        inputs.environment or r.environment, [*r.tools, *inputs.tools], r.tool_parser
+    )
+    tokenizer_name = cfg.model.tokenizer or cfg.model.name_or_path
+    agent = r.agent is not None or inputs.agent is not None
+    if agent:
+        load_parser(r.tool_parser)  # the endpoint parses the agents' tool calls with it
+    chat = spec is not None or agent
+    # A built-in model known to have no template is refused before it is built.
+    if chat and inputs.tokenizer is None and builtin_chat_template(tokenizer_name) is False:
+        raise no_template_error(tokenizer_name)
+    model_path = ""
+    if inputs.model is None or inputs.tokenizer is None:
+        model_path = resolve_model_path(cfg.model.name_or_path, log=log)
+    tokenizer = inputs.tokenizer or load_tokenizer(
+        cfg.model.tokenizer or model_path, trust_remote_code=cfg.model.trust_remote_code
+    )
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise no_template_error(tokenizer_name)
+    return spec, tokenizer, model_path
