@@ -128,6 +128,46 @@ def test_refilled_and_packed_rows_give_the_forwards_logprobs_to_1e5(
             torch.testing.assert_close(torch.tensor(lp), ref, atol=1e-5, rtol=0)
 
 
+def test_a_small_cache_is_kept_between_calls_without_changing_results(tok, prompts, monkeypatch):
+    """A cache under ``KEEP_BYTES`` is allocated once and reused by the next calls of the same
+    shape, its stale slots from other prompts masked: every call returns what a fresh engine
+    returns. A workspace still in use (another thread's call) is not handed out again, and a
+    cache over the limit is not kept."""
+    from dapo.rollout import decode
+
+    model = make_model(tok, seed=2, eos_scale=8.0)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=3)
+    others = [list(reversed(p)) for p in prompts]  # the same widths, other keys and values
+
+    def fresh(ps):
+        return HFEngine(model, EOS, PAD, batch_size=4).generate(ps, params)
+
+    engine = HFEngine(model, EOS, PAD, batch_size=4)
+    engine.generate(others, params)
+    (ws,) = engine.workspaces.entries.values()
+    address = ws.cache.keys[0].data_ptr()
+    again = engine.generate(prompts, params)
+    assert [(g.response_ids, g.logprobs) for g in again] == [
+        (g.response_ids, g.logprobs) for g in fresh(prompts)
+    ]
+    (kept,) = engine.workspaces.entries.values()
+    assert kept is ws and ws.cache.keys[0].data_ptr() == address and not ws.busy
+
+    ws.busy = True  # as while another call decodes on it
+    before = ws.cache.keys[0].clone()
+    assert [g.response_ids for g in engine.generate(others, params)] == [
+        g.response_ids for g in fresh(others)
+    ]
+    assert torch.equal(ws.cache.keys[0], before) and list(engine.workspaces.entries.values()) == [
+        ws
+    ]
+
+    monkeypatch.setattr(decode, "KEEP_BYTES", 0)
+    big = HFEngine(model, EOS, PAD, batch_size=4)
+    big.generate(prompts, params)
+    assert not big.workspaces.entries
+
+
 def test_greedy_tokens_equal_a_cache_free_decode_whatever_the_batch(tok, prompts, direct):
     model = make_model(tok, seed=1, eos_scale=8.0)
     params = SamplingParams(n=3, temperature=0.0, max_tokens=12)
