@@ -275,6 +275,76 @@ def test_shared_prompt_forward_equals_full_sequences(model) -> None:
             torch.testing.assert_close(b[j, :r], a[j, :r], atol=1e-5, rtol=1e-5)
 
 
+def _forwarded(widths: list[int], groups: list[list[int]], cost: int) -> int:
+    return sum(len(g) * max(widths[i] for i in g) + cost for g in groups)
+
+
+def test_length_buckets_find_the_cheapest_cut_by_width() -> None:
+    """The groups partition the rows (each in batch order), and their positions forwarded plus
+    ``cost`` per group is the minimum over every cut of the rows sorted by width (brute force
+    here)."""
+    from itertools import combinations
+
+    from dapo.training.forward import length_buckets
+
+    rng = random.Random(0)
+    for _ in range(200):
+        widths = [rng.choice([1, 2, 5, 9, 30, 31, 64]) for _ in range(rng.randint(1, 7))]
+        cost = rng.choice([0, 3, 20, 100])
+        groups = length_buckets(widths, cost)
+        assert sorted(i for g in groups for i in g) == list(range(len(widths)))
+        assert all(g == sorted(g) for g in groups)
+        order = sorted(range(len(widths)), key=lambda i: widths[i])
+        n = len(order)
+        brute = min(
+            _forwarded(
+                widths, [order[a:b] for a, b in zip((0, *cuts), (*cuts, n), strict=True)], cost
+            )
+            for k in range(n)
+            for cuts in combinations(range(1, n), k)
+        )
+        assert _forwarded(widths, groups, cost) == brute, (widths, cost, groups)
+    assert length_buckets([5, 5, 5, 50, 50], cost=10) == [[0, 1, 2], [3, 4]]
+    assert length_buckets([5, 5, 5, 50, 50], cost=10**6) == [[0, 1, 2, 3, 4]]
+    assert length_buckets([7] * 4, cost=0) == [[0, 1, 2, 3]]
+
+
+def test_responses_forwarded_by_width_give_one_passs_logprobs_and_gradients(
+    model, monkeypatch
+) -> None:
+    """Responses of one micro-batch forwarded in several passes by width (each at its own
+    longest width, on its prompts' shared pass): the log-probs and the gradient of forwarding
+    every sample as prompt + response, and of one pass at the batch's longest width."""
+    from dapo.training import forward
+
+    samples = with_old_logprobs(make_samples(), seed=3)
+    settings = LossSettings(loss_agg="token-mean", temperature=0.7)
+    passes: list[list[list[int]]] = []
+    real = forward.length_buckets
+
+    def recorded(widths, cost=None):
+        passes.append(real(widths, cost))
+        return passes[-1]
+
+    monkeypatch.setattr(forward, "length_buckets", recorded)
+    monkeypatch.setattr(forward, "BUCKET_COST", 0)  # a pass per distinct width
+    budget = 10**6
+    full = compute_logprobs(model, samples, ForwardOptions(PAD, 0.7, budget, shared_prompt=False))
+    by_width = compute_logprobs(model, samples, ForwardOptions(PAD, 0.7, budget))
+    assert passes and max(len(p) for p in passes) >= 4, passes  # several passes ran
+    for a, b in zip(full, by_width, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    g_by_width = step_gradient(model, samples, settings, budget)
+    g_full = step_gradient(model, samples, settings, budget, shared_prompt=False)
+    monkeypatch.setattr(forward, "BUCKET_COST", 10**9)  # one pass at the longest width
+    passes.clear()
+    g_one = step_gradient(model, samples, settings, budget)
+    assert passes and all(len(p) == 1 for p in passes)
+    assert g_full.abs().max() > 1e-4
+    torch.testing.assert_close(g_by_width, g_full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_by_width, g_one, atol=1e-5, rtol=1e-5)
+
+
 def test_shared_prompt_forward_in_float32() -> None:
     """In float32 the two paths differ only by summation order."""
     m = build_model(len(build_tokenizer()), seed=5)

@@ -92,13 +92,15 @@ def response_states(
     prompt's padding mask and positions. This is exact: a response token attends to the same
     keys and values at the same positions (causal attention makes a prompt's states
     independent of what follows it), only computed once per prompt instead of once per
-    response. Otherwise (no repeated prompt, the switch off, or a model that cannot continue
+    response. The responses go in groups of similar width (:func:`length_buckets`), each
+    forwarded at its own longest width rather than all at the micro-batch's longest (but for
+    an FSDP-sharded model, which gathers its weights at every call). Otherwise (no repeated prompt, the switch off, or a model that cannot continue
     from a cache, see :func:`prompt_cache`) every sample is forwarded as prompt + response.
 
     ``ddp`` (the DistributedDataParallel wrapper of ``model``) runs exactly one forward per
     call, the prompt pass or the full one, as DDP expects one forward per backward (each
-    forward broadcasts buffers, a collective every rank must match). The response pass calls
-    ``model`` itself: its gradient reaches the same parameters in the same backward, which
+    forward broadcasts buffers, a collective every rank must match). The response passes call
+    ``model`` itself: their gradient reaches the same parameters in the same backward, which
     DDP (``find_unused_parameters`` off) reduces once.
     """
     first_pass = ddp if ddp is not None else model
@@ -134,17 +136,72 @@ def response_states(
         first = out.logits[:, -1:].index_select(0, rows)  # predicts response token 0
         if r == 1:
             return first
-        # Tokens 1..R-1, from response positions 0..R-2 (the last token is no input).
-        attn = torch.cat([batch.prompt_mask, batch.response_mask[:, : r - 1]], 1).to(device)
-        pos = batch.prompt_mask.sum(-1)[:, None].to(device) + torch.arange(r - 1, device=device)
-        rest = model(
-            input_ids=batch.response_ids[:, : r - 1].to(device),
-            attention_mask=attn,
-            position_ids=pos,
-            past_key_values=cache.expand(rows),
-            use_cache=True,
-        )
-        return torch.cat([first, rest.logits], 1)
+        # Tokens 1..w-1 of each response, from its positions 0..w-2 (the last token is no
+        # input), in groups of similar width, each forwarded at its own longest width.
+        widths = response_widths(batch.response_mask)
+        groups = [list(range(len(widths)))]
+        if not sharding.is_fsdp(model):  # a sharded model gathers its weights per call
+            groups = length_buckets(widths)
+        parts = []
+        for group in groups:
+            sub = torch.tensor(group)
+            w = max(widths[i] for i in group)
+            if w == 1:  # nothing but the first token, predicted by the prompt pass
+                parts.append(first.new_zeros((len(group), r - 1, first.shape[-1])))
+                continue
+            mask = batch.prompt_mask[sub]
+            attn = torch.cat([mask, batch.response_mask[sub, : w - 1]], 1).to(device)
+            pos = mask.sum(-1)[:, None].to(device) + torch.arange(w - 1, device=device)
+            rest = model(
+                input_ids=batch.response_ids[sub, : w - 1].to(device),
+                attention_mask=attn,
+                position_ids=pos,
+                past_key_values=cache.expand(rows[sub.to(device)]),
+                use_cache=True,
+            ).logits
+            parts.append(torch.nn.functional.pad(rest, (0, 0, 0, r - w)))  # to R-1 columns
+        rest = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if len(groups) > 1:  # back to the batch's row order
+            order = torch.tensor([i for group in groups for i in group])
+            rest = rest.index_select(0, torch.argsort(order).to(device))
+        return torch.cat([first, rest], 1)
+
+
+BUCKET_COST = 128  # a response pass's fixed work, in positions (see length_buckets)
+
+
+def response_widths(response_mask: torch.Tensor) -> list[int]:
+    """Each row's response width: one past its last response token (right-padded rows)."""
+    columns = torch.arange(1, response_mask.shape[1] + 1)
+    return (torch.where(response_mask.cpu() > 0, columns, 0).amax(-1)).tolist()
+
+
+def length_buckets(widths: Sequence[int], cost: int | None = None) -> list[list[int]]:
+    """Row indices cut into groups of similar width, each to be forwarded at its own longest
+    width instead of every row at the batch's longest: the cut of the rows sorted by width
+    that minimises the positions forwarded (rows x longest width, summed over groups) plus
+    ``cost`` per group (a forward and backward call's fixed work; :data:`BUCKET_COST`).
+
+    A response shorter than its group's longest is otherwise padded to it: with DAPO's long
+    tails (most responses short, a few at the limit) that is most of the work.
+    """
+    cost = BUCKET_COST if cost is None else cost
+    order = sorted(range(len(widths)), key=lambda i: widths[i])
+    distinct = sorted(set(widths))
+    ends = [sum(1 for x in widths if x <= d) for d in distinct]  # rows up to each width
+    best = [0.0] + [float("inf")] * len(distinct)  # best[j]: the first ends[j-1] rows
+    cut = [0] * (len(distinct) + 1)
+    for j in range(1, len(distinct) + 1):
+        for i in range(j):
+            start = ends[i - 1] if i else 0
+            total = best[i] + (ends[j - 1] - start) * distinct[j - 1] + cost
+            if total < best[j]:
+                best[j], cut[j] = total, i
+    bounds, j = [], len(distinct)
+    while j:
+        bounds.append((ends[cut[j] - 1] if cut[j] else 0, ends[j - 1]))
+        j = cut[j]
+    return [sorted(order[a:b]) for a, b in reversed(bounds)]
 
 
 def token_logprobs(
