@@ -360,13 +360,17 @@ def test_chunked_logprobs_and_entropy_on_cuda_equal_the_whole_logits(dtype):
 
 
 @gpu_test()
-def test_the_training_forward_on_cuda_equals_whole_logits_and_shared_prompt_with_checkpointing():
+def test_the_training_forward_on_cuda_equals_whole_logits_and_shared_prompt_with_checkpointing(
+    monkeypatch,
+):
     """On CUDA in float32: the chunked output layer (chunks of 7) gives the whole-logits
     log-probs and entropies (1e-5), and checkpointed layers with the shared-prompt forward
     give the gradient of the plain forward of whole sequences (relative 1e-4: only the
-    summation order differs), with the layers run again in backward."""
+    summation order differs), with the layers run again in backward; also with the responses
+    forwarded in one pass per distinct length."""
     from dapo import algorithms as alg
     from dapo.models.activation_checkpointing import checkpoint_layers
+    from dapo.training import forward
     from dapo.training.forward import response_logits, response_states, token_logprobs
     from dapo.training.microbatch import collate
 
@@ -398,6 +402,10 @@ def test_the_training_forward_on_cuda_equals_whole_logits_and_shared_prompt_with
         f"{error:.1e}",
     )
     assert error < 1e-4
+    monkeypatch.setattr(forward, "BUCKET_COST", 0)  # a response pass per distinct length
+    by_length = relative_error(gradients(checkpointed, batch, shared_prompt=True), want)
+    record("the same, responses in a pass per length, relative error", f"{by_length:.1e}")
+    assert by_length < 1e-4
 
 
 @gpu_test()
