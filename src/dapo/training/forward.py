@@ -137,46 +137,35 @@ def response_states(
         first = out.logits[:, -1:].index_select(0, rows)  # predicts response token 0
         if r == 1:
             return first
-        return torch.cat([first, _responses_by_width(model, batch, cache, rows, first)], 1)
-
-
-def _responses_by_width(
-    model: torch.nn.Module,
-    batch: MicroBatch,
-    cache: SharedPromptCache,
-    rows: torch.Tensor,
-    first: torch.Tensor,
-) -> torch.Tensor:
-    """The states that predict response tokens 1..R-1, ``[b, R-1, .]``: each response's
-    tokens 0..w-2 (its last is no input) forwarded on its prompt's cache, in groups of similar
-    width ``w``, each group at its own longest width (zeros beyond)."""
-    device, r = first.device, batch.width
-    widths = response_widths(batch.response_mask)
-    groups = [list(range(len(widths)))]
-    if not sharding.is_fsdp(model):  # a sharded model gathers its weights at every call
-        groups = length_buckets(widths)
-    parts = []
-    for group in groups:
-        sub = torch.tensor(group)
-        w = max(widths[i] for i in group)
-        if w <= 1:  # nothing but the first token, which the prompt pass predicts
-            parts.append(first.new_zeros((len(group), r - 1, first.shape[-1])))
-            continue
-        mask = batch.prompt_mask[sub]
-        attn = torch.cat([mask, batch.response_mask[sub, : w - 1]], 1).to(device)
-        pos = mask.sum(-1)[:, None].to(device) + torch.arange(w - 1, device=device)
-        states = model(
-            input_ids=batch.response_ids[sub, : w - 1].to(device),
-            attention_mask=attn,
-            position_ids=pos,
-            past_key_values=cache.expand(rows[sub.to(device)]),
-            use_cache=True,
-        ).logits
-        parts.append(torch.nn.functional.pad(states, (0, 0, 0, r - w)))  # to R-1 columns
-    if len(groups) == 1:
-        return parts[0]
-    order = torch.tensor([i for group in groups for i in group])
-    return torch.cat(parts).index_select(0, torch.argsort(order).to(device))
+        # Tokens 1..w-1 of each response, from its positions 0..w-2 (its last token is no
+        # input), in groups of similar width w, each forwarded at its own longest width.
+        widths = response_widths(batch.response_mask)
+        groups = [list(range(len(widths)))]
+        if not sharding.is_fsdp(model):  # a sharded model gathers its weights at every call
+            groups = length_buckets(widths)
+        parts = []
+        for group in groups:
+            sub = torch.tensor(group)
+            w = max(widths[i] for i in group)
+            if w <= 1:  # nothing but the first token, which the prompt pass predicts
+                parts.append(first.new_zeros((len(group), r - 1, first.shape[-1])))
+                continue
+            mask = batch.prompt_mask[sub]
+            attn = torch.cat([mask, batch.response_mask[sub, : w - 1]], 1).to(device)
+            pos = mask.sum(-1)[:, None].to(device) + torch.arange(w - 1, device=device)
+            states = model(
+                input_ids=batch.response_ids[sub, : w - 1].to(device),
+                attention_mask=attn,
+                position_ids=pos,
+                past_key_values=cache.expand(rows[sub.to(device)]),
+                use_cache=True,
+            ).logits
+            parts.append(torch.nn.functional.pad(states, (0, 0, 0, r - w)))  # to R-1 columns
+        rest = parts[0]
+        if len(groups) > 1:  # back to the batch's row order
+            order = torch.tensor([i for group in groups for i in group])
+            rest = torch.cat(parts).index_select(0, torch.argsort(order).to(device))
+        return torch.cat([first, rest], 1)
 
 
 BUCKET_COST = 128  # a response pass's fixed work, in positions (see length_buckets)
