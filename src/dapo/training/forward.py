@@ -11,6 +11,7 @@ logits exist.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -188,8 +189,9 @@ def length_buckets(widths: Sequence[int], cost: int | None = None) -> list[list[
     """
     cost = BUCKET_COST if cost is None else cost
     order = sorted(range(len(widths)), key=lambda i: widths[i])
+    ordered = [widths[i] for i in order]
     distinct = sorted(set(widths))
-    ends = [sum(1 for x in widths if x <= d) for d in distinct]  # rows up to each width
+    ends = [bisect.bisect_right(ordered, d) for d in distinct]  # rows up to each width
     best = [0.0] + [float("inf")] * len(distinct)  # best[j]: the first ends[j-1] rows
     cut = [0] * (len(distinct) + 1)
     for j in range(1, len(distinct) + 1):

@@ -61,11 +61,10 @@ class Trainer:
         check_output_dir(self.out)
         seed_everything(cfg.seed)
         # The episode spec and the tokenizer, checked against each other before any weights.
-        spec, self.tokenizer, model_path = load_spec_and_tokenizer(cfg, inputs, self.log)
-        self.spec = spec
+        self.spec, self.tokenizer, model_path = load_spec_and_tokenizer(cfg, inputs, self.log)
         # The prompts and the reward scorer first: a bad data file or reward spec is refused
         # before any weights load. The teacher is checked against the tokenizer before the policy.
-        self.rollouts = Rollouts(cfg, self.tokenizer, inputs, self.log, spec)
+        self.rollouts = Rollouts(cfg, self.tokenizer, inputs, self.log, self.spec)
         try:
             teacher = load_teacher(cfg, self.tokenizer, self.log)
             self.learner = Learner.from_config(
