@@ -146,6 +146,8 @@ def test_a_small_cache_is_kept_between_calls_without_changing_results(tok, promp
     engine.generate(others, params)
     (ws,) = engine.workspaces.entries.values()
     address = ws.cache.keys[0].data_ptr()
+    # LlamaStep's keys are stored [rows, heads, head_dim, slots]: slots innermost.
+    assert ws.cache.keys[0].stride(2) == 1 and ws.cache.values[0].stride(3) == 1
     again = engine.generate(prompts, params)
     assert [(g.response_ids, g.logprobs) for g in again] == [
         (g.response_ids, g.logprobs) for g in fresh(prompts)

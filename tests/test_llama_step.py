@@ -56,9 +56,10 @@ MODELS = {
 }
 
 
-def step_against_full_forward(model, fuse: bool = True) -> None:
+def step_against_full_forward(model, fuse: bool = True, keys_last: bool = False) -> None:
     """Three rows of different lengths decode 5 tokens through LlamaStep; after each, its
-    logits equal the model's forward over the row's whole sequence."""
+    logits equal the model's forward over the row's whole sequence. ``keys_last``: the keys
+    are stored ``[rows, heads, head_dim, length]`` (the engine's layout for LlamaStep)."""
     torch.manual_seed(0)
     cfg = model.config
     rows, length, steps = 3, 24, 5
@@ -67,7 +68,11 @@ def step_against_full_forward(model, fuse: bool = True) -> None:
     starts = [7, 3, 11]  # each row's sequence so far
     seqs = [torch.randint(2, cfg.vocab_size, (n,)).tolist() for n in starts]
     shape = (rows, cfg.num_key_value_heads, length, head_dim)
-    keys = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
+    if keys_last:
+        stored = (rows, cfg.num_key_value_heads, head_dim, length)
+        keys = [torch.zeros(stored).transpose(2, 3) for _ in range(cfg.num_hidden_layers)]
+    else:
+        keys = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
     values = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
     slot = torch.zeros(rows, dtype=torch.long)
     valid = torch.zeros(rows, length, dtype=torch.bool)
@@ -90,11 +95,12 @@ def step_against_full_forward(model, fuse: bool = True) -> None:
                         s.append(int(logits[r].argmax()))
 
 
+@pytest.mark.parametrize("keys_last", [False, True], ids=["slots-major", "keys-last"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_the_step_gives_the_models_logits(name):
+def test_the_step_gives_the_models_logits(name, keys_last):
     model = MODELS[name]().eval()
     assert unsupported(model) is None
-    step_against_full_forward(model)
+    step_against_full_forward(model, keys_last=keys_last)
 
 
 def test_unfused_and_lora_wrapped_policies_give_the_same_logits():

@@ -381,3 +381,53 @@ def test_sample_next_is_greedy_at_temperature_zero():
     tok, logp = sample_next(logits, SamplingParams(temperature=0.0), torch.Generator())
     assert tok.tolist() == [1, 0]
     torch.testing.assert_close(logp, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+
+
+def test_a_large_vocabulary_is_drawn_two_level_as_the_inverse_cdf_of_the_whole_row():
+    from dapo.rollout.sampling import BLOCK, _draw
+
+    # Three whole blocks and a partial one; integer masses, so that every partial sum is
+    # exact in float32 and float64 and the inverse CDF is known exactly. Zero-mass entries
+    # at block edges, a whole zero block and zeros before the last entry are never drawn.
+    vocab = 3 * BLOCK + 77
+    g = torch.Generator().manual_seed(0)
+    mass = torch.randint(0, 8, (vocab,), generator=g).float()
+    mass[BLOCK : 2 * BLOCK] = 0  # a block of no mass
+    mass[[0, BLOCK - 1, 2 * BLOCK, 3 * BLOCK - 1]] = 0
+    mass[-20:] = 0
+    mass[-1] = 3  # the last entry, past zeros, in the partial block
+    cum = mass.double().cumsum(0)
+    total = float(cum[-1])
+    # u on a grid of midpoints between the breakpoints, and next to 0 and 1.
+    breaks = sorted({float(c) / total for c in cum})
+    u = [(a + b) / 2 for a, b in zip([0.0] + breaks, breaks, strict=False) if b > a]
+    u += [0.0, 1e-12, 1 - 2**-53]
+    u = torch.tensor(u, dtype=torch.float64)
+    want = torch.tensor([int((cum > x * total).nonzero()[0]) if x * total < total
+                         else int(mass.nonzero()[-1]) for x in u.tolist()])  # fmt: skip
+    got = _draw(mass.expand(len(u), vocab), u)
+    assert torch.equal(got, want)
+    assert (mass[got] > 0).all()
+    # Every entry of positive mass is reachable.
+    assert set(got.tolist()) == set(mass.nonzero().flatten().tolist())
+
+
+def test_the_two_level_draw_keeps_top_k_and_the_log_prob_on_a_large_vocabulary():
+    from dapo.rollout.sampling import BLOCK, sample_with
+
+    vocab, rows = 5 * BLOCK + 3, 4000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(1))
+    top = set(torch.topk(logits, 7).indices.tolist())
+    params = SamplingParams(temperature=0.7, top_k=7)
+    u = torch.rand(rows, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    tok, logp = sample_with(logits.expand(rows, vocab), params, u)
+    assert set(tok.tolist()) == top  # only the top 7, each of them drawn
+    want = torch.log_softmax(process_logits(logits[None], 0.7, top_k=7)[0], -1)[tok]
+    torch.testing.assert_close(logp, want)
+    # The frequencies of the 7 (a 5-sigma band around the transcribed distribution).
+    p = torch.softmax(logits / 0.7, -1)
+    p = torch.where(torch.isin(torch.arange(vocab), torch.tensor(sorted(top))), p, 0)
+    p = (p / p.sum()).double()
+    freq = torch.bincount(tok, minlength=vocab).double() / rows
+    sigma = (p * (1 - p) / rows).sqrt()
+    assert ((freq - p).abs() <= 5 * sigma + 1e-12).all()

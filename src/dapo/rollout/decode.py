@@ -57,7 +57,9 @@ def bucket_for(rows: int, sizes: list[int]) -> int:
 class RowCache(Cache):
     """A static key/value cache: ``keys[layer]`` and ``values[layer]`` are ``[rows, kv_heads,
     length, head_dim]``, allocated once; ``update`` writes each row's new key and value at
-    ``slot[row]`` and returns the whole buffers (the attention mask hides unused slots)."""
+    ``slot[row]`` and returns the whole buffers (the attention mask hides unused slots).
+    The keys may be the transposed view of a ``[rows, kv_heads, head_dim, length]`` buffer
+    (for :class:`~dapo.rollout.llama_step.LlamaStep`: its scores read them contiguously)."""
 
     def __init__(
         self,
@@ -458,23 +460,35 @@ class Decoder:
                 return low
         return x.dtype
 
+    def _buffer(self, x: torch.Tensor, slots_last: bool) -> torch.Tensor:
+        """A zeroed cache buffer ``[rows, heads, length, head_dim]`` for the layer whose
+        prefill keys or values are ``x``; with ``slots_last``, the transposed view of a
+        ``[rows, heads, head_dim, length]`` buffer."""
+        rows, heads, dim, length = self.rows, x.shape[1], x.shape[3], self.length
+        shape = (rows, heads, dim, length) if slots_last else (rows, heads, length, dim)
+        b = torch.zeros(shape, dtype=self._cache_dtype(x), device=self.device)
+        return b.transpose(2, 3) if slots_last else b
+
     def _workspace(self, prefill: DynamicCache, vocab: int) -> Workspace:
         layout = tuple(
             (tuple(x.shape[1::2]), self._cache_dtype(x)) for layer in prefill.layers
             for x in (layer.keys, layer.values)
         )  # fmt: skip
-        key = (self.rows, self.length, self.params.max_tokens, vocab, layout, str(self.device))
+        # LlamaStep reads the keys as [head_dim, slots] (its score product's fast layout);
+        # the model's own attention reads them as [slots, head_dim].
+        keys_last = self.forward is not None
+        key = (
+            self.rows, self.length, self.params.max_tokens, vocab, layout, keys_last,
+            str(self.device),
+        )  # fmt: skip
 
         def make() -> Workspace:
             state = DecodeState.allocate(
                 self.rows, self.length, self.params.max_tokens, vocab, self.device
             )
-            buffers = [
-                torch.zeros((self.rows, x.shape[1], self.length, x.shape[3]),
-                            dtype=self._cache_dtype(x), device=self.device)
-                for layer in prefill.layers for x in (layer.keys, layer.values)
-            ]  # fmt: skip
-            return Workspace(state, RowCache(buffers[0::2], buffers[1::2], state.slot))
+            keys = [self._buffer(layer.keys, keys_last) for layer in prefill.layers]
+            values = [self._buffer(layer.values, False) for layer in prefill.layers]
+            return Workspace(state, RowCache(keys, values, state.slot))
 
         # Kept between calls for the graphs captured on it, or when small (fresh pages cost
         # their zeroing: ~8 ms of a 0.2 s call for builtin:tiny's 23 MB); else freed with the

@@ -184,12 +184,14 @@ class LlamaStep:
                 qk = torch.cat([layer.q_norm(qkv[:, :hq]), layer.k_norm(qkv[:, hq : hq + hkv])], 1)
             qk = torch.addcmul(qk * cos, qk.roll(self.half, -1), sin)
             keys, values = cache.update(qk[:, hq:, None], v[:, :, None], i)
-            keys = keys.reshape(rows * hkv, window, d)
+            # [rows * kv_heads, head_dim, window]: a view when the cache stores the keys
+            # slots-last (the product's fast operand layout, ~2x on a CPU), else strided.
+            keys_t = keys.transpose(2, 3).reshape(rows * hkv, d, window)
             q = qk[:, :hq].reshape(rows * hkv, g, d)
             if q.dtype == torch.float32 and keys.dtype == torch.float32:
-                scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scale)
+                scores = torch.baddbmm(bias, q, keys_t, alpha=self.scale)
             else:  # scores in float32, as the transformers path computes them
-                scores = torch.bmm(q, keys.transpose(1, 2).to(q.dtype)).float()
+                scores = torch.bmm(q, keys_t.to(q.dtype)).float()
                 scores = scores.mul_(self.scale).add_(bias)
             probs = torch.softmax(scores, -1).to(values.dtype)
             out = torch.bmm(probs, values.reshape(rows * hkv, window, d)).view(rows, hq * d)
