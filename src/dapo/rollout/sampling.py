@@ -64,8 +64,7 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = u.to(cum.dtype)[:, None] * cum[:, -1:]
     block = _first_above(cum, target)  # [B, 1]: a block of positive mass
     after = cum.gather(-1, block)
-    before = after - sums.gather(-1, block).double()
-    before = torch.where(block > 0, cum.gather(-1, (block - 1).clamp(min=0)), before.clamp(min=0))
+    before = torch.where(block > 0, cum.gather(-1, (block - 1).clamp(min=0)), 0.0)
     idx = block * BLOCK + torch.arange(BLOCK, device=probs.device)
     inside = probs.gather(-1, idx.clamp(max=vocab - 1)).masked_fill(idx >= vocab, 0)
     inside = inside.double().cumsum_(-1)
