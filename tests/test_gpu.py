@@ -494,6 +494,34 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens_and_every_bucket_is_capture
 
 
 @gpu_test()
+def test_the_two_level_draw_on_cuda_and_in_a_cuda_graph_picks_what_the_cpu_picks():
+    """The sampler's draw over a large vocabulary (two levels: a block, then an entry) on
+    CUDA, eagerly and replayed from a captured graph with new uniform numbers, picks the
+    tokens the CPU picks. Integer masses make every sum exact, so the picks must be equal."""
+    from dapo.rollout.sampling import BLOCK, _draw
+
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 256, 3 * BLOCK + 77
+    mass = torch.randint(0, 8, (rows, vocab), generator=g).float()
+    mass[:, BLOCK : 2 * BLOCK] = 0  # a block of no mass, never drawn
+    u1, u2 = (torch.rand(rows, dtype=torch.float64, generator=g) for _ in range(2))
+    probs, u = mass.to(CUDA), u1.to(CUDA)
+    assert torch.equal(_draw(probs, u).cpu(), _draw(mass, u1))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _draw(probs, u)  # warm-up off the capturing stream, as capture requires
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        drawn = _draw(probs, u)
+    u.copy_(u2.to(CUDA))
+    graph.replay()
+    want = _draw(mass, u2)
+    assert torch.equal(drawn.cpu(), want) and (mass.gather(1, want[:, None]) > 0).all()
+
+
+@gpu_test()
 def test_cuda_graphs_fall_back_with_one_line_for_a_sharded_policy(monkeypatch, tiny_path):
     from dapo.models import load_policy
     from dapo.rollout import HFEngine, hf_engine
