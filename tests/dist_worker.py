@@ -27,7 +27,8 @@ from dapo.training.checkpoint import full_state
 
 def fixed_batch():
     """Responses of very different lengths, two of them masked as truncated, and groups of
-    responses to one prompt (trained with the shared prompt pass)."""
+    responses to one prompt (trained with the shared prompt pass). Every prompt starts with
+    the same two tokens: the workers forward them once per micro-batch (``PASS_COST`` 0)."""
     import random
 
     from dapo.training.batch import Sample
@@ -38,7 +39,7 @@ def fixed_batch():
     groups = [(10, [1, 30, 52, 30]), (4, [22, 5, 14])]  # (prompt length, response lengths)
     samples = []
     for lp, lrs in [(lp, [lr]) for lp, lr in lengths] + groups:
-        prompt = [rng.randrange(3, 99) for _ in range(lp)]
+        prompt = [7, 8] + [rng.randrange(3, 99) for _ in range(lp)]
         for lr in lrs:
             resp = [rng.randrange(3, 99) for _ in range(lr)]
             mask = [0.0 if len(samples) in (3, 6) else 1.0] * lr
@@ -397,6 +398,9 @@ def main() -> None:
     assert info.world_size == 2, info
     mark(info.rank, "running")
     if mode == "step":
+        from dapo.models import inputs
+
+        inputs.PASS_COST = 0  # the prompts' two shared tokens are forwarded once (fixed_batch)
         dp = sys.argv[2]
         match = D.all_gather_objects(no_grad_passes_match(dp))
         out = one_step(dp, Path(sys.argv[3]).parent / f"checkpoints-{dp}")

@@ -170,6 +170,64 @@ def test_a_small_cache_is_kept_between_calls_without_changing_results(tok, promp
     assert not big.workspaces.entries
 
 
+SYSTEM = "You add numbers. Write the sum, then a line: Answer: the sum. Be brief and exact. "
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(tok):
+    """Prompts that share a long prefix (as a chat template's system prompt), then differ in
+    length and content: 84 shared characters, then 1 to 9 of their own."""
+    rest = ["2+2", "40+2=", "1", "77+123=?", "9+9 is", "x+y", "35+46=81?"]
+    return [tok(SYSTEM + r, add_special_tokens=False)["input_ids"] for r in rest]
+
+
+def prefix_passes(monkeypatch) -> list[int]:
+    """The length of every prefix pass a call makes (one row of the shared tokens)."""
+    from dapo.rollout import decode
+
+    seen: list[int] = []
+    real = decode.Decoder._prefill_inputs
+
+    def recorded(self, prompts):
+        had = self._prefix_kv is not None
+        out = real(self, prompts)
+        if self.prefix and not had:
+            seen.append(self.prefix)
+        return out
+
+    monkeypatch.setattr(decode.Decoder, "_prefill_inputs", recorded)
+    return seen
+
+
+def test_a_shared_prefix_is_forwarded_once_per_call_with_the_same_results(
+    tok, chat_prompts, direct, monkeypatch
+):
+    """Prompts sharing a system prompt: its keys and values are computed once per call and
+    each prefill forwards only the rest (refills included, on 3 rows for 14 responses); every
+    response's log-probs are those of a plain forward over it, and greedy tokens are those
+    of a cache-free decode."""
+    model = make_model(tok, seed=0, eos_scale=8.0)
+    passes = prefix_passes(monkeypatch)
+    seen = batch_sizes_seen(monkeypatch)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=5)
+    groups = HFEngine(model, EOS, PAD, batch_size=3, direct=direct).generate(chat_prompts, params)
+    assert passes == [len(tok(SYSTEM, add_special_tokens=False)["input_ids"])]
+    assert max(seen) == 3 and len(seen) > 12  # refills: more than one prefill used it
+    for g in groups:
+        for resp, lp in zip(g.response_ids, g.logprobs, strict=True):
+            ref = reference_logprobs(model, g.prompt_ids, resp, temperature=1.0)
+            torch.testing.assert_close(torch.tensor(lp), ref, atol=1e-5, rtol=0)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=10)
+    for batch in (2, 7):
+        groups = HFEngine(model, EOS, PAD, batch_size=batch, direct=direct).generate(
+            chat_prompts, greedy
+        )
+        assert [g.response_ids[0] for g in groups] == [
+            reference_greedy(model, p, 10) for p in chat_prompts
+        ]
+    assert len(passes) == 3  # once per call
+
+
 def test_greedy_tokens_equal_a_cache_free_decode_whatever_the_batch(tok, prompts, direct):
     model = make_model(tok, seed=1, eos_scale=8.0)
     params = SamplingParams(n=3, temperature=0.0, max_tokens=12)

@@ -107,6 +107,13 @@ def test_two_ranks_make_the_same_step_as_one_process(mode: str, two_rank_steps: 
         ]
         assert any(map(any, shared)) and not all(map(all, shared))
         assert shared[0][-1] != shared[1][-1]
+        # and some of those have several prompts: their shared first tokens go once (the
+        # workers' PASS_COST is 0), then the prompts' rest, all under DDP's one forward
+        assert any(
+            1 < len({tuple(batch[part[i]].prompt_ids) for i in c}) < len(c)
+            for part, ch in zip(parts, chunks, strict=True)
+            for c in ch
+        )
     two_ranks = two_rank_steps[mode]
     torch.set_num_threads(1)
     single = dist_worker.one_step("single")

@@ -28,11 +28,12 @@ def model() -> torch.nn.Module:
     return m
 
 
-def make_samples(seed: int = 0) -> list[Sample]:
+def make_samples(seed: int = 0, system: int = 0) -> list[Sample]:
     """Prompts and responses of very different lengths, some prompts with several responses
     (groups, as in training: one prompt pass shared by the group); three responses masked as
-    truncated."""
+    truncated. ``system``: every prompt starts with the same ``system`` tokens."""
     rng = random.Random(seed)
+    head = [rng.randrange(3, 99) for _ in range(system)]
     layout = [
         (5, [40]),
         (12, [1]),
@@ -46,7 +47,7 @@ def make_samples(seed: int = 0) -> list[Sample]:
     truncated = {3, 4, 8}
     samples = []
     for lp, lrs in layout:
-        prompt = [rng.randrange(3, 99) for _ in range(lp)]
+        prompt = head + [rng.randrange(3, 99) for _ in range(lp)]
         for lr in lrs:
             i = len(samples)
             resp = [rng.randrange(3, 99) for _ in range(lr)]
@@ -232,6 +233,19 @@ def _count_prompt_passes(model: torch.nn.Module) -> tuple[list[int], object]:
     return seen, model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def same_as_whole_sequences(model, samples, settings, budget, full, shared) -> torch.Tensor:
+    """Asserts that the log-probs ``shared`` (the shared-prompt forward's) are ``full`` (every
+    sample forwarded as prompt + response) and that so are the step's gradients; returns the
+    latter gradient."""
+    for a, b in zip(full, shared, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    g_full = step_gradient(model, samples, settings, budget, shared_prompt=False)
+    g_shared = step_gradient(model, samples, settings, budget)
+    assert g_full.abs().max() > 1e-4
+    torch.testing.assert_close(g_shared, g_full, atol=1e-5, rtol=1e-5)
+    return g_full
+
+
 def test_shared_prompt_forward_equals_full_sequences(model) -> None:
     """One prompt pass per distinct prompt gives the log-probs and gradients of forwarding
     every sample as prompt + response: prompts of different lengths in one micro-batch,
@@ -252,12 +266,7 @@ def test_shared_prompt_forward_equals_full_sequences(model) -> None:
                 c for c in chunks if len({tuple(samples[i].prompt_ids) for i in c}) < len(c)
             ]
             assert len(seen) == len(repeated) > 0  # the shared path did run
-            for a, b in zip(full, shared, strict=True):
-                torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
-            g_full = step_gradient(model, samples, settings, budget, shared_prompt=False)
-            g_shared = step_gradient(model, samples, settings, budget)
-            assert g_full.abs().max() > 1e-4
-            torch.testing.assert_close(g_shared, g_full, atol=1e-5, rtol=1e-5)
+            same_as_whole_sequences(model, samples, settings, budget, full, shared)
     finally:
         handle.remove()
     # A micro-batch of length-1 responses: response token 0 is predicted by the prompt pass
@@ -273,6 +282,53 @@ def test_shared_prompt_forward_equals_full_sequences(model) -> None:
         for j, s in enumerate(group):  # padding positions predict nothing
             r = len(s.response_ids)
             torch.testing.assert_close(b[j, :r], a[j, :r], atol=1e-5, rtol=1e-5)
+
+
+def test_a_prefix_every_prompt_shares_is_forwarded_once_with_the_same_results(
+    model, monkeypatch
+) -> None:
+    """Prompts that start with the same 20 tokens (a system prompt): each micro-batch forwards
+    them once, on one row, and the rest of every prompt on top (left-padded after them); the
+    log-probs and the gradient are those of forwarding every sample as prompt + response, in
+    float64 (with and without layer checkpointing) and in float32."""
+    from dapo.models import inputs
+
+    monkeypatch.setattr(inputs, "PASS_COST", 0)  # shared whenever two prompts share a token
+    samples = with_old_logprobs(make_samples(seed=2, system=20), seed=5)
+    settings = LossSettings(loss_agg="token-mean", temperature=0.7)
+    seen, handle = _count_prompt_passes(model)
+    try:
+        for budget in (10**6, 250):
+            seen.clear()
+            shared = compute_logprobs(model, samples, ForwardOptions(PAD, 0.7, budget))
+            # Every fresh pass is one row: the shared tokens where a micro-batch has several
+            # prompts (then the prompts' rest on top of them), else the group's one prompt.
+            chunks = micro_batches(samples, budget)
+            prompts = [{tuple(samples[i].prompt_ids) for i in c} for c in chunks]
+            repeated = [p for p, c in zip(prompts, chunks, strict=True) if len(p) < len(c)]
+            assert seen == [1] * len(repeated), seen
+            assert budget != 10**6 or len(repeated[0]) == 8  # one micro-batch, 8 prompts
+            full = compute_logprobs(
+                model, samples, ForwardOptions(PAD, 0.7, budget, shared_prompt=False)
+            )
+            g_full = same_as_whole_sequences(model, samples, settings, budget, full, shared)
+    finally:
+        handle.remove()
+    # Under dapo's layer checkpointing every layer runs again in backward: the same gradient.
+    import copy
+
+    from dapo.models.activation_checkpointing import checkpoint_layers
+
+    checkpointed = copy.deepcopy(model)
+    assert checkpoint_layers(checkpointed) == 4
+    g_ckpt = step_gradient(checkpointed, samples, settings, 10**6)
+    torch.testing.assert_close(g_ckpt, g_full, atol=1e-5, rtol=1e-5)
+    m32 = build_model(len(build_tokenizer()), seed=5)
+    m32.train()
+    a = compute_logprobs(m32, samples, ForwardOptions(PAD, 1.0, 10**6, shared_prompt=False))
+    b = compute_logprobs(m32, samples, ForwardOptions(PAD, 1.0, 10**6))
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
 
 
 def _forwarded(widths: list[int], groups: list[list[int]], cost: int) -> int:

@@ -10,7 +10,8 @@ that is one function of static shapes, and a loop that only calls it.
   :data:`SYNC_EVERY` tokens.
 - Continuous batching: the call's responses wait in a queue. At each look, the rows whose
   response finished hand it back and take the next ones (their prompts prefilled into the
-  rows' slots, one prefill per distinct prompt). Once the queue is empty, the live rows are
+  rows' slots, one prefill per distinct prompt; a prefix that all the call's prompts share,
+  such as a chat template's system prompt, is forwarded once per call). Once the queue is empty, the live rows are
   packed into the smallest batch-size bucket (:func:`buckets`) that holds them, so the long
   tail runs on a small batch.
 - On CUDA each bucket's decode step is captured once as a CUDA graph and replayed per token
@@ -29,7 +30,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from dapo.models.inputs import left_pad
+from dapo.models.inputs import left_pad, shared_prefix
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.llama_step import LlamaStep, unsupported
 from dapo.rollout.sampling import sample_with
@@ -293,6 +294,10 @@ class Decoder:
             if direct and unsupported(model) is None
             else None
         )
+        # The prompts' common prefix (a chat template's system prompt, few-shot turns): its
+        # keys and values are computed at the first prefill and reused by every later one.
+        self.prefix = shared_prefix(list(dict.fromkeys(map(tuple, prompts))))
+        self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.held: list[int] = [-1] * self.rows  # the response each row holds (-1: free)
         self.ws: Workspace | None = None
         self._views: dict[tuple[int, int], tuple[DecodeState, RowCache]] = {}
@@ -412,14 +417,12 @@ class Decoder:
             return
         rows = free[: len(take)]
         distinct = list(dict.fromkeys(p for p, _ in take))
-        ids, attn = left_pad([self.prompts[p] for p in distinct], self.pad)
-        ids, attn = ids.to(self.device), attn.to(self.device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        ids, attn, pos, cache = self._prefill_inputs([self.prompts[p] for p in distinct])
         out = self.model(
             input_ids=ids,
             attention_mask=attn,
             position_ids=pos,
-            past_key_values=DynamicCache(),
+            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -429,7 +432,7 @@ class Decoder:
         where = {p: i for i, p in enumerate(distinct)}
         src = torch.tensor([where[p] for p, _ in take], device=self.device)
         dst = torch.tensor(rows, device=self.device)
-        w = ids.shape[1]
+        w = attn.shape[1]
         cache, s = self.ws.cache, self.ws.state
         for i, layer in enumerate(prefill.layers):
             cache.keys[i][dst, :, :w] = layer.keys.index_select(0, src).to(cache.keys[i].dtype)
@@ -446,6 +449,35 @@ class Decoder:
         s.eos[dst] = False
         for r, (p, k) in zip(rows, take, strict=True):
             self.held[r] = p * self.params.n + k
+
+    def _prefill_inputs(
+        self, prompts: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache]:
+        """Token ids, attention mask, positions and cache of a prefill of ``prompts``: the
+        prompts left-padded, from an empty cache; or, when the call's prompts share a prefix
+        (:attr:`prefix` tokens), only what follows it, left-padded, from the prefix's keys
+        and values (the mask covers both: ``[prefix | padding | rest]``)."""
+        c = self.prefix
+        ids, attn = left_pad([p[c:] for p in prompts], self.pad)
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0) + c
+        cache = DynamicCache()
+        if not c:
+            return ids, attn, pos, cache
+        if self._prefix_kv is None:  # once per call: the weights do not change during one
+            head = DynamicCache()
+            self.model(
+                input_ids=torch.tensor([prompts[0][:c]], device=self.device),
+                position_ids=torch.arange(c, device=self.device)[None],
+                past_key_values=head,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            self._prefix_kv = [(layer.keys, layer.values) for layer in head.layers]
+        n = len(prompts)
+        for i, (k, v) in enumerate(self._prefix_kv):
+            cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), i)
+        return ids, torch.cat([attn.new_ones(n, c), attn], 1), pos, cache
 
     def _cache_dtype(self, x: torch.Tensor) -> torch.dtype:
         """What the cache stores ``x`` (a prefill's keys or values) as: under autocast, the

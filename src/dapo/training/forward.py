@@ -21,7 +21,7 @@ import torch
 from dapo import algorithms as alg
 from dapo.models.chunked_logprobs import chunked_logprobs
 from dapo.models.head import head_replaced, output_head
-from dapo.models.inputs import device_of
+from dapo.models.inputs import device_of, left_pad, shared_prefix
 from dapo.models.precision import autocast, compute_dtype
 from dapo.parallel import sharding
 from dapo.training.batch import Sample
@@ -93,17 +93,20 @@ def response_states(
     prompt's padding mask and positions. This is exact: a response token attends to the same
     keys and values at the same positions (causal attention makes a prompt's states
     independent of what follows it), only computed once per prompt instead of once per
-    response. The responses go in groups of similar width (:func:`length_buckets`), each
+    response. A prefix that all the distinct prompts share (a chat template's system prompt,
+    few-shot turns: :func:`~dapo.models.inputs.shared_prefix`) is forwarded once, on one
+    row, and the rest of each prompt on top of it (left-padded after it), by the same
+    argument. The responses go in groups of similar width (:func:`length_buckets`), each
     forwarded at its own longest width rather than all at the micro-batch's longest (but
     for an FSDP-sharded model, which gathers its weights at every call). Otherwise (no
     repeated prompt, the switch off, or a model that cannot continue from a cache, see
     :func:`prompt_cache`) every sample is forwarded as prompt + response.
 
     ``ddp`` (the DistributedDataParallel wrapper of ``model``) runs exactly one forward per
-    call, the prompt pass or the full one, as DDP expects one forward per backward (each
-    forward broadcasts buffers, a collective every rank must match). The response passes call
-    ``model`` itself: their gradient reaches the same parameters in the same backward, which
-    DDP (``find_unused_parameters`` off) reduces once.
+    call, the first (the shared prefix's, the prompts' or the full one), as DDP expects one
+    forward per backward (each forward broadcasts buffers, a collective every rank must
+    match). The later passes call ``model`` itself: their gradient reaches the same
+    parameters in the same backward, which DDP (``find_unused_parameters`` off) reduces once.
     """
     first_pass = ddp if ddp is not None else model
     distinct = batch.distinct_prompts
@@ -124,17 +127,31 @@ def response_states(
                 use_cache=False,
             )
             return out.logits[:, :-1]
-        prompt_mask = batch.prompt_mask[distinct].to(device)
-        prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-        out = first_pass(
-            input_ids=batch.prompt_ids[distinct].to(device),
-            attention_mask=prompt_mask,
-            position_ids=prompt_pos,
+        prompt_ids, prompt_mask = batch.prompt_ids[distinct], batch.prompt_mask[distinct]
+        tokens = [row[m > 0].tolist() for row, m in zip(prompt_ids, prompt_mask, strict=True)]
+        c = shared_prefix(tokens)
+        if c:  # a prefix every prompt shares (a system prompt): once, then the rest on top
+            first_pass(
+                input_ids=torch.tensor([tokens[0][:c]], device=device),
+                position_ids=torch.arange(c, device=device)[None],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache = cache.continued(len(tokens))
+            prompt_ids, rest = left_pad([t[c:] for t in tokens], pad_id=0)  # 0: masked
+            prompt_mask = torch.cat([rest.new_ones(len(tokens), c), rest], 1)
+        pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)[:, -prompt_ids.shape[1] :]
+        out = (model if c else first_pass)(
+            input_ids=prompt_ids.to(device),
+            attention_mask=prompt_mask.to(device),
+            position_ids=pos.to(device),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        rows = torch.tensor(batch.owner, device=device)
+        owner = torch.tensor(batch.owner)  # each row's prompt among the distinct ones
+        rows = owner.to(device)
         first = out.logits[:, -1:].index_select(0, rows)  # predicts response token 0
         if r == 1:
             return first
@@ -151,7 +168,7 @@ def response_states(
             if w <= 1:  # nothing but the first token, which the prompt pass predicts
                 parts.append(first.new_zeros((len(group), r - 1, first.shape[-1])))
                 continue
-            mask = batch.prompt_mask[sub]
+            mask = prompt_mask[owner[sub]]  # as the prompts lie in the cache
             attn = torch.cat([mask, batch.response_mask[sub, : w - 1]], 1).to(device)
             pos = mask.sum(-1)[:, None].to(device) + torch.arange(w - 1, device=device)
             states = model(

@@ -10,6 +10,9 @@ the keys.
 
 - prompt pass: the cache starts empty, so ``update`` *replaces* the layer's keys and values
   with the new ones (equal to appending to nothing), and returns them;
+- a prompt pass after a prefix that all the micro-batch's prompts share (forwarded once, on
+  one row, as a prompt pass): ``update`` returns the prefix's keys and values followed by the
+  new ones, and keeps them (replacing, as above);
 - response pass: the prompts' keys and values are fixed; ``update`` returns them followed by
   the new ones and stores nothing.
 """
@@ -49,6 +52,24 @@ class _PrefixLayer(DynamicLayer):
         return torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
 
 
+class _ContinueLayer(DynamicLayer):
+    """A shared prefix's fixed keys and values that a pass continues: ``update`` returns them
+    followed by the new ones and keeps the result (replacing, as :class:`_PromptLayer`)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.prefix = keys, values
+        self.keys, self.values = keys, values
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys = torch.cat([self.prefix[0], key_states], -2)
+        self.values = torch.cat([self.prefix[1], value_states], -2)
+        return self.keys, self.values
+
+
 class SharedPromptCache(DynamicCache):
     """A full-attention cache for the prompt pass; :meth:`expand` gives the response pass's."""
 
@@ -58,6 +79,17 @@ class SharedPromptCache(DynamicCache):
     @classmethod
     def empty(cls, depth: int) -> SharedPromptCache:
         return cls([_PromptLayer() for _ in range(depth)])
+
+    def continued(self, n: int) -> SharedPromptCache:
+        """The cache of a pass that continues this one-row pass (a prefix that ``n`` prompts
+        share) on ``n`` rows; afterwards it holds the whole prompts, ready to :meth:`expand`.
+        The prefix is broadcast, so each prompt's gradient flows back into the one pass."""
+        return SharedPromptCache(
+            [
+                _ContinueLayer(layer.keys.expand(n, -1, -1, -1), layer.values.expand(n, -1, -1, -1))
+                for layer in self.layers
+            ]
+        )
 
     def expand(self, rows: torch.Tensor) -> SharedPromptCache:
         """The cache of the response pass: prompt ``rows[i]``'s keys and values for response
