@@ -276,7 +276,8 @@ class TrainConfig:
     shared_prompt_forward: bool = opt(
         True,
         "Forward each prompt once per micro-batch and its responses on top of it (exact, "
-        "by causal attention), instead of prompt + response for every response.",
+        "by causal attention), instead of prompt + response for every response; a prefix "
+        "all its prompts share (a system prompt) goes once too.",
     )
     lr: float = opt(
         1.5e-4,
