@@ -11,9 +11,9 @@ that is one function of static shapes, and a loop that only calls it.
 - Continuous batching: the call's responses wait in a queue. At each look, the rows whose
   response finished hand it back and take the next ones (their prompts prefilled into the
   rows' slots, one prefill per distinct prompt; a prefix that all the call's prompts share,
-  such as a chat template's system prompt, is forwarded once per call). Once the queue is empty, the live rows are
-  packed into the smallest batch-size bucket (:func:`buckets`) that holds them, so the long
-  tail runs on a small batch.
+  such as a chat template's system prompt, is forwarded once per call). Once the queue is
+  empty, the live rows are packed into the smallest batch-size bucket (:func:`buckets`) that
+  holds them, so the long tail runs on a small batch.
 - On CUDA each bucket's decode step is captured once as a CUDA graph and replayed per token
   (``cuda_graphs``); the step takes its random numbers as an input (``DecodeState.u``).
 """
