@@ -40,13 +40,14 @@ EXAMPLE = "examples/chat_addition.yaml"
 TINY_INSTRUCTION = "Add the two numbers column by column, carrying as you go. " * 3
 
 
-def setup(model: str, precision: str) -> tuple[Any, list[list[int]], list[list[int]], Any]:
-    """The config, the training and held-out prompts as token ids, and the tokenizer."""
+def setup(model: str, precision: str) -> tuple[Any, str, list[list[int]], list[list[int]], Any]:
+    """The config, the model's path, the training and held-out prompts as token ids, and the
+    tokenizer."""
     overrides = [f"train.precision={precision}"]
     if model == "tiny":
         overrides += ["model.name_or_path=builtin:tiny", "data.max_prompt_length=256"]
     cfg = load_config(EXAMPLE, overrides=overrides)
-    path = resolve_model_path(cfg.model.name_or_path, log=lambda _: None)
+    path = str(resolve_model_path(cfg.model.name_or_path, log=print))
     tok = load_tokenizer(path)
     if model == "tiny":  # a plain-text instruction the questions share
         from dapo.data.tasks.addition import addition_records
@@ -57,10 +58,10 @@ def setup(model: str, precision: str) -> tuple[Any, list[list[int]], list[list[i
             [tok(TINY_INSTRUCTION + p, add_special_tokens=False)["input_ids"] for p in split]
             for split in (train, test)
         ]
-        return cfg, ids[0], ids[1], tok
+        return cfg, path, ids[0], ids[1], tok
     train = encode_prompts(load_prompt_set(cfg.data, "train"), tok, cfg.data.max_prompt_length)
     test = encode_prompts(load_prompt_set(cfg.data, "eval"), tok, cfg.data.max_prompt_length)
-    return cfg, train[1], test[1], tok
+    return cfg, path, train[1], test[1], tok
 
 
 def alternate(run: Callable[[], Any], repeats: int) -> dict[str, Any]:
@@ -99,14 +100,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", default="benchmarks/results/shared_prefix.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg, train, test, tok = setup(args.model, args.precision)
+    cfg, path, train, test, tok = setup(args.model, args.precision)
     lines: list[str] = []
-    learner = Learner.from_config(
-        cfg,
-        resolve_model_path(cfg.model.name_or_path, log=print),
-        tok.pad_token_id,
-        log=lines.append,
-    )
+    learner = Learner.from_config(cfg, path, tok.pad_token_id, log=lines.append)
     engine = HFEngine(learner.model, tok.eos_token_id, tok.pad_token_id, batch_size=128)
 
     def generate(prompts: list[list[int]], n: int) -> list:

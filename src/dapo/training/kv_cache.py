@@ -10,11 +10,10 @@ the keys.
 
 - prompt pass: the cache starts empty, so ``update`` *replaces* the layer's keys and values
   with the new ones (equal to appending to nothing), and returns them;
-- a prompt pass after a prefix that all the micro-batch's prompts share (forwarded once, on
-  one row, as a prompt pass): ``update`` returns the prefix's keys and values followed by the
-  new ones, and keeps them (replacing, as above);
-- response pass: the prompts' keys and values are fixed; ``update`` returns them followed by
-  the new ones and stores nothing.
+- a pass that continues fixed keys and values (the prompts after a prefix they all share,
+  forwarded once on one row as a prompt pass; the responses after their prompts):
+  ``update`` returns the fixed ones followed by the new ones and keeps that result in place
+  of its last (replacing, as above, never appending to what it kept).
 """
 
 from __future__ import annotations
@@ -39,22 +38,9 @@ class _PromptLayer(DynamicLayer):
 
 
 class _PrefixLayer(DynamicLayer):
-    """Fixed keys and values of the prompts: ``update`` returns them followed by the new ones."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__()
-        self.lazy_initialization(keys, values)
-        self.keys, self.values = keys, values
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
-
-
-class _ContinueLayer(DynamicLayer):
-    """A shared prefix's fixed keys and values that a pass continues: ``update`` returns them
-    followed by the new ones and keeps the result (replacing, as :class:`_PromptLayer`)."""
+    """Fixed keys and values that a pass continues (the prompts', or a prefix they share):
+    ``update`` returns them followed by the new ones, and keeps that as the layer's keys and
+    values (so a prompt pass after a shared prefix leaves the whole prompts behind)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
@@ -86,7 +72,7 @@ class SharedPromptCache(DynamicCache):
         The prefix is broadcast, so each prompt's gradient flows back into the one pass."""
         return SharedPromptCache(
             [
-                _ContinueLayer(layer.keys.expand(n, -1, -1, -1), layer.values.expand(n, -1, -1, -1))
+                _PrefixLayer(layer.keys.expand(n, -1, -1, -1), layer.values.expand(n, -1, -1, -1))
                 for layer in self.layers
             ]
         )
