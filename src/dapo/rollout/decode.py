@@ -550,13 +550,19 @@ class Decoder:
             self.held[r] = -1
 
     def _pack(self, live: list[int], rows: int, window: int) -> None:
-        """Move the live rows to the front, into the first ``rows`` rows (the cache's first
-        ``window`` slots: no row has written beyond)."""
+        """Bring the live rows into the first ``rows`` rows: only those beyond move, each
+        into a free row in front (copying the cache's first ``window`` slots: no row has
+        written beyond); the rows left behind are free."""
         keep = set(live)
-        order = live + [r for r in range(self.rows) if r not in keep][: rows - len(live)]
-        index = torch.tensor(order, device=self.device)
-        for b in self.ws.state.buffers():
-            b[:rows] = b.index_select(0, index)
-        for b in [*self.ws.cache.keys, *self.ws.cache.values]:
-            b[:rows, :, :window] = b[:, :, :window].index_select(0, index)
-        self.held = [self.held[r] for r in order] + [-1] * (self.rows - rows)
+        movers = [r for r in live if r >= rows]
+        holes = [r for r in range(rows) if r not in keep][: len(movers)]
+        if movers:
+            src = torch.tensor(movers, device=self.device)
+            dst = torch.tensor(holes, device=self.device)
+            for b in self.ws.state.buffers():
+                b[dst] = b.index_select(0, src)
+            for b in [*self.ws.cache.keys, *self.ws.cache.values]:
+                b[dst, :, :window] = b[:, :, :window].index_select(0, src)
+            for h, m in zip(holes, movers, strict=True):
+                self.held[h] = self.held[m]
+        self.held[rows:] = [-1] * (self.rows - rows)
