@@ -108,6 +108,32 @@ def test_bf16_mixed_keeps_its_cache_in_bf16_with_the_same_results(tok, prompts, 
     assert [g.logprobs for g in bf16] == [g.logprobs for g in fp32]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_attention_is_softmax_of_scaled_scores_times_values(dtype):
+    """One new token per row over a cache window (a strided view, as the engine passes it),
+    grouped-query heads and a boolean slot mask: the engine's attention against the
+    formula written out in float64 from the same (rounded) inputs, to the precision of the
+    dtype's products."""
+    from dapo.rollout.hf_engine import _generation_attention
+
+    g = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, dim, window = 5, 6, 2, 16, 9
+    query = torch.randn(rows, heads, 1, dim, generator=g).to(dtype)
+    cache = torch.randn(2, rows, kv_heads, 20, dim, generator=g).to(dtype)
+    key, value = cache[0, :, :, :window], cache[1, :, :, :window]
+    mask = torch.rand(rows, 1, 1, window, generator=g) > 0.3
+    mask[..., 0] = True
+    out, _ = _generation_attention(None, query, key, value, mask, scaling=0.25)
+
+    q = query.double().reshape(rows, kv_heads, heads // kv_heads, dim)
+    scores = (q @ key.double().transpose(-1, -2)) * 0.25
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+    expected = (probs @ value.double()).reshape(rows, 1, heads, dim)
+    assert out.shape == (rows, 1, heads, dim) and out.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2e-2  # bf16: scores, probs and output rounded
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
 def test_refilled_and_packed_rows_give_the_forwards_logprobs_to_1e5(
     tok, prompts, direct, monkeypatch
 ):
