@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dapo.models.inputs import left_pad, shared_prefix
+from dapo.models.inputs import after_prefix, left_pad, shared_prefix
 
 
 def test_left_pad_ends_every_row_at_the_last_column():
@@ -25,3 +25,14 @@ def test_the_shared_prefix_leaves_every_prompt_a_token_and_must_pay_for_its_pass
     assert shared_prefix(prompts, pass_cost=80) == 0
     assert shared_prefix([system + [1]], pass_cost=0) == 0  # one prompt: nothing to share
     assert shared_prefix([[1, 2, 3], [4, 2, 3]], pass_cost=0) == 0
+
+
+def test_after_a_prefix_the_rest_is_left_padded_and_its_positions_continue():
+    ids, mask, pos = after_prefix([[1, 2, 3, 4], [1, 2, 5]], prefix=2, pad_id=0)
+    assert ids.tolist() == [[3, 4], [0, 5]]
+    assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 1]]  # [prefix | padding | rest]
+    assert pos[mask[:, 2:] > 0].tolist() == [2, 3, 2]  # each rest starts at position 2
+    # No prefix: plain left padding, positions from 0.
+    ids, mask, pos = after_prefix([[7, 8], [9]], prefix=0, pad_id=0)
+    assert ids.tolist() == [[7, 8], [0, 9]] and mask.tolist() == [[1, 1], [0, 1]]
+    assert pos[mask > 0].tolist() == [0, 1, 0]

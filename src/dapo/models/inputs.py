@@ -20,6 +20,20 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     return ids, mask
 
 
+def after_prefix(
+    prompts: Sequence[Sequence[int]], prefix: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs of a pass over ``prompts`` after their first ``prefix`` tokens, which are
+    already in the cache (0: none): the rest's ids ``[n, w]`` left-padded, the attention mask
+    over prefix and rest ``[n, prefix + w]`` (``[prefix | padding | rest]``), and the rest's
+    positions ``[n, w]``, continuing from the prefix. Generation and the training forward
+    both lay prompts out this way, so their keys and positions agree."""
+    ids, rest = left_pad([p[prefix:] for p in prompts], pad_id)
+    mask = torch.cat([rest.new_ones(len(prompts), prefix), rest], 1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, prefix:]
+    return ids, mask, pos
+
+
 PASS_COST = 128  # a forward call's fixed work, in token positions (see shared_prefix)
 
 

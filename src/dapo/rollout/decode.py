@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from dapo.models.inputs import left_pad, shared_prefix
+from dapo.models.inputs import after_prefix, shared_prefix
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.llama_step import LlamaStep, unsupported
 from dapo.rollout.sampling import sample_with
@@ -458,9 +458,7 @@ class Decoder:
         (:attr:`prefix` tokens), only what follows it, left-padded, from the prefix's keys
         and values (the mask covers both: ``[prefix | padding | rest]``)."""
         c = self.prefix
-        ids, attn = left_pad([p[c:] for p in prompts], self.pad)
-        ids, attn = ids.to(self.device), attn.to(self.device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0) + c
+        ids, attn, pos = (x.to(self.device) for x in after_prefix(prompts, c, self.pad))
         cache = DynamicCache()
         if not c:
             return ids, attn, pos, cache
@@ -477,7 +475,7 @@ class Decoder:
         n = len(prompts)
         for i, (k, v) in enumerate(self._prefix_kv):
             cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), i)
-        return ids, torch.cat([attn.new_ones(n, c), attn], 1), pos, cache
+        return ids, attn, pos, cache
 
     def _cache_dtype(self, x: torch.Tensor) -> torch.dtype:
         """What the cache stores ``x`` (a prefill's keys or values) as: under autocast, the

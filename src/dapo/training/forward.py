@@ -21,7 +21,7 @@ import torch
 from dapo import algorithms as alg
 from dapo.models.chunked_logprobs import chunked_logprobs
 from dapo.models.head import head_replaced, output_head
-from dapo.models.inputs import device_of, left_pad, shared_prefix
+from dapo.models.inputs import after_prefix, device_of, shared_prefix
 from dapo.models.precision import autocast, compute_dtype
 from dapo.parallel import sharding
 from dapo.training.batch import Sample
@@ -139,9 +139,9 @@ def response_states(
                 logits_to_keep=1,
             )
             cache = cache.continued(len(tokens))
-            prompt_ids, rest = left_pad([t[c:] for t in tokens], pad_id=0)  # 0: masked
-            prompt_mask = torch.cat([rest.new_ones(len(tokens), c), rest], 1)
-        pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)[:, -prompt_ids.shape[1] :]
+            prompt_ids, prompt_mask, pos = after_prefix(tokens, c, pad_id=0)  # 0: masked
+        else:
+            pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         out = (model if c else first_pass)(
             input_ids=prompt_ids.to(device),
             attention_mask=prompt_mask.to(device),
