@@ -61,6 +61,62 @@ def test_entropy_is_the_mean_over_the_tokens_that_measured_it_whatever_the_epoch
     assert metrics["actor/entropy"] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_the_first_updates_samples_take_their_old_logprobs_from_its_own_forward(
+    monkeypatch: pytest.MonkeyPatch, epochs: int
+) -> None:
+    """With several updates per rollout step, the ratio's old log-probs come from a pass
+    before the update, but for the first update's samples: its forward runs at the same
+    weights. The pass skips them (4 of 16 samples here), and the weights after the step are
+    those of a learner that computes all 16 first; with 2 epochs the first mini-batch is
+    trained again against the log-probs its first forward gave."""
+    from dapo.training import learner as learner_module
+
+    passed: list[int] = []
+    real = learner_module.compute_logprobs
+
+    def counting(model, samples, options):  # noqa: ANN001, ANN202
+        passed.append(len(samples))
+        return real(model, samples, options)
+
+    monkeypatch.setattr(learner_module, "compute_logprobs", counting)
+    fast, full = (make_learner(LossSettings(), mini_batch_size=1, epochs=epochs) for _ in "ab")
+    full.needs_old_logprobs = True  # every sample's old log-probs before the first update
+    fast.update(groups_of_samples(seed=2), step=0, group_size=4)
+    assert passed == [12]
+    full.update(groups_of_samples(seed=2), step=0, group_size=4)
+    assert passed == [12, 16]
+    moved = 0.0
+    for a, b, start in zip(
+        fast.model.parameters(),
+        full.model.parameters(),
+        make_learner(LossSettings()).model.parameters(),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        moved = max(moved, float((a - start).abs().max()))
+    assert moved > 1e-3  # the updates changed the weights (so stale old log-probs would show)
+
+
+def test_the_engine_comparison_covers_every_sample_with_several_updates() -> None:
+    """rollout/logprob_mismatch is the mean |engine - trainer| over every sampled token, the
+    first update's samples (whose trainer log-probs its own forward gave) among them."""
+    samples = groups_of_samples(seed=3)
+    learner = make_learner(LossSettings(), mini_batch_size=1)
+    learner.compare_engine = True
+    with torch.no_grad():
+        logp, _ = response_logprobs(learner.model, collate(samples, 0), learner.forward)
+    gap = tokens = 0.0
+    for j, s in enumerate(samples):
+        offset = 0.05 * (j + 1)
+        s.sampling_logprobs = logp[j, : len(s.response_ids)] + offset
+        gap += offset * len(s.response_ids)
+        tokens += len(s.response_ids)
+    metrics = learner.update(samples, step=0, group_size=4)
+    assert metrics["actor/updates"] == 4.0
+    assert metrics["rollout/logprob_mismatch"] == pytest.approx(gap / tokens, rel=1e-5)
+
+
 def test_whatever_the_loss_reports_is_logged() -> None:
     """No name list between compute_loss and the metrics: dual clip's share (which the old
     hand-kept lists dropped) is logged, and equals the share of tokens with A < 0 whose

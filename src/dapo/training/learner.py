@@ -132,7 +132,9 @@ class PreparedBatch:
     samples: list[Sample]
     plan: list[tuple[int, list[int]]]  # (epoch, sample indices) of every optimizer update
     shares: list[list[int]]  # this rank's positions in each update's mini-batch
-    metrics: dict[str, float]  # what preparing measured (engine mismatch, IS weights, ...)
+    metrics: dict[str, float]  # what preparing measured (IS weights, ...)
+    # The old log-probs computed before the update, for the engine comparison.
+    recomputed: list[tuple[Sample, torch.Tensor]] = field(default_factory=list)
 
 
 class NonFiniteUpdates(TrainingError):
@@ -304,16 +306,21 @@ class Learner:
         ]
         metrics: dict[str, float] = {}
         loglinear = self.settings.proximal_logprobs == "loglinear"
+        recomputed: list[tuple[Sample, torch.Tensor]] = []
         if (len(plan) > 1 or self.needs_old_logprobs) and not loglinear:
             # The ratio is taken against the policy at the start of the update (the proximal
             # policy): this one, now, unless a sample brings the behaviour policy's as its own.
-            # (loglinear: approximated inside the loop, optimizer_step.)
-            todo = [s for s in mine if s.old_logprobs is None]
+            # (loglinear: approximated inside the loop, optimizer_step.) The first update's
+            # own forward runs at these weights, so its samples get theirs there (a quarter
+            # of this pass with four updates per step) unless they are needed before it.
+            first = {id(samples[plan[0][1][j]]) for j in shares[0]}
+            if self.needs_old_logprobs:  # needed before the update (IS weights, selection)
+                first = set()
+            todo = [s for s in mine if s.old_logprobs is None and id(s) not in first]
             old = compute_logprobs(self.model, todo, self.forward)
             for s, lp in zip(todo, old, strict=True):
                 s.old_logprobs = lp
-            if self.compare_engine:
-                metrics.update(logprob_mismatch(todo, old))
+            recomputed = list(zip(todo, old, strict=True))
         if self.settings.beta > 0:
             with self.reference() as reference:
                 ref = compute_logprobs(reference, mine, self.forward)
@@ -323,7 +330,7 @@ class Learner:
             metrics.update(self.teacher.attach(mine))
         if not loglinear:
             metrics.update(attach_is_weights(mine, self.settings))
-        return PreparedBatch(samples, plan, shares, metrics)
+        return PreparedBatch(samples, plan, shares, metrics, recomputed)
 
     def update(
         self, samples: list[Sample], step: int, group_size: int | list[int]
@@ -355,6 +362,10 @@ class Learner:
                 version=step,
                 progress=n / len(plan),
             )
+            if n == 0 and len(plan) > 1:  # its forward ran at the start weights: the old
+                for j, lp in result.fresh.items():  # log-probs of later epochs' updates
+                    samples[idx[j]].old_logprobs = lp
+            fresh.extend((samples[idx[j]], lp) for j, lp in result.fresh.items())
             if not result.applied:  # skipped: the weights stay at the last good state
                 skipped += 1
                 self.nonfinite_in_a_row += 1
@@ -373,10 +384,9 @@ class Learner:
             for key, value in result.stats.sums.items():
                 totals.sums[key] = totals.sums.get(key, 0.0) + value
                 totals.weights[key] = totals.weights.get(key, 0.0) + result.stats.weights[key]
-            fresh.extend((samples[idx[j]], lp) for j, lp in result.fresh.items())
-        if self.compare_engine and "rollout/logprob_mismatch" not in metrics:
-            # One update per step: the training forward itself gave the old log-probs.
-            metrics.update(logprob_mismatch([s for s, _ in fresh], [lp for _, lp in fresh]))
+        if self.compare_engine:  # the trainer's log-probs at the sampling weights
+            pairs = batch.recomputed + fresh
+            metrics.update(logprob_mismatch([s for s, _ in pairs], [lp for _, lp in pairs]))
         metrics.update(totals.means())
         metrics.update({f"actor/{k}": sum(v) / len(v) if v else 0.0 for k, v in per_update.items()})
         metrics["actor/updates"] = float(len(per_update["loss"]))
