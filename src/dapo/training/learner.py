@@ -313,9 +313,9 @@ class Learner:
             # (loglinear: approximated inside the loop, optimizer_step.) The first update's
             # own forward runs at these weights, so its samples get theirs there (a quarter
             # of this pass with four updates per step) unless they are needed before it.
-            first = {id(samples[plan[0][1][j]]) for j in shares[0]}
-            if self.needs_old_logprobs:  # needed before the update (IS weights, selection)
-                first = set()
+            first: set[int] = set()  # all needed before the update (IS weights, selection)
+            if not self.needs_old_logprobs:
+                first = {id(samples[plan[0][1][j]]) for j in shares[0]}
             todo = [s for s in mine if s.old_logprobs is None and id(s) not in first]
             old = compute_logprobs(self.model, todo, self.forward)
             for s, lp in zip(todo, old, strict=True):
