@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -145,7 +146,20 @@ def test_thousands_separators_match_plain_integers(n: int) -> None:
     ),
 )
 def test_extract_answer_takes_the_final_line(prefix: str, answer: str) -> None:
-    assert extract_answer(prefix + "\nAnswer: " + answer) == answer.strip()
+    r"""The last ``Answer:`` line's text, as the reference scorer finds it: the last match of
+    ``Answer\s*:\s*([^\n]+)`` in the last 300 characters (transcribed here)."""
+    response = prefix + "\nAnswer: " + answer
+    matches = re.findall(r"Answer\s*:\s*([^\n]+)", response[-300:], flags=re.IGNORECASE)
+    assert extract_answer(response) == matches[-1].strip()
+    # The final line's answer, unless the text before ends in an "Answer:" of its own: the
+    # reference's \s* after the colon crosses the newline and takes the next line whole.
+    if not re.search(r"answer\s*:\s*$", prefix, flags=re.IGNORECASE):
+        assert extract_answer(response) == answer.strip()
+
+
+def test_an_empty_answer_line_takes_the_next_line_as_the_reference_does() -> None:
+    assert extract_answer("ANSWER:\nAnswer: 0") == "Answer: 0"
+    assert extract_answer("Answer:\n12") == "12"
 
 
 # ---------------------------------------------------------------------------
