@@ -229,16 +229,30 @@ def test_a_shared_prefix_is_forwarded_once_per_call_with_the_same_results(
     tok, chat_prompts, direct, monkeypatch
 ):
     """Prompts sharing a system prompt: its keys and values are computed once per call and
-    each prefill forwards only the rest (refills included, on 3 rows for 14 responses); every
-    response's log-probs are those of a plain forward over it, and greedy tokens are those
-    of a cache-free decode."""
+    each prefill forwards only the rest (refills included, on 5 rows for 14 responses); with
+    LlamaStep the decode step attends to it through that one copy (here on 4 rows or more).
+    Every response's log-probs are those of a plain forward over it, and greedy tokens are
+    those of a cache-free decode."""
+    from dapo.rollout import llama_step
+    from dapo.rollout.llama_step import LlamaStep
+
+    shared = len(tok(SYSTEM, add_special_tokens=False)["input_ids"])
+    monkeypatch.setattr(llama_step, "CASCADE_MIN_ROW_SLOTS", 4 * shared)
     model = make_model(tok, seed=0, eos_scale=8.0)
     passes = prefix_passes(monkeypatch)
     seen = batch_sizes_seen(monkeypatch)
+    cascades: list[int] = []
+    real = LlamaStep._cascade
+    monkeypatch.setattr(
+        LlamaStep, "_cascade", lambda s, q, *a: cascades.append(len(q)) or real(s, q, *a)
+    )
     params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=5)
-    groups = HFEngine(model, EOS, PAD, batch_size=3, direct=direct).generate(chat_prompts, params)
-    assert passes == [len(tok(SYSTEM, add_special_tokens=False)["input_ids"])]
-    assert max(seen) == 3 and len(seen) > 12  # refills: more than one prefill used it
+    groups = HFEngine(model, EOS, PAD, batch_size=5, direct=direct).generate(chat_prompts, params)
+    assert passes == [shared]
+    assert max(seen) == 5 and len(seen) > 12  # refills: more than one prefill used it
+    wide = [r for r in seen if r >= 4]
+    assert wide and len(wide) < len(seen)  # both: the shared copy, then (packed) the rows
+    assert len(cascades) == (len(wide) * model.config.num_hidden_layers if direct else 0)
     for g in groups:
         for resp, lp in zip(g.response_ids, g.logprobs, strict=True):
             ref = reference_logprobs(model, g.prompt_ids, resp, temperature=1.0)

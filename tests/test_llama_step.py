@@ -130,3 +130,60 @@ def test_models_it_cannot_stand_in_for_are_named():
     assert unsupported(model) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert unsupported(model) == "autocast is on (bf16-mixed)"
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-mha-untied-bias", "qwen3"])
+def test_a_shared_prefix_is_attended_through_its_one_copy(name, monkeypatch):
+    """Five rows that share their first 6 tokens, then run on with their own: once the
+    prefix's keys and values are handed over (as a prefill's cache holds them), the rows'
+    own copies of those slots are wiped and every row's logits still equal the model's
+    forward over its whole sequence, to 1e-5; below ``CASCADE_MIN_ROW_SLOTS`` the step reads
+    the rows' copies again."""
+    from transformers import DynamicCache
+
+    from dapo.rollout import llama_step
+
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    cfg = model.config
+    c, rows, length = 6, 5, 20
+    d = model.model.layers[0].self_attn.head_dim
+    prefix = torch.randint(2, cfg.vocab_size, (c,)).tolist()
+    seqs = [prefix + torch.randint(2, cfg.vocab_size, (1 + r,)).tolist() for r in range(rows)]
+    layers = cfg.num_hidden_layers
+    stored = (rows, cfg.num_key_value_heads, d, length)
+    keys = [torch.zeros(stored).transpose(2, 3) for _ in range(layers)]
+    values = [torch.zeros(rows, cfg.num_key_value_heads, length, d) for _ in range(layers)]
+    slot = torch.zeros(rows, dtype=torch.long)
+    valid = torch.zeros(rows, length, dtype=torch.bool)
+    cache = RowCache(keys, values, slot)
+    step = LlamaStep(model, length)
+    monkeypatch.setattr(llama_step, "CASCADE_MIN_ROW_SLOTS", rows * c)
+    cascades = []
+    real = LlamaStep._cascade
+    monkeypatch.setattr(LlamaStep, "_cascade", lambda s, *a: cascades.append(1) or real(s, *a))
+    with torch.no_grad():
+        head = DynamicCache()
+        model(input_ids=torch.tensor([prefix]), past_key_values=head, use_cache=True)
+        for i, layer in enumerate(head.layers):  # every row's slots 0..c-1: the prefix
+            keys[i][:, :, :c] = layer.keys
+            values[i][:, :, :c] = layer.values
+        valid[:, :c] = True
+        step.share_prefix([(layer.keys, layer.values) for layer in head.layers])
+        for i in range(layers):  # the rows' copies: never read from here on
+            keys[i][:, :, :c] = float("nan")
+            values[i][:, :, :c] = float("nan")
+        for t in range(c, c + 4):
+            tok = torch.tensor([s[t] for s in seqs])
+            slot.fill_(t)
+            valid[:, t] = True
+            logits = step(tok, torch.full((rows,), t), valid, cache)
+            assert cascades, "the step did not take the shared copy"
+            for r, s in enumerate(seqs):
+                want = model(input_ids=torch.tensor([s[: t + 1]])).logits[0, -1]
+                torch.testing.assert_close(logits[r], want, atol=1e-5, rtol=0)
+            for r, s in enumerate(seqs):
+                if len(s) == t + 1:  # the row's given tokens are used up: greedy from here
+                    s.append(int(logits[r].argmax()))
+        monkeypatch.setattr(llama_step, "CASCADE_MIN_ROW_SLOTS", rows * c + 1)
+        assert torch.isnan(step(tok, torch.full((rows,), t), valid, cache)).all()

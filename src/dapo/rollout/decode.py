@@ -11,7 +11,8 @@ that is one function of static shapes, and a loop that only calls it.
 - Continuous batching: the call's responses wait in a queue. At each look, the rows whose
   response finished hand it back and take the next ones (their prompts prefilled into the
   rows' slots, one prefill per distinct prompt; a prefix that all the call's prompts share,
-  such as a chat template's system prompt, is forwarded once per call). Once the queue is
+  such as a chat template's system prompt, is forwarded once per call, and the decode step
+  attends to it through that one copy: ``LlamaStep.share_prefix``). Once the queue is
   empty, the live rows are packed into the smallest batch-size bucket (:func:`buckets`) that
   holds them, so the long tail runs on a small batch.
 - On CUDA each bucket's decode step is captured once as a CUDA graph and replayed per token
@@ -472,6 +473,9 @@ class Decoder:
                 logits_to_keep=1,
             )
             self._prefix_kv = [(layer.keys, layer.values) for layer in head.layers]
+            # Not under CUDA graphs: a captured step would keep reading this call's prefix.
+            if self.forward is not None and not self.graphs:
+                self.forward.share_prefix(self._prefix_kv)
         n = len(prompts)
         for i, (k, v) in enumerate(self._prefix_kv):
             cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), i)
