@@ -44,3 +44,27 @@ def test_bench_shared_prefix_times_each_workload_with_the_prefix_off_and_on(
     assert seen == {"engine": {True, False}, "update": {True, False}}  # off, then on
     printed = capsys.readouterr().out
     assert "| eval (6 x 1) |" in printed and "| update (2 x 2) |" in printed
+
+
+def test_bench_shared_prefix_compares_the_decode_step_with_and_without_the_prefix_s_one_copy(
+    tmp_path, capsys, monkeypatch
+):
+    from dapo.rollout import attention, llama_step
+
+    # The tiny workloads are below the break-even: lowered so that "on" attends through it.
+    monkeypatch.setattr(attention, "CASCADE_MIN_ROW_SLOTS", 1)
+    bench = import_benchmark("bench_shared_prefix")
+    args = {"model": "tiny", "precision": "fp32", "eval-prompts": 4, "prompts": 2, "n": 2}
+    args |= {"max-tokens": 3, "repeats": 1, "threads": 1, "json": tmp_path / "c.json"}
+    argv = ["--compare", "cascade", *(x for k, v in args.items() for x in (f"--{k}", str(v)))]
+    report = bench.main(argv)
+    assert set(report["results"]) == {"eval", "generate"}  # the update does not use it
+    layers = 4  # builtin:tiny's: the count is per layer and decode step
+    for r in report["results"].values():
+        assert len(r["off_s"]) == len(r["on_s"]) == 1 and min(r["off_s"] + r["on_s"]) > 0
+        assert r["cascades"]["off"] == 0
+        assert r["cascades"]["on"] > 0 and r["cascades"]["on"] % layers == 0
+    assert attention.CASCADE_MIN_ROW_SLOTS == 1  # restored, and the counting taken out
+    assert llama_step.cascade is attention.cascade and attention.cascade.__name__ == "cascade"
+    printed = capsys.readouterr().out
+    assert "comparing: cascade" in printed and "| each row's copy of the prefix, s |" in printed

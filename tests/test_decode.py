@@ -114,7 +114,7 @@ def test_the_decode_attention_is_softmax_of_scaled_scores_times_values(dtype):
     grouped-query heads and a boolean slot mask: the engine's attention against the
     formula written out in float64 from the same (rounded) inputs, to the precision of the
     dtype's products."""
-    from dapo.rollout.hf_engine import _generation_attention
+    from dapo.rollout.attention import decode_attention
 
     g = torch.Generator().manual_seed(0)
     rows, heads, kv_heads, dim, window = 5, 6, 2, 16, 9
@@ -123,7 +123,7 @@ def test_the_decode_attention_is_softmax_of_scaled_scores_times_values(dtype):
     key, value = cache[0, :, :, :window], cache[1, :, :, :window]
     mask = torch.rand(rows, 1, 1, window, generator=g) > 0.3
     mask[..., 0] = True
-    out, _ = _generation_attention(None, query, key, value, mask, scaling=0.25)
+    out, _ = decode_attention(None, query, key, value, mask, scaling=0.25)
 
     q = query.double().reshape(rows, kv_heads, heads // kv_heads, dim)
     scores = (q @ key.double().transpose(-1, -2)) * 0.25
@@ -132,6 +132,57 @@ def test_the_decode_attention_is_softmax_of_scaled_scores_times_values(dtype):
     assert out.shape == (rows, 1, heads, dim) and out.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 2e-2  # bf16: scores, probs and output rounded
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_attention_reads_a_shared_prefix_through_its_one_copy(dtype, monkeypatch):
+    """Rows whose first 7 slots hold the same prefix: inside ``sharing``, the attention of a
+    layer reads the prefix from its one copy (the rows' copies wiped with NaN are never read)
+    and equals the formula written out in float64 over the rows' whole windows; under the
+    threshold, or for a module without a layer index, it reads the rows' copies again."""
+    from types import SimpleNamespace
+
+    from dapo.rollout import attention
+
+    g = torch.Generator().manual_seed(1)
+    rows, heads, kv_heads, dim, c, window, layers = 5, 6, 2, 16, 7, 12, 3
+    query = torch.randn(rows, heads, 1, dim, generator=g).to(dtype)
+    prefix = torch.randn(layers, 2, 1, kv_heads, c, dim, generator=g).to(dtype)
+    cache = torch.randn(layers, 2, rows, kv_heads, 20, dim, generator=g).to(dtype)
+    cache[:, :, :, :, :c] = prefix  # every row's slots 0..c-1
+    mask = torch.rand(rows, 1, 1, window, generator=g) > 0.3
+    mask[..., :c] = True
+    mask[..., -1] = True
+    shared = attention.SharedPrefix.from_cache([(p[0], p[1]) for p in prefix])
+    assert shared.length == c
+    calls: list[int] = []
+    real = attention.cascade
+    monkeypatch.setattr(attention, "cascade", lambda q, *a: calls.append(len(q)) or real(q, *a))
+    monkeypatch.setattr(attention, "CASCADE_MIN_ROW_SLOTS", rows * c)
+    wiped = cache.clone()
+    wiped[:, :, :, :, :c] = float("nan")
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    for layer in range(layers):
+        key, value = cache[layer, 0, :, :, :window], cache[layer, 1, :, :, :window]
+        q = query.double().reshape(rows, kv_heads, heads // kv_heads, dim)
+        scores = (q @ key.double().transpose(-1, -2)) * 0.25
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
+        expected = (probs @ value.double()).reshape(rows, 1, heads, dim)
+        module = SimpleNamespace(layer_idx=layer)
+        k, v = wiped[layer, 0, :, :, :window], wiped[layer, 1, :, :, :window]
+        with attention.sharing(shared):
+            out, _ = attention.decode_attention(module, query, k, v, mask, scaling=0.25)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    assert calls == [rows * kv_heads] * layers
+    with attention.sharing(shared):
+        out, _ = attention.decode_attention(SimpleNamespace(), query, k, v, mask, scaling=0.25)
+        assert torch.isnan(out).all() and len(calls) == layers  # no layer index: the rows'
+        monkeypatch.setattr(attention, "CASCADE_MIN_ROW_SLOTS", rows * c + 1)
+        out, _ = attention.decode_attention(module, query, k, v, mask, scaling=0.25)
+        assert torch.isnan(out).all() and len(calls) == layers  # under the threshold
+    out, _ = attention.decode_attention(module, query, k, v, mask, scaling=0.25)
+    assert torch.isnan(out).all() and attention.shared() is None  # outside: the rows'
 
 
 def test_refilled_and_packed_rows_give_the_forwards_logprobs_to_1e5(
@@ -212,16 +263,15 @@ def prefix_passes(monkeypatch) -> list[int]:
     from dapo.rollout import decode
 
     seen: list[int] = []
-    real = decode.Decoder._prefill_inputs
+    real = decode.Decoder._share_prefix
 
-    def recorded(self, prompts):
-        had = self._prefix_kv is not None
-        out = real(self, prompts)
-        if self.prefix and not had:
+    def recorded(self):
+        out = real(self)
+        if self.prefix:
             seen.append(self.prefix)
         return out
 
-    monkeypatch.setattr(decode.Decoder, "_prefill_inputs", recorded)
+    monkeypatch.setattr(decode.Decoder, "_share_prefix", recorded)
     return seen
 
 
@@ -230,29 +280,27 @@ def test_a_shared_prefix_is_forwarded_once_per_call_with_the_same_results(
 ):
     """Prompts sharing a system prompt: its keys and values are computed once per call and
     each prefill forwards only the rest (refills included, on 5 rows for 14 responses); with
-    LlamaStep the decode step attends to it through that one copy (here on 4 rows or more).
-    Every response's log-probs are those of a plain forward over it, and greedy tokens are
-    those of a cache-free decode."""
-    from dapo.rollout import llama_step
-    from dapo.rollout.llama_step import LlamaStep
+    either decode step attends to it through that one copy (here on 4 rows or more). Every
+    response's log-probs are those of a plain forward over it, and greedy tokens are those of
+    a cache-free decode."""
+    from dapo.rollout import attention, llama_step
 
     shared = len(tok(SYSTEM, add_special_tokens=False)["input_ids"])
-    monkeypatch.setattr(llama_step, "CASCADE_MIN_ROW_SLOTS", 4 * shared)
+    monkeypatch.setattr(attention, "CASCADE_MIN_ROW_SLOTS", 4 * shared)
     model = make_model(tok, seed=0, eos_scale=8.0)
     passes = prefix_passes(monkeypatch)
     seen = batch_sizes_seen(monkeypatch)
     cascades: list[int] = []
-    real = LlamaStep._cascade
-    monkeypatch.setattr(
-        LlamaStep, "_cascade", lambda s, q, *a: cascades.append(len(q)) or real(s, q, *a)
-    )
+    real = attention.cascade
+    for where in (attention, llama_step):  # the model's own attention, LlamaStep
+        monkeypatch.setattr(where, "cascade", lambda q, *a: cascades.append(len(q)) or real(q, *a))
     params = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=5)
     groups = HFEngine(model, EOS, PAD, batch_size=5, direct=direct).generate(chat_prompts, params)
     assert passes == [shared]
     assert max(seen) == 5 and len(seen) > 12  # refills: more than one prefill used it
     wide = [r for r in seen if r >= 4]
     assert wide and len(wide) < len(seen)  # both: the shared copy, then (packed) the rows
-    assert len(cascades) == (len(wide) * model.config.num_hidden_layers if direct else 0)
+    assert len(cascades) == len(wide) * model.config.num_hidden_layers
     for g in groups:
         for resp, lp in zip(g.response_ids, g.logprobs, strict=True):
             ref = reference_logprobs(model, g.prompt_ids, resp, temperature=1.0)

@@ -127,11 +127,11 @@ def test_autocast_takes_the_device_of_the_model_and_bf16_only_under_bf16_mixed(m
 def test_the_hf_engine_swaps_its_attention_in_while_generating_only():
     """While generating, the engine's attention (grouped-query decode over the static cache,
     SDPA for prompts) replaces the model's on every device; afterwards the model's is back."""
-    from dapo.rollout import hf_engine
+    from dapo.rollout.attention import generation_attention
 
     model = build_model(99)
     assert model.config._attn_implementation == "sdpa"
-    with hf_engine.generation_attention(model):
+    with generation_attention(model):
         assert model.config._attn_implementation == "dapo_generate"
     assert model.config._attn_implementation == "sdpa"
 

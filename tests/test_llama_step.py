@@ -141,7 +141,7 @@ def test_a_shared_prefix_is_attended_through_its_one_copy(name, monkeypatch):
     the rows' copies again."""
     from transformers import DynamicCache
 
-    from dapo.rollout import llama_step
+    from dapo.rollout import attention, llama_step
 
     torch.manual_seed(0)
     model = MODELS[name]().eval()
@@ -158,10 +158,10 @@ def test_a_shared_prefix_is_attended_through_its_one_copy(name, monkeypatch):
     valid = torch.zeros(rows, length, dtype=torch.bool)
     cache = RowCache(keys, values, slot)
     step = LlamaStep(model, length)
-    monkeypatch.setattr(llama_step, "CASCADE_MIN_ROW_SLOTS", rows * c)
+    monkeypatch.setattr(attention, "CASCADE_MIN_ROW_SLOTS", rows * c)
     cascades = []
-    real = LlamaStep._cascade
-    monkeypatch.setattr(LlamaStep, "_cascade", lambda s, *a: cascades.append(1) or real(s, *a))
+    real = llama_step.cascade
+    monkeypatch.setattr(llama_step, "cascade", lambda *a: cascades.append(1) or real(*a))
     with torch.no_grad():
         head = DynamicCache()
         model(input_ids=torch.tensor([prefix]), past_key_values=head, use_cache=True)
@@ -169,7 +169,8 @@ def test_a_shared_prefix_is_attended_through_its_one_copy(name, monkeypatch):
             keys[i][:, :, :c] = layer.keys
             values[i][:, :, :c] = layer.values
         valid[:, :c] = True
-        step.share_prefix([(layer.keys, layer.values) for layer in head.layers])
+        kv = [(layer.keys, layer.values) for layer in head.layers]
+        step.share_prefix(attention.SharedPrefix.from_cache(kv))
         for i in range(layers):  # the rows' copies: never read from here on
             keys[i][:, :, :c] = float("nan")
             values[i][:, :, :c] = float("nan")
@@ -185,5 +186,5 @@ def test_a_shared_prefix_is_attended_through_its_one_copy(name, monkeypatch):
             for r, s in enumerate(seqs):
                 if len(s) == t + 1:  # the row's given tokens are used up: greedy from here
                     s.append(int(logits[r].argmax()))
-        monkeypatch.setattr(llama_step, "CASCADE_MIN_ROW_SLOTS", rows * c + 1)
+        monkeypatch.setattr(attention, "CASCADE_MIN_ROW_SLOTS", rows * c + 1)
         assert torch.isnan(step(tok, torch.full((rows,), t), valid, cache)).all()

@@ -12,7 +12,7 @@ that is one function of static shapes, and a loop that only calls it.
   response finished hand it back and take the next ones (their prompts prefilled into the
   rows' slots, one prefill per distinct prompt; a prefix that all the call's prompts share,
   such as a chat template's system prompt, is forwarded once per call, and the decode step
-  attends to it through that one copy: ``LlamaStep.share_prefix``). Once the queue is
+  attends to it through that one copy: :mod:`dapo.rollout.attention`). Once the queue is
   empty, the live rows are packed into the smallest batch-size bucket (:func:`buckets`) that
   holds them, so the long tail runs on a small batch.
 - On CUDA each bucket's decode step is captured once as a CUDA graph and replayed per token
@@ -32,6 +32,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from dapo.models.inputs import after_prefix, shared_prefix
+from dapo.rollout.attention import SharedPrefix, sharing
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.llama_step import LlamaStep, unsupported
 from dapo.rollout.sampling import sample_with
@@ -314,7 +315,8 @@ class Decoder:
 
     def run(self) -> Results:
         try:
-            return self._run()
+            with sharing(self._share_prefix()):
+                return self._run()
         finally:
             if self.ws is not None:
                 self.ws.busy = False
@@ -463,23 +465,36 @@ class Decoder:
         cache = DynamicCache()
         if not c:
             return ids, attn, pos, cache
-        if self._prefix_kv is None:  # once per call: the weights do not change during one
-            head = DynamicCache()
-            self.model(
-                input_ids=torch.tensor([prompts[0][:c]], device=self.device),
-                position_ids=torch.arange(c, device=self.device)[None],
-                past_key_values=head,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            self._prefix_kv = [(layer.keys, layer.values) for layer in head.layers]
-            # Not under CUDA graphs: a captured step would keep reading this call's prefix.
-            if self.forward is not None and not self.graphs:
-                self.forward.share_prefix(self._prefix_kv)
         n = len(prompts)
         for i, (k, v) in enumerate(self._prefix_kv):
             cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), i)
         return ids, attn, pos, cache
+
+    def _share_prefix(self) -> SharedPrefix | None:
+        """Once per call (the weights do not change during one), the keys and values of the
+        prefix the call's prompts share: every prefill starts from them, and the decode step
+        reads them through this one copy, not the rows' (LlamaStep told here; the model's own
+        attention given the result, for :func:`~dapo.rollout.attention.sharing`). Not under
+        CUDA graphs: a captured step would keep reading this call's prefix."""
+        if not self.prefix:
+            return None
+        head = DynamicCache()
+        self.model(
+            input_ids=torch.tensor([self.prompts[0][: self.prefix]], device=self.device),
+            position_ids=torch.arange(self.prefix, device=self.device)[None],
+            past_key_values=head,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._prefix_kv = [(layer.keys, layer.values) for layer in head.layers]
+        if self.graphs:
+            return None
+        kv = self._prefix_kv
+        shared = SharedPrefix.from_cache(kv, self._cache_dtype(kv[0][0])) if kv else None
+        if self.forward is not None:
+            self.forward.share_prefix(shared)
+            return None
+        return shared
 
     def _cache_dtype(self, x: torch.Tensor) -> torch.dtype:
         """What the cache stores ``x`` (a prefill's keys or values) as: under autocast, the

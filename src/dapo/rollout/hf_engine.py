@@ -3,20 +3,18 @@
 :class:`HFEngine` runs its own decoding loop (:mod:`dapo.rollout.decode`: a static key/value
 cache, a decode step of static shapes, continuous batching, CUDA graphs on CUDA), so that it
 returns log-probs cheaply and shares one prompt prefill across a group. While it generates,
-the model's attention is :func:`_generation_attention`: for one new token per row, a
-grouped-query attention written as two batched products over the static cache (each
-key/value head read once for its group of query heads, a boolean mask for the row's slots);
-for prompts, SDPA (on CPU with ``enable_gqa``: transformers' own sdpa attention copies the
-grouped heads out whenever a padding mask is given, which made SmolLM2's attention 9x
-slower). The weights are read in the dtype the products run in
+the model's attention is :func:`~dapo.rollout.attention.decode_attention`: for one new token
+per row, a grouped-query attention written as two batched products over the static cache
+(each key/value head read once for its group of query heads, a boolean mask for the row's
+slots, a prefix all rows share read through its one copy); for prompts, SDPA (on CPU with
+``enable_gqa``: transformers' own sdpa attention copies the grouped heads out whenever a
+padding mask is given, which made SmolLM2's attention 9x slower). The weights are read in the dtype the products run in
 (:class:`~dapo.models.precision.GenerationWeights`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,88 +23,12 @@ from dapo.choices import CUDA_GRAPHS
 from dapo.models.inputs import device_of
 from dapo.models.precision import GenerationWeights, autocast
 from dapo.parallel.sharding import full_params, is_fsdp
+from dapo.rollout.attention import generation_attention
 from dapo.rollout.base import Group, SamplingParams
 from dapo.rollout.decode import Decoder, Workspaces
 from dapo.rollout.sampling import process_logits, sample_next
 
 __all__ = ["HFEngine", "graphs_fallback", "process_logits", "sample_next", "unsupported_reason"]
-
-_ATTENTION = "dapo_generate"
-
-
-def _generation_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention while generating; ``query [B, Hq, Q, D]``, ``key``/``value [B, Hkv, L, D]``.
-
-    Decoding (``Q == 1`` with a boolean mask over the cache's slots): ``softmax(q k^T * scale)
-    v`` with the query heads grouped by their key/value head (``[B, Hkv, Hq/Hkv, D]``), the
-    scores in float32. Prompts: SDPA with ``enable_gqa``. Anything else (a position bias,
-    attention sinks) goes to transformers' sdpa attention."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-            is_causal=is_causal, **kwargs,
-        )  # fmt: skip
-    batch, heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(dim)
-    if q_len == 1 and attention_mask is not None and attention_mask.dtype == torch.bool:
-        q = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-        if key.device.type == "cpu" and key.dtype != torch.float32:
-            # A CPU bf16 product copies a transposed operand: the keys go in as stored, the
-            # query transposed (SmolLM2's score product 2.3x faster, the same numbers).
-            scores = torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2)
-        else:
-            scores = torch.matmul(q, key.transpose(-1, -2))
-        scores = scores.float() * scale  # [B, Hkv, G, L]
-        scores = scores.masked_fill(~attention_mask, float("-inf"))
-        probs = torch.softmax(scores, -1).to(value.dtype)
-        out = torch.matmul(probs, value)  # [B, Hkv, G, D]
-        return out.reshape(batch, 1, heads, dim), None
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        is_causal=bool(q_len > 1 and attention_mask is None and causal),
-        enable_gqa=kv_heads != heads,
-    )
-    return out.transpose(1, 2).contiguous(), None
-
-
-@contextlib.contextmanager
-def generation_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Inside, ``model`` (a transformers model) attends with :func:`_generation_attention`
-    and builds boolean masks for its prompts, whatever attention it trains with."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    config = getattr(model, "config", None)
-    before = getattr(config, "_attn_implementation", None)
-    if config is None or before is None:
-        yield
-        return
-    AttentionInterface.register(_ATTENTION, _generation_attention)
-    AttentionMaskInterface.register(_ATTENTION, sdpa_mask)
-    config._attn_implementation = _ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
 
 
 def unsupported_reason(model: torch.nn.Module, length: int) -> str | None:

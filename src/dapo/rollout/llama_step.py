@@ -15,10 +15,11 @@ computes the same function in ~20: each layer is
 and the logits are the model's own output layer on the final norm (its hooks and
 replacements apply). A prefix that every row holds (a chat template's system prompt) is
 attended through one copy (:meth:`LlamaStep.share_prefix`): its scores are one product per
-head for all rows, joined to each row's own scores before the softmax. It serves Llama, Mistral, Qwen2 and Qwen3 causal LMs (and the
-built-in models, GGUF-loaded ones and LoRA-wrapped ones: an adapter's layers are called as
-modules) when nothing would change their forward: no autocast, no module hooks but on the
-output layer. Elsewhere the step calls the model (:func:`unsupported`).
+head for all rows, joined to each row's own scores before the softmax. It serves Llama,
+Mistral, Qwen2 and Qwen3 causal LMs (and the built-in models, GGUF-loaded ones and
+LoRA-wrapped ones: an adapter's layers are called as modules) when nothing would change
+their forward: no autocast, no module hooks but on the output layer. Elsewhere the step
+calls the model (:func:`unsupported`).
 """
 
 from __future__ import annotations
@@ -31,15 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dapo.rollout.attention import SharedPrefix, cascade
+
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
-
-# The prefix every row shares is attended through its one copy (LlamaStep.share_prefix) when
-# rows x prefix length reaches this; below, each row reads its own copy (6 operators a layer
-# fewer). Measured on 2 AMD EPYC cores at a 139-token prefix: the break-even is at ~28 rows
-# for builtin:tiny, ~12 for SmolLM2-135M; at 128 rows a step is 1.32x and 1.10x faster.
-CASCADE_MIN_ROW_SLOTS = 4096
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -169,18 +166,14 @@ class LlamaStep:
         ]  # fmt: skip
         self.final_norm = _rms(inner.norm)
         self.head = lm.get_output_embeddings()
-        self.prefix: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.prefix_len = 0
+        self.prefix: SharedPrefix | None = None
 
-    def share_prefix(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def share_prefix(self, prefix: SharedPrefix | None) -> None:
         """Attend to a prefix every row holds (slots ``0..c-1`` of every row: a chat
-        template's system prompt) through one copy of its keys and values (``kv``: per layer
-        ``[1, kv_heads, c, head_dim]``, as a prefill's cache holds them): all rows' queries
-        meet it in one product per head, and each row's own slots are read from ``c`` on.
-        The scores of both parts go through one softmax, so the result is the same function;
-        the rows' copies of the prefix are not read (from :data:`CASCADE_MIN_ROW_SLOTS`)."""
-        self.prefix = [(k[0].transpose(1, 2).contiguous(), v[0].contiguous()) for k, v in kv]
-        self.prefix_len = kv[0][0].shape[2] if kv else 0
+        template's system prompt) through its one copy (:func:`~dapo.rollout.attention.cascade`):
+        from :data:`~dapo.rollout.attention.CASCADE_MIN_ROW_SLOTS` on, the rows' copies of
+        it are not read. None: every row reads its own."""
+        self.prefix = prefix
 
     def __call__(
         self, tok: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, cache: object
@@ -190,7 +183,7 @@ class LlamaStep:
         long and hold each row's new key at ``cache.slot``)."""
         rows, window = valid.shape
         hq, hkv, d, g = self.heads, self.kv_heads, self.head_dim, self.group
-        c = self.prefix_len if rows * self.prefix_len >= CASCADE_MIN_ROW_SLOTS else 0
+        c = self.prefix.width(rows) if self.prefix is not None else 0
         h = self.embed(tok)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
         bias = torch.zeros((rows, window - c), dtype=torch.float32, device=valid.device)
@@ -216,7 +209,8 @@ class LlamaStep:
                 scores = torch.bmm(q, keys_t.to(q.dtype)).float()
                 scores = scores.mul_(self.scale).add_(bias)
             if c:
-                out = self._cascade(q, scores, values, *self.prefix[i], rows)
+                pk, pv = self.prefix.keys[i], self.prefix.values[i]
+                out = cascade(q, scores, values, pk, pv, self.scale)
             else:
                 probs = torch.softmax(scores, -1).to(values.dtype)
                 out = torch.bmm(probs, values)
@@ -225,29 +219,3 @@ class LlamaStep:
             h = h + layer.down(layer.act(gate) * up)
         # [rows, 1, hidden] as the model gives it, for hooks on the output layer.
         return self.head(self.final_norm(h)[:, None])[:, 0]
-
-    def _cascade(
-        self,
-        q: torch.Tensor,
-        own: torch.Tensor,
-        values: torch.Tensor,
-        prefix_keys: torch.Tensor,
-        prefix_values: torch.Tensor,
-        rows: int,
-    ) -> torch.Tensor:
-        """Attention over the shared prefix's one copy and each row's own slots: ``q [rows *
-        kv_heads, group, d]``, ``own`` its scaled, masked scores against the row's slots,
-        ``values`` those slots' values, ``prefix_keys [kv_heads, d, c]`` and ``prefix_values
-        [kv_heads, c, d]``. Returns ``[rows, kv_heads, group, d]``."""
-        hkv, d, g = self.kv_heads, self.head_dim, self.group
-        c = prefix_keys.shape[-1]
-        # Per head, every row's queries against the prefix in one product.
-        by_head = q.view(rows, hkv, g, d).transpose(0, 1).reshape(hkv, rows * g, d)
-        pre = torch.bmm(by_head.to(prefix_keys.dtype), prefix_keys).float().mul_(self.scale)
-        pre = pre.view(hkv, rows, g, c).transpose(0, 1).reshape(rows * hkv, g, c)
-        probs = torch.softmax(torch.cat([pre, own], -1), -1)
-        out = torch.bmm(probs[..., c:].to(values.dtype), values)
-        p = probs[..., :c].reshape(rows, hkv, g, c).transpose(0, 1).reshape(hkv, rows * g, c)
-        out_pre = torch.bmm(p.to(prefix_values.dtype), prefix_values)
-        out = out.view(rows, hkv, g, d) + out_pre.view(hkv, rows, g, d).transpose(0, 1)
-        return out.to(values.dtype)
