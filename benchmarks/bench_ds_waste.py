@@ -81,9 +81,9 @@ def per_step(run: Path) -> list[dict[str, float]]:
             {
                 "step": r["step"],
                 "generated": g * groups,
-                "all_correct": g * round(groups * r["sampling/all_correct_frac"]),
-                "all_wrong": g * round(groups * r["sampling/all_wrong_frac"]),
-                "uniform": g * round(groups * r["sampling/uniform_groups"]),
+                "all_correct": g * round(groups * r.get("sampling/all_correct_frac", 0.0)),
+                "all_wrong": g * round(groups * r.get("sampling/all_wrong_frac", 0.0)),
+                "uniform": g * round(groups * r.get("sampling/uniform_groups", 0.0)),
                 "carried_over": g * r["sampling/carried_over"],
                 "train_acc": r.get("reward/acc", float("nan")),
             }

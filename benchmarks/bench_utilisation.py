@@ -221,7 +221,7 @@ def run_steps(args: argparse.Namespace, work: Path, shape_kw: dict[str, int]) ->
                     "total_flops": gen_flops + train_flops,
                     "prompt_lens": prompt_lens,
                     "response_lens": response_lens,
-                    "response_length_mean": metrics["response_length/mean"],
+                    "response_length_mean": metrics.get("response_length/mean", float("nan")),
                     "updates": metrics["actor/updates"],
                     "skipped_updates": metrics["actor/skipped_updates"],
                 }

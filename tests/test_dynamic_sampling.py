@@ -157,6 +157,12 @@ def test_large_carry_fills_batch_without_generating():
     assert same_objects(batch, carried[:4])
     assert same_objects(sampler.carry, carried[4:])
     assert (stats.carried_in, stats.carried_out, stats.kept) == (4, 5, 4)
+    # Shares of the groups generated: none were, so none are reported (not zeros).
+    m = stats.as_metrics()
+    shares = {"all_correct_frac", "all_wrong_frac", "uniform_groups", "wasted_frac"}
+    assert not {f"sampling/{k}" for k in shares} & set(m)
+    assert m["sampling/generated_groups"] == 0 and m["sampling/carried_in"] == 4
+    assert m["sampling/trained_groups"] == 4 and m["sampling/gen_rounds"] == 0
 
 
 def test_nothing_qualifying_is_dropped_across_calls():

@@ -76,7 +76,7 @@ def test_dynamic_sampling_trains_only_mixed_groups_and_reuses_surplus(random_tin
     import json
 
     metrics = [json.loads(r) for r in rows]
-    uniform_seen = any(m["sampling/all_correct_frac"] > 0 for m in metrics)
+    uniform_seen = any(m.get("sampling/all_correct_frac", 0) > 0 for m in metrics)
     assert uniform_seen
     assert all(
         m["sampling/all_wrong_frac"] > 0 or m["sampling/all_correct_frac"] > 0 for m in metrics[:1]
@@ -91,6 +91,46 @@ def test_dynamic_sampling_trains_only_mixed_groups_and_reuses_surplus(random_tin
         assert all(g.step == k for g in head)
     assert reused > 0, "no surplus was carried over in 4 steps; the test needs a surplus"
     assert any(m["train/stale_groups"] > 0 for m in metrics)
+
+
+@pytest.mark.slow
+def test_a_step_trained_on_the_surplus_alone_reports_no_rollout_figures(
+    random_tiny_model, tmp_path
+):
+    """A step whose batch comes whole from the previous step's surplus generates nothing: its
+    metrics leave out the rewards, accuracy, lengths, rates and group shares (which would read
+    as zeros on the console, the dashboard and the health checks) and keep the counts."""
+    from dapo.metrics.console import signals
+
+    cfg = small_config(
+        random_tiny_model,
+        tmp_path / "run",
+        f"reward.functions=[{{name: '{REWARDS}:by_answer_class', weight: 1.0}}]",
+    )
+    trainer = Trainer(cfg, log=lambda _: None)
+    try:
+        first = trainer.rollouts.fill_batch(0)
+        generated = {"reward/mean", "reward/acc", "response_length/mean", "sampling/uniform_groups"}
+        assert generated <= first.metrics.keys()
+        assert "acc " in signals(first.metrics) and "len " in signals(first.metrics)
+        sampler = trainer.rollouts.sampler
+        carry = list(first.groups)  # a surplus as large as a batch: nothing to generate
+        sampler.load_state_dict({**sampler.state_dict(), "carry": carry})
+        second = trainer.rollouts.fill_batch(1)
+    finally:
+        trainer.close()
+    assert [id(g) for g in second.groups] == [id(g) for g in carry]
+    m = second.metrics
+    assert m["sampling/generated_groups"] == 0 and m["sampling/carried_in"] == len(carry)
+    assert m["perf/gen_s"] == 0 and m["sampling/trained_groups"] == len(carry)
+    reported = {k for k in m if k.startswith(("reward/", "response_length/"))}
+    assert reported <= {"reward/failures", "reward/failures_total", "reward/unscorable"}
+    assert not {
+        "perf/rollout_tokens_per_s",
+        "sampling/uniform_groups",
+        "sampling/wasted_frac",
+    } & set(m)
+    assert "acc " not in signals(m) and "len " not in signals(m) and "uniform" not in signals(m)
 
 
 @pytest.mark.slow

@@ -131,7 +131,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("sampling/generated_groups", "Groups generated this step."),
     Metric("sampling/generated_samples_total", "Responses generated since the run started."),
     Metric(
-        "sampling/carried_in", "Groups carried over from the previous step's surplus and used now."
+        "sampling/carried_in",
+        "Groups carried over from the previous step's surplus and used now. A step whose batch "
+        "comes whole from it generates nothing and logs no reward, length or group-share metrics.",
     ),
     Metric("sampling/carried_over", "Surplus groups kept for the next step."),
     Metric(

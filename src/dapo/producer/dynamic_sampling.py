@@ -70,19 +70,25 @@ class FillStats:
     note: str = ""  # what happened at the round cap, for the caller to warn with
 
     def as_metrics(self) -> dict[str, float]:
-        gen = max(1, self.generated_groups)
+        """The call's counts, and the shares of the groups it generated: left out when it
+        generated none (a step trained on the previous one's surplus), where a share of
+        nothing would read as 0 on the console, the dashboard and the health checks."""
+        gen = self.generated_groups
         uniform = self.all_correct + self.all_wrong + self.uniform_other
-        return {
-            "sampling/gen_rounds": float(self.rounds),
-            "sampling/generated_groups": float(self.generated_groups),
+        shares = {
             "sampling/all_correct_frac": self.all_correct / gen,
             "sampling/all_wrong_frac": self.all_wrong / gen,
             "sampling/uniform_groups": uniform / gen,
-            "sampling/carried_in": float(self.carried_in),
-            "sampling/carried_over": float(self.carried_out),
             # Only dropped groups are waste: with dynamic sampling off every generated group
             # trains (uniform ones too, with zero advantage), and carried-over ones train later.
             "sampling/wasted_frac": self.dropped / gen,
+        } if gen else {}  # fmt: skip
+        return {
+            "sampling/gen_rounds": float(self.rounds),
+            "sampling/generated_groups": float(gen),
+            **shares,
+            "sampling/carried_in": float(self.carried_in),
+            "sampling/carried_over": float(self.carried_out),
             "sampling/short_batch": float(self.short),
             "sampling/trained_groups": float(self.kept),
         }

@@ -270,11 +270,19 @@ class Rollouts:
             batch,
             {
                 **skips,
-                **group_metrics(generated, scored=not self.cfg.algorithm.distill_only),
+                # Nothing generated (a step trained on the previous one's surplus): no
+                # rewards, lengths or rates to report, rather than zeros that read as real.
+                **(
+                    {
+                        **group_metrics(generated, scored=not self.cfg.algorithm.distill_only),
+                        "perf/rollout_tokens_per_s": tokens / max(timing["gen"], 1e-9),
+                    }
+                    if generated
+                    else {}
+                ),
                 **failed,
                 "perf/gen_s": timing["gen"],
                 "perf/score_s": timing["score"],
-                "perf/rollout_tokens_per_s": tokens / max(timing["gen"], 1e-9),
                 "sampling/generated_samples_total": float(self.samples_generated),
                 "rollout/staleness": float(max(staleness, default=0)),
                 **fill.as_metrics(),
