@@ -75,14 +75,17 @@ class FillStats:
         nothing would read as 0 on the console, the dashboard and the health checks."""
         gen = self.generated_groups
         uniform = self.all_correct + self.all_wrong + self.uniform_other
-        shares = {
-            "sampling/all_correct_frac": self.all_correct / gen,
-            "sampling/all_wrong_frac": self.all_wrong / gen,
-            "sampling/uniform_groups": uniform / gen,
-            # Only dropped groups are waste: with dynamic sampling off every generated group
-            # trains (uniform ones too, with zero advantage), and carried-over ones train later.
-            "sampling/wasted_frac": self.dropped / gen,
-        } if gen else {}  # fmt: skip
+        shares: dict[str, float] = {}
+        if gen:
+            shares = {
+                "sampling/all_correct_frac": self.all_correct / gen,
+                "sampling/all_wrong_frac": self.all_wrong / gen,
+                "sampling/uniform_groups": uniform / gen,
+                # Only dropped groups are waste: with dynamic sampling off every generated
+                # group trains (uniform ones too, with zero advantage), and carried-over ones
+                # train later.
+                "sampling/wasted_frac": self.dropped / gen,
+            }
         return {
             "sampling/gen_rounds": float(self.rounds),
             "sampling/generated_groups": float(gen),

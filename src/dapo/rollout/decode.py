@@ -471,11 +471,11 @@ class Decoder:
         return ids, attn, pos, cache
 
     def _share_prefix(self) -> SharedPrefix | None:
-        """Once per call (the weights do not change during one), the keys and values of the
-        prefix the call's prompts share: every prefill starts from them, and the decode step
-        reads them through this one copy, not the rows' (LlamaStep told here; the model's own
-        attention given the result, for :func:`~dapo.rollout.attention.sharing`). Not under
-        CUDA graphs: a captured step would keep reading this call's prefix."""
+        """Forward the prefix the call's prompts share, once per call (the weights do not
+        change during one): every prefill starts from its keys and values. The decode step
+        reads them through one copy, not the rows': LlamaStep is handed it here; for the
+        model's own attention it is returned, for :func:`~dapo.rollout.attention.sharing`.
+        None under CUDA graphs, whose captured step would keep reading this call's prefix."""
         if not self.prefix:
             return None
         head = DynamicCache()

@@ -8,8 +8,8 @@ per row, a grouped-query attention written as two batched products over the stat
 (each key/value head read once for its group of query heads, a boolean mask for the row's
 slots, a prefix all rows share read through its one copy); for prompts, SDPA (on CPU with
 ``enable_gqa``: transformers' own sdpa attention copies the grouped heads out whenever a
-padding mask is given, which made SmolLM2's attention 9x slower). The weights are read in the dtype the products run in
-(:class:`~dapo.models.precision.GenerationWeights`).
+padding mask is given, which made SmolLM2's attention 9x slower). The weights are read in
+the dtype the products run in (:class:`~dapo.models.precision.GenerationWeights`).
 """
 
 from __future__ import annotations
