@@ -14,7 +14,7 @@ from test_rollout import EOS, PAD, make_model, reference_greedy, reference_logpr
 
 from dapo.models.precision import set_precision
 from dapo.rollout import HFEngine, SamplingParams
-from dapo.rollout.decode import RowCache, bucket_for, buckets
+from dapo.rollout.buffers import RowCache, bucket_for, buckets
 from dapo.rollout.hf_engine import graphs_fallback, unsupported_reason
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -210,7 +210,7 @@ def test_a_small_cache_is_kept_between_calls_without_changing_results(tok, promp
     shape, its stale slots from other prompts masked: every call returns what a fresh engine
     returns. A workspace still in use (another thread's call) is not handed out again, and a
     cache over the limit is not kept."""
-    from dapo.rollout import decode
+    from dapo.rollout import buffers
 
     model = make_model(tok, seed=2, eos_scale=8.0)
     params = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=3)
@@ -241,10 +241,73 @@ def test_a_small_cache_is_kept_between_calls_without_changing_results(tok, promp
         ws
     ]
 
-    monkeypatch.setattr(decode, "KEEP_BYTES", 0)
+    monkeypatch.setattr(buffers, "KEEP_BYTES", 0)
     big = HFEngine(model, EOS, PAD, batch_size=4)
     big.generate(prompts, params)
     assert not big.workspaces.entries
+
+
+def assert_same_groups(got, want) -> None:
+    """The same tokens, and log-probs equal to 1e-5."""
+    assert [g.response_ids for g in got] == [g.response_ids for g in want]
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g.logprobs, w.logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+def cache_bytes(ws) -> int:
+    return sum(b.untyped_storage().nbytes() for b in [*ws.cache.keys, *ws.cache.values])
+
+
+def test_a_cache_that_does_not_fit_decodes_on_fewer_rows_with_the_same_results(
+    tok, prompts, monkeypatch
+):
+    """When the cache of the rows asked for would take more than ``CACHE_SHARE`` of the
+    device's available memory, the call decodes on the most rows that fit (said once), the
+    other responses waiting for a free row: the same greedy tokens and log-probs as on all
+    rows; the next call reuses the kept smaller workspace. When not one row fits, the error
+    names the field to change."""
+    from dapo.errors import ConfigError
+    from dapo.memory import Memory
+    from dapo.rollout import decode
+
+    model = make_model(tok, seed=2, eos_scale=8.0)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=10)
+    roomy = HFEngine(model, EOS, PAD, batch_size=8)
+    want = roomy.generate(prompts, params)
+    (ws,) = roomy.workspaces.entries.values()
+    row = cache_bytes(ws) / ws.state.done.shape[0]  # one row's keys and values
+    assert ws.state.done.shape[0] == 8
+
+    # Room for 3 rows' caches; what the engine keeps is taken from it, as on a device.
+    budget = {"bytes": int(3.4 * row / decode.CACHE_SHARE)}
+    lines: list[str] = []
+    engine = HFEngine(model, EOS, PAD, batch_size=8, log=lines.append)
+
+    def memory(device):
+        kept = sum(w.nbytes() for w in engine.workspaces.entries.values())
+        return Memory(budget["bytes"] - kept, 2**40)
+
+    monkeypatch.setattr(decode, "device_memory", memory)
+    seen = batch_sizes_seen(monkeypatch)
+    addresses = set()
+    for _ in range(2):
+        got = engine.generate(prompts, params)
+        assert_same_groups(got, want)
+        (ws,) = engine.workspaces.entries.values()
+        addresses.add(ws.cache.keys[0].data_ptr())
+    assert max(seen) == 3, seen
+    assert len(addresses) == 1  # the second call reused the first one's 3 rows
+    assert cache_bytes(ws) <= decode.CACHE_SHARE * budget["bytes"]
+    assert len(lines) == 1 and "decoding 3 rows at a time" in lines[0], lines
+    assert "8 rows" in lines[0] and "rollout.generation_batch_size" in lines[0]
+
+    engine = HFEngine(model, EOS, PAD, batch_size=8)
+    budget["bytes"] = int(0.5 * row / decode.CACHE_SHARE)
+    with pytest.raises(ConfigError, match=r"rollout.max_completion_length=10: one response") as e:
+        engine.generate(prompts, params)
+    assert "MiB are available on cpu" in str(e.value)
+    assert e.value.key == "rollout.max_completion_length"
 
 
 SYSTEM = "You add numbers. Write the sum, then a line: Answer: the sum. Be brief and exact. "
@@ -473,11 +536,10 @@ def test_a_failed_capture_falls_back_to_eager_steps_once(tok, prompts, monkeypat
     assert lines[0].endswith("decoding without CUDA graphs")
 
 
-def test_the_graph_path_captures_each_bucket_once_and_replays_it(tok, prompts, monkeypatch):
-    """The CUDA-graph bookkeeping on a CPU, with torch.cuda's graph API replaced by a stand-in
-    whose "graph" re-runs the step it captured: bucketed rows, the whole cache length, warm-up
-    steps undone, each bucket captured once and reused by the next call; the sampled tokens
-    and log-probs are those of eager steps on the same schedule."""
+def graph_stand_in(monkeypatch) -> tuple[list[tuple], type]:
+    """torch.cuda's graph API replaced by a stand-in whose "graph" re-runs the step it
+    captured; ``HFEngine`` told to use graphs. Returns the steps run (decoder, rows, slots),
+    and the stand-in graph class (counting replays)."""
     import contextlib
 
     from dapo.rollout.decode import Decoder
@@ -514,9 +576,18 @@ def test_the_graph_path_captures_each_bucket_once_and_replays_it(tok, prompts, m
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", capture)
 
+    monkeypatch.setattr(HFEngine, "uses_graphs", lambda self: True)
+    return steps, Graph
+
+
+def test_the_graph_path_captures_each_bucket_once_and_replays_it(tok, prompts, monkeypatch):
+    """The CUDA-graph bookkeeping on a CPU, with torch.cuda's graph API replaced by a stand-in
+    whose "graph" re-runs the step it captured: bucketed rows, the whole cache length, warm-up
+    steps undone, each bucket captured once and reused by the next call; the sampled tokens
+    and log-probs are those of eager steps on the same schedule."""
+    steps, Graph = graph_stand_in(monkeypatch)
     model = make_model(tok, seed=0, eos_scale=8.0)
     params = SamplingParams(n=2, temperature=1.0, max_tokens=40, seed=3)
-    monkeypatch.setattr(HFEngine, "uses_graphs", lambda self: True)
     # The reference: the same shapes and schedule, every step run eagerly (as after a failed
     # capture), so that the same uniform numbers meet the same rows.
     eager = HFEngine(model, EOS, PAD, batch_size=8)
@@ -527,10 +598,7 @@ def test_the_graph_path_captures_each_bucket_once_and_replays_it(tok, prompts, m
     engine = HFEngine(model, EOS, PAD, batch_size=8, log=lines.append)
     for _ in range(2):
         got = engine.generate(prompts, params)
-        assert [g.response_ids for g in got] == [g.response_ids for g in want]
-        for g, w in zip(got, want, strict=True):
-            for a, b in zip(g.logprobs, w.logprobs, strict=True):
-                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+        assert_same_groups(got, want)
     (ws,) = engine.workspaces.entries.values()
     captured = sorted(key[0] for key in ws.graphs)
     assert captured[-1] == 8 and len(captured) >= 2, captured  # the batch, then smaller
@@ -538,3 +606,39 @@ def test_the_graph_path_captures_each_bucket_once_and_replays_it(tok, prompts, m
     assert all(length == ws.state.valid.shape[1] for _, _, length in steps)  # whole cache
     assert ws.state.valid.shape[1] == 32 + 40  # prompt width rounded up to 32
     assert Graph.replays > 2 * len(captured) and not lines
+
+
+def test_with_cuda_graphs_a_cache_too_large_to_keep_is_captured_anew_per_call(
+    tok, prompts, monkeypatch
+):
+    """Under CUDA graphs a workspace is kept between calls (its graphs replay on its
+    addresses) unless its cache takes more than ``GRAPHS_KEEP_SHARE`` of the device: then
+    it is freed with the call, for training's use, and the next call captures anew, with the
+    same results."""
+    from dapo.memory import Memory
+    from dapo.rollout import buffers
+
+    steps, _ = graph_stand_in(monkeypatch)
+    monkeypatch.setattr(buffers, "KEEP_BYTES", 0)
+    total = {"bytes": 2**40}
+    monkeypatch.setattr(buffers, "device_memory", lambda device: Memory(2**40, total["bytes"]))
+    model = make_model(tok, seed=0, eos_scale=8.0)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=40)
+    kept = HFEngine(model, EOS, PAD, batch_size=8)
+    want = kept.generate(prompts, params)
+    captures = len(steps)
+    assert captures >= 6  # 3 steps per bucket: 2 warm-up, 1 captured
+    assert [g.response_ids for g in kept.generate(prompts, params)] == [
+        g.response_ids for g in want
+    ]
+    assert len(steps) == captures  # replayed: nothing captured again
+    (ws,) = kept.workspaces.entries.values()
+
+    total["bytes"] = int(cache_bytes(ws) / buffers.GRAPHS_KEEP_SHARE) - 1
+    engine = HFEngine(model, EOS, PAD, batch_size=8)
+    steps.clear()
+    for _ in range(2):
+        got = engine.generate(prompts, params)
+        assert [g.response_ids for g in got] == [g.response_ids for g in want]
+        assert not engine.workspaces.entries
+    assert len(steps) == 2 * captures

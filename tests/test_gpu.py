@@ -538,6 +538,25 @@ def test_cuda_graphs_fall_back_with_one_line_for_a_sharded_policy(monkeypatch, t
 
 
 @gpu_test()
+def test_available_cuda_memory_counts_what_the_caching_allocator_holds_unused():
+    """What the engine sizes its cache by (``dapo.memory.device_memory``) on CUDA: a 1 GiB
+    tensor takes 1 GiB from the available memory, and freeing it gives it back, though
+    PyTorch keeps the block cached (the driver's free memory alone would not count it)."""
+    from dapo.memory import device_memory
+
+    gib, slack = 2**30, 64 * 2**20
+    before = device_memory(CUDA)
+    x = torch.empty(gib, dtype=torch.uint8, device=CUDA)
+    during = device_memory(CUDA)
+    del x
+    after = device_memory(CUDA)
+    assert before is not None and 0 < before.available <= before.total
+    assert abs((before.available - during.available) - gib) < slack, (before, during)
+    assert abs(after.available - before.available) < slack, (before, after)
+    assert torch.cuda.memory_reserved(CUDA) >= gib  # cached, not returned to the driver
+
+
+@gpu_test()
 def test_the_default_run_on_cuda_gains_as_usual(tmp_path, tiny_path):
     """``dapo train`` with no arguments on CUDA (precision auto: bf16-mixed): the usual gain
     on the CPU is +35 to +38 points of held-out accuracy (3 seeds); the stated floor here is

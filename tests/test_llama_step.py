@@ -22,7 +22,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dapo.rollout.decode import RowCache
+from dapo.rollout.buffers import RowCache
 from dapo.rollout.llama_step import LlamaStep, unsupported
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -165,7 +165,8 @@ class RolloutConfig:
     generation_batch_size: int = opt(
         256,
         "Sequences (prompts x responses) generated together; bounds the generation memory, "
-        "not the training batch.",
+        "not the training batch. The hf engine decodes on fewer where their key/value cache "
+        "would take over 80% of the device's available memory, and says so once.",
         ge=1,
     )
     cuda_graphs: CudaGraphs = opt(

@@ -17,6 +17,12 @@ that is one function of static shapes, and a loop that only calls it.
   holds them, so the long tail runs on a small batch.
 - On CUDA each bucket's decode step is captured once as a CUDA graph and replayed per token
   (``cuda_graphs``); the step takes its random numbers as an input (``DecodeState.u``).
+- The rows fit the device: when the cache of the rows asked for would take more than
+  :data:`CACHE_SHARE` of its available memory (a long ``max_completion_length``), the call
+  decodes on fewer rows, and says so once.
+
+The buffers (cache, row state, buckets, the workspaces kept between calls) live in
+:mod:`dapo.rollout.buffers`.
 """
 
 from __future__ import annotations
@@ -24,138 +30,36 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache
 
+from dapo.errors import ConfigError
+from dapo.memory import device_memory
 from dapo.models.inputs import after_prefix, shared_prefix
 from dapo.rollout.attention import SharedPrefix, sharing
 from dapo.rollout.base import SamplingParams
+from dapo.rollout.buffers import (
+    DecodeState,
+    RowCache,
+    Workspace,
+    Workspaces,
+    bucket_for,
+    buckets,
+    kept,
+)
 from dapo.rollout.llama_step import LlamaStep, unsupported
 from dapo.rollout.sampling import sample_with
 
 SYNC_EVERY = 8  # decode steps between two looks at the host (finished rows, refills)
 SYNC_EVERY_CPU = 4  # on a CPU a look costs little and a finished row a whole row of compute
-KEEP_BYTES = 64 * 2**20  # a cache this small is kept between calls (see Decoder._workspace)
+CACHE_SHARE = 0.8  # of the device's available memory, what a call's cache and rows may take
 
 
-def buckets(max_rows: int) -> list[int]:
-    """Batch sizes the decode step runs at: powers of two and the halfway sizes between
-    them (1, 2, 3, 4, 6, 8, 12, 16, 24, ...), up to ``max_rows``, which is always one."""
-    sizes, p = set(), 1
-    while p < max_rows:
-        sizes.update(x for x in (p, 3 * p // 2) if 1 <= x < max_rows)
-        p *= 2
-    return sorted(sizes | {max_rows})
-
-
-def bucket_for(rows: int, sizes: list[int]) -> int:
-    """The smallest bucket that holds ``rows`` rows."""
-    return next(s for s in sizes if s >= rows)
-
-
-class RowCache(Cache):
-    """A static key/value cache: ``keys[layer]`` and ``values[layer]`` are ``[rows, kv_heads,
-    length, head_dim]``, allocated once; ``update`` writes each row's new key and value at
-    ``slot[row]`` and returns the whole buffers (the attention mask hides unused slots).
-    The keys may be the transposed view of a ``[rows, kv_heads, head_dim, length]`` buffer
-    (for :class:`~dapo.rollout.llama_step.LlamaStep`: its scores read them contiguously)."""
-
-    def __init__(
-        self,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        slot: torch.Tensor,
-        rows: torch.Tensor | None = None,
-    ):
-        super().__init__(layers=[])
-        self.keys, self.values, self.slot = keys, values, slot
-        self.rows = torch.arange(len(slot), device=slot.device) if rows is None else rows
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        *a: Any,
-        **k: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[self.rows, :, self.slot] = key_states[:, :, 0].to(keys.dtype)
-        values[self.rows, :, self.slot] = value_states[:, :, 0].to(values.dtype)
-        return keys, values
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions are always given (position_ids); nothing reads this
-
-    def view(self, rows: int, length: int) -> RowCache:
-        """The same buffers, first ``rows`` rows and ``length`` slots."""
-        return RowCache(
-            [k[:rows, :, :length] for k in self.keys],
-            [v[:rows, :, :length] for v in self.values],
-            self.slot[:rows],
-            self.rows[:rows],
-        )
-
-
-@dataclass
-class DecodeState:
-    """Every row's state, on the device, in buffers of ``rows`` rows that never move.
-
-    ``logits``: the next-token logits to sample from; ``pos``: the next position id;
-    ``slot``: where the next key goes; ``valid``: the slots the row attends to; ``gen``:
-    tokens generated; ``done``: finished (EOS or the limit; also a free row); ``eos``:
-    ended on EOS; ``tokens``/``logps``: the row's response so far (column ``max_tokens`` is
-    scratch for finished rows); ``u``: one uniform number per row for the next draw.
-    """
-
-    logits: torch.Tensor
-    pos: torch.Tensor
-    slot: torch.Tensor
-    valid: torch.Tensor
-    gen: torch.Tensor
-    done: torch.Tensor
-    eos: torch.Tensor
-    tokens: torch.Tensor
-    logps: torch.Tensor
-    u: torch.Tensor
-
-    @classmethod
-    def allocate(
-        cls, rows: int, length: int, max_tokens: int, vocab: int, device: torch.device
-    ) -> DecodeState:
-        def z(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        valid = z(rows, length, dtype=torch.bool)
-        valid[:, 0] = True  # a free row attends to something (no NaN from an empty softmax)
-        return cls(
-            logits=z(rows, vocab, dtype=torch.float32),
-            pos=z(rows),
-            slot=z(rows),
-            valid=valid,
-            gen=z(rows),
-            done=torch.ones(rows, dtype=torch.bool, device=device),
-            eos=z(rows, dtype=torch.bool),
-            tokens=z(rows, max_tokens + 1),
-            logps=z(rows, max_tokens + 1, dtype=torch.float32),
-            u=z(rows, dtype=torch.float64),
-        )
-
-    def buffers(self) -> list[torch.Tensor]:
-        return [getattr(self, f.name) for f in fields(self)]
-
-    def view(self, rows: int, length: int) -> DecodeState:
-        """The first ``rows`` rows, attending to the first ``length`` slots."""
-        views = {f.name: getattr(self, f.name)[:rows] for f in fields(self)}
-        views["valid"] = views["valid"][:, :length]
-        return DecodeState(**views)
+def _size(n: float) -> str:
+    """Bytes as GiB, or MiB below one GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def decode_step(
@@ -209,44 +113,6 @@ class Results:
     logps: torch.Tensor
     lengths: torch.Tensor
     eos: torch.Tensor
-
-
-class Workspace:
-    """The buffers of one call shape (rows, cache length, response limit, vocabulary, cache
-    layout), and the CUDA graphs captured on them: kept between calls, since a graph replays
-    on the addresses it was captured with. ``busy`` while a call decodes on it."""
-
-    def __init__(self, state: DecodeState, cache: RowCache) -> None:
-        self.state, self.cache = state, cache
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.pool: Any = None
-        self.busy = False
-
-
-class Workspaces:
-    """The engine's workspaces by call shape, the most recent :data:`KEEP` of them (with CUDA
-    graphs, or small ones; otherwise each call allocates its own)."""
-
-    KEEP = 2
-
-    def __init__(self) -> None:
-        self.entries: dict[tuple, Workspace] = {}
-        self.capture_failed = False
-
-    def get(self, key: tuple, make: Callable[[], Workspace]) -> Workspace:
-        """The workspace of ``key``, made if none is kept or the kept one is busy (a call on
-        another thread decodes on it: this one gets its own, not kept)."""
-        ws = self.entries.pop(key, None)
-        if ws is not None and ws.busy:
-            self.entries[key] = ws
-            ws = make()
-        else:
-            ws = ws or make()
-            self.entries[key] = ws  # most recent last
-            while len(self.entries) > self.KEEP:
-                self.entries.pop(next(iter(self.entries)))
-        ws.busy = True
-        return ws
 
 
 class Decoder:
@@ -430,8 +296,10 @@ class Decoder:
             logits_to_keep=1,
         )
         prefill = out.past_key_values
-        if self.ws is None:
+        if self.ws is None:  # the first refill: the rows may be fewer once the cache is sized
             self.ws = self._workspace(prefill, out.logits.shape[-1])
+            self.queue.extendleft(reversed(take[self.rows :]))
+            take, rows = take[: self.rows], rows[: self.rows]
         where = {p: i for i, p in enumerate(distinct)}
         src = torch.tensor([where[p] for p, _ in take], device=self.device)
         dst = torch.tensor(rows, device=self.device)
@@ -539,18 +407,51 @@ class Decoder:
             values = [self._buffer(layer.values, False) for layer in prefill.layers]
             return Workspace(state, RowCache(keys, values, state.slot))
 
-        # Kept between calls for the graphs captured on it, or when small (fresh pages cost
-        # their zeroing: ~8 ms of a 0.2 s call for builtin:tiny's 23 MB); else freed with the
-        # call (the cache is the largest thing generation allocates).
-        cache_bytes = (
-            self.rows
-            * self.length
-            * sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
-        )
-        keep = self.graphs or cache_bytes <= KEEP_BYTES
+        slot_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
+        if not self.workspaces.idle(key):
+            key = self._fit(key, self.length * slot_bytes, vocab)
+        keep = kept(self.rows * self.length * slot_bytes, self.graphs, self.device)
         ws = self.workspaces.get(key, make) if keep else make()
         ws.state.done.fill_(True)  # every row free until filled
         return ws
+
+    def _fit(self, key: tuple, cache_row_bytes: int, vocab: int) -> tuple:
+        """The workspace key of the rows this call decodes on: fewer than :attr:`rows` when
+        their cache and state would take more than :data:`CACHE_SHARE` of the device's
+        available memory (counting the kept workspaces no call uses, which are freed unless
+        one of them has the shape chosen): the largest batch-size bucket that fits, said
+        once; the other responses wait in the queue. Raises when not even one row fits."""
+        t = self.params.max_tokens
+        # The row's cache and state, and the step's logits, probabilities and sampling copies.
+        per_row = cache_row_bytes + self.length + 12 * (t + 1) + 4 * 4 * vocab + 64
+        memory = device_memory(self.device)
+        if memory is None or self.rows * per_row <= CACHE_SHARE * memory.available:
+            return key
+        room = CACHE_SHARE * (memory.available + self.workspaces.idle_bytes())
+        rows = max((s for s in self.sizes if s * per_row <= room), default=0)
+        if rows == 0:
+            raise ConfigError(
+                f"rollout.max_completion_length={t}: one response's key/value cache "
+                f"({self.length:,} slots: prompt and response) and state take "
+                f"{_size(per_row)}, and {_size(memory.available)} are available on "
+                f"{self.device}; use a shorter rollout.max_completion_length or "
+                "data.max_prompt_length, or a device with more free memory",
+                key="rollout.max_completion_length",
+            )
+        if rows < self.rows and not self.workspaces.told_fit:
+            self.workspaces.told_fit = True
+            self.log(
+                f"rollout: the key/value cache of {self.rows} rows x {self.length:,} slots "
+                f"takes {_size(self.rows * per_row)}, and {_size(memory.available)} are "
+                f"available on {self.device}: decoding {rows} rows at a time (lower "
+                "rollout.generation_batch_size or rollout.max_completion_length to fit)"
+            )
+        self.rows, self.held = rows, self.held[:rows]
+        self.sizes = [s for s in self.sizes if s <= rows]
+        key = (rows, *key[1:])
+        if not self.workspaces.idle(key):
+            self.workspaces.drop_idle()
+        return key
 
     def _retire(self, rows: list[int]) -> None:
         """Copy the finished rows' responses out and free the rows."""

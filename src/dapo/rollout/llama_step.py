@@ -3,7 +3,7 @@
 A transformers decoder layer spends most of a small model's decode step in its own
 machinery (mask and cache interfaces, rotary embeddings recomputed per layer, views and
 dtype checks): ``builtin:tiny``'s forward for 128 rows ran ~45 operators per layer. For
-one new token per row over :class:`~dapo.rollout.decode.RowCache`, :class:`LlamaStep`
+one new token per row over :class:`~dapo.rollout.buffers.RowCache`, :class:`LlamaStep`
 computes the same function in ~20: each layer is
 
     x = RMSNorm(h);  q, k, v = x W_qkv  (one product when the three are plain linear layers)
@@ -120,7 +120,7 @@ class _Layer:
 
 class LlamaStep:
     """``model``'s logits for one new token per row, its keys and values written into a
-    :class:`~dapo.rollout.decode.RowCache`; Built once per
+    :class:`~dapo.rollout.buffers.RowCache`; Built once per
     engine call (``fuse``: concatenate the q/k/v and gate/up weights for that call; a
     captured CUDA graph outlives the call, so it is built with ``fuse=False`` there).
     Positions run up to ``length`` (prompt width + response limit)."""
