@@ -608,20 +608,15 @@ def test_the_graph_path_captures_each_bucket_once_and_replays_it(tok, prompts, m
     assert Graph.replays > 2 * len(captured) and not lines
 
 
-def test_with_cuda_graphs_a_cache_too_large_to_keep_is_captured_anew_per_call(
+def test_with_cuda_graphs_a_cache_over_the_keep_limit_is_freed_and_captured_anew(
     tok, prompts, monkeypatch
 ):
     """Under CUDA graphs a workspace is kept between calls (its graphs replay on its
-    addresses) unless its cache takes more than ``GRAPHS_KEEP_SHARE`` of the device: then
-    it is freed with the call, for training's use, and the next call captures anew, with the
-    same results."""
-    from dapo.memory import Memory
+    addresses) only while its cache is under ``KEEP_BYTES``: a larger one is freed with the
+    call, for training's use, and the next call captures anew, with the same results."""
     from dapo.rollout import buffers
 
     steps, _ = graph_stand_in(monkeypatch)
-    monkeypatch.setattr(buffers, "KEEP_BYTES", 0)
-    total = {"bytes": 2**40}
-    monkeypatch.setattr(buffers, "device_memory", lambda device: Memory(2**40, total["bytes"]))
     model = make_model(tok, seed=0, eos_scale=8.0)
     params = SamplingParams(n=2, temperature=0.0, max_tokens=40)
     kept = HFEngine(model, EOS, PAD, batch_size=8)
@@ -634,11 +629,45 @@ def test_with_cuda_graphs_a_cache_too_large_to_keep_is_captured_anew_per_call(
     assert len(steps) == captures  # replayed: nothing captured again
     (ws,) = kept.workspaces.entries.values()
 
-    total["bytes"] = int(cache_bytes(ws) / buffers.GRAPHS_KEEP_SHARE) - 1
+    monkeypatch.setattr(buffers, "KEEP_BYTES", cache_bytes(ws) - 1)
     engine = HFEngine(model, EOS, PAD, batch_size=8)
     steps.clear()
     for _ in range(2):
         got = engine.generate(prompts, params)
         assert [g.response_ids for g in got] == [g.response_ids for g in want]
         assert not engine.workspaces.entries
+    assert len(steps) == 2 * captures
+
+
+def test_large_bf16_copies_on_cuda_are_freed_after_each_call_with_the_graphs_reading_them(
+    tok, prompts, monkeypatch
+):
+    """Under bf16-mixed the engine reads bf16 copies of the weights. On CUDA, copies over
+    ``KEEP_BYTES`` are freed after each call (training gets the memory back), and with them
+    the kept workspaces, whose captured graphs read the copies: the next call makes new
+    copies, captures anew and samples the same tokens. Small copies, and any on a CPU, are
+    kept, and their graphs replayed."""
+    from dapo.rollout import buffers, hf_engine
+
+    limit = buffers.KEEP_BYTES
+    assert hf_engine.keeps_copies(torch.device("cpu"), 100 * limit)
+    assert hf_engine.keeps_copies(torch.device("cuda"), limit)
+    assert not hf_engine.keeps_copies(torch.device("cuda"), limit + 1)
+
+    steps, _ = graph_stand_in(monkeypatch)
+    model = set_precision(make_model(tok, seed=0, eos_scale=8.0), "bf16-mixed")
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=12)
+    keeping = HFEngine(model, EOS, PAD, batch_size=8)
+    want = keeping.generate(prompts, params)
+    captures = len(steps)
+    keeping.generate(prompts, params)
+    assert len(steps) == captures and keeping.weights.nbytes() > 0
+
+    monkeypatch.setattr(hf_engine, "keeps_copies", lambda device, nbytes: False)  # a large model
+    engine = HFEngine(model, EOS, PAD, batch_size=8)
+    steps.clear()
+    for _ in range(2):
+        got = engine.generate(prompts, params)
+        assert [g.response_ids for g in got] == [g.response_ids for g in want]
+        assert engine.weights.nbytes() == 0 and not engine.workspaces.entries
     assert len(steps) == 2 * captures

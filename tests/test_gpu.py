@@ -458,14 +458,16 @@ def test_the_hf_engine_on_cuda_samples_with_the_trainers_logprobs(precision, bou
 @gpu_test()
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_cuda_graphs_on_and_off_give_the_same_tokens_and_every_bucket_is_captured(
-    precision, tiny_path
+    precision, tiny_path, monkeypatch
 ):
     """Greedy decoding with the decode step replayed from CUDA graphs and without: the same
     tokens, log-probs within 1e-4 (fp32) / 2e-2 (bf16-mixed); 40 responses of lengths spread
     over 4..48 on a batch of 16 pass through buckets 16 down to 1, each captured once (a
-    second call captures nothing new); no capture fallback is said."""
+    second call captures nothing new); no capture fallback is said. With nothing kept
+    between calls (as for a model whose cache and bf16 copies are large), two calls each
+    capture anew on fresh buffers and give the same tokens."""
     from dapo.models import load_policy
-    from dapo.rollout import HFEngine, SamplingParams
+    from dapo.rollout import HFEngine, SamplingParams, buffers
 
     model = set_precision(load_policy(str(tiny_path)), precision).to(CUDA)
     prompts = addition_prompts(20)
@@ -490,6 +492,14 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens_and_every_bucket_is_capture
     before = len(ws.graphs)
     on.generate(prompts, params)
     assert len(ws.graphs) == before  # replayed, not captured again
+    assert not lines, lines
+
+    monkeypatch.setattr(buffers, "KEEP_BYTES", 0)  # frees the cache and the bf16 copies
+    fresh = HFEngine(model, EOS, PAD, batch_size=16, cuda_graphs="on", log=lines.append)
+    for _ in range(2):
+        again = fresh.generate(prompts, params)
+        assert [g.response_ids for g in again] == [g.response_ids for g in b]
+        assert not fresh.workspaces.entries and fresh.weights.nbytes() == 0
     assert not lines, lines
 
 

@@ -203,13 +203,24 @@ class GenerationWeights:
     one cast per call. The output layer becomes a
     :class:`~dapo.models.chunked_logprobs.Float32Linear` (float32 logits from bf16 products,
     as the training log-probs). The copies are kept between calls and refreshed in place, so
-    their addresses never change (a captured CUDA graph keeps reading them). In ``fp32`` the
+    their addresses do not change (a captured CUDA graph keeps reading them) until
+    :meth:`release`. In ``fp32`` the
     model is used as it is; an FSDP2 model's ``MixedPrecisionPolicy`` casts at the gather.
     """
 
     def __init__(self) -> None:
         self._copies: dict[int, torch.Tensor] = {}
         self._head: tuple[int, Float32Linear] | None = None
+
+    def nbytes(self) -> int:
+        """The memory the kept copies take."""
+        head = self._head[1].weight.nbytes if self._head is not None else 0
+        return head + sum(c.nbytes for c in self._copies.values())
+
+    def release(self) -> None:
+        """Free the copies (the next call makes new ones, at other addresses)."""
+        self._copies.clear()
+        self._head = None
 
     @contextlib.contextmanager
     def applied(self, model: nn.Module) -> Iterator[None]:

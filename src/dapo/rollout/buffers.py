@@ -2,9 +2,10 @@
 (:class:`RowCache`), every row's state on the device (:class:`DecodeState`), the batch-size
 buckets the step runs at, and the workspaces an engine keeps between calls.
 
-A workspace is kept when it is small (fresh pages cost their zeroing), or under CUDA graphs,
-which replay on the addresses they were captured with, unless its cache takes a large share
-of the device: training needs that memory back between calls.
+A workspace is kept between calls when its cache is small (:data:`KEEP_BYTES`: fresh pages
+cost their zeroing, ~8 ms of a 0.2 s call for ``builtin:tiny``'s 23 MB), with the CUDA graphs
+captured on it, which replay on its addresses. A larger one is freed with the call: it is the
+largest thing generation allocates, and training needs the memory back.
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from dapo.memory import device_memory
-
-KEEP_BYTES = 64 * 2**20  # a cache this small is kept between calls
-GRAPHS_KEEP_SHARE = 1 / 8  # with CUDA graphs, a cache up to this share of the device is kept
+KEEP_BYTES = 64 * 2**20  # a cache (or bf16 weight copies) this small is kept between calls
 
 
 def buckets(max_rows: int) -> list[int]:
@@ -191,15 +189,3 @@ class Workspaces:
                 self.entries.pop(next(iter(self.entries)))
         ws.busy = True
         return ws
-
-
-def kept(cache_bytes: int, graphs: bool, device: torch.device) -> bool:
-    """Whether a call's workspace, whose cache takes ``cache_bytes``, is kept for the next
-    calls: when small (fresh pages cost their zeroing: ~8 ms of a 0.2 s call for
-    ``builtin:tiny``'s 23 MB), or for the CUDA graphs captured on it unless it takes over
-    :data:`GRAPHS_KEEP_SHARE` of the device. Otherwise it is freed with the call (the cache is
-    the largest thing generation allocates)."""
-    if cache_bytes <= KEEP_BYTES:
-        return True
-    memory = device_memory(device) if graphs else None
-    return graphs and (memory is None or cache_bytes <= GRAPHS_KEEP_SHARE * memory.total)

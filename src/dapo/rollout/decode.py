@@ -38,6 +38,7 @@ from transformers import DynamicCache
 from dapo.errors import ConfigError
 from dapo.memory import device_memory
 from dapo.models.inputs import after_prefix, shared_prefix
+from dapo.rollout import buffers
 from dapo.rollout.attention import SharedPrefix, sharing
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.buffers import (
@@ -47,7 +48,6 @@ from dapo.rollout.buffers import (
     Workspaces,
     bucket_for,
     buckets,
-    kept,
 )
 from dapo.rollout.llama_step import LlamaStep, unsupported
 from dapo.rollout.sampling import sample_with
@@ -410,7 +410,8 @@ class Decoder:
         slot_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
         if not self.workspaces.idle(key):
             key = self._fit(key, self.length * slot_bytes, vocab)
-        keep = kept(self.rows * self.length * slot_bytes, self.graphs, self.device)
+        # Kept with its graphs when small; else freed with the call, for training's use.
+        keep = self.rows * self.length * slot_bytes <= buffers.KEEP_BYTES
         ws = self.workspaces.get(key, make) if keep else make()
         ws.state.done.fill_(True)  # every row free until filled
         return ws
