@@ -78,7 +78,7 @@ test: setup $(VLLM_STAMP) $(REALMODEL_STAMP) browser
 	$(VENV)/bin/ruff check src tests benchmarks scripts examples
 	$(VENV)/bin/ruff format --check src tests benchmarks scripts examples
 	$(MAKE) docs
-	$(PY) -m pytest -q $(XDIST) --durations=30 $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=30 --hypothesis-profile=ci $(PYTEST_ARGS)
 
 # The inner loop: every module's unit tests in a few minutes; leaves out the end-to-end
 # trainings (slow), vLLM, the real model, the GPU tier, the browser and the benchmark scripts.

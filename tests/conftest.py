@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import settings
 
 # train.precision=auto resolves to fp32 on every CPU in the suite (bf16-mixed where the CPU
 # has native bf16, outside it), so that tests compute the same on every machine; subprocesses
@@ -23,6 +24,12 @@ os.environ.setdefault("DAPO_CPU_BF16", "0")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+
+# `make test` (what CI runs) draws the property tests' examples from a fixed seed
+# (`--hypothesis-profile=ci`): a gate that passes or fails on the same tree every time.
+# `make test-quick` and plain pytest search anew at each run, and keep what they find in
+# .hypothesis/.
+settings.register_profile("ci", derandomize=True, database=None)
 
 SUITE_BUDGET_S = 20 * 60  # make test's tests, on the 2-core machine (docs/development.md)
 _STARTED = time.monotonic()
