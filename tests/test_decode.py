@@ -671,3 +671,29 @@ def test_large_bf16_copies_on_cuda_are_freed_after_each_call_with_the_graphs_rea
         assert [g.response_ids for g in got] == [g.response_ids for g in want]
         assert engine.weights.nbytes() == 0 and not engine.workspaces.entries
     assert len(steps) == 2 * captures
+
+
+def test_under_cuda_graphs_the_rows_that_fit_are_a_bucket(tok, prompts, monkeypatch):
+    """With CUDA graphs (one capture per batch-size bucket) a call whose cache does not fit
+    decodes on the largest bucket that does: room for 5 rows of 8 gives 4 (buckets 1, 2, 3,
+    4, 6, 8), with the greedy tokens of all 8 rows."""
+    from dapo.memory import Memory
+    from dapo.rollout import decode
+
+    graph_stand_in(monkeypatch)
+    model = make_model(tok, seed=2, eos_scale=8.0)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=10)
+    roomy = HFEngine(model, EOS, PAD, batch_size=8)
+    want = roomy.generate(prompts, params)
+    (ws,) = roomy.workspaces.entries.values()
+    row = cache_bytes(ws) / ws.state.done.shape[0]
+    budget = int(5.4 * row / decode.CACHE_SHARE)
+    monkeypatch.setattr(decode, "device_memory", lambda device: Memory(budget, 2**40))
+    seen = batch_sizes_seen(monkeypatch)
+    engine = HFEngine(model, EOS, PAD, batch_size=8)
+    assert [g.response_ids for g in engine.generate(prompts, params)] == [
+        g.response_ids for g in want
+    ]
+    (ws,) = engine.workspaces.entries.values()
+    assert ws.state.done.shape[0] == 4 and max(seen) == 4, seen
+    assert sorted(key[0] for key in ws.graphs)[-1] == 4

@@ -504,6 +504,33 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens_and_every_bucket_is_capture
 
 
 @gpu_test()
+def test_a_cache_that_does_not_fit_decodes_on_a_smaller_bucket_on_cuda(tiny_path, monkeypatch):
+    """On CUDA with graphs, where the available memory (patched to room for 5 of 16 rows)
+    does not hold the cache, the engine decodes on the largest bucket that fits (4) and says
+    so once, with the greedy tokens of all 16 rows."""
+    from dapo.memory import Memory
+    from dapo.models import load_policy
+    from dapo.rollout import HFEngine, SamplingParams, decode
+
+    model = load_policy(str(tiny_path)).to(CUDA)
+    prompts = addition_prompts(8)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=32)
+    roomy = HFEngine(model, EOS, PAD, batch_size=16, cuda_graphs="on")
+    want = roomy.generate(prompts, params)
+    (ws,) = roomy.workspaces.entries.values()
+    row = sum(b.nbytes for b in [*ws.cache.keys, *ws.cache.values]) / 16
+    room = Memory(int(5.4 * row / decode.CACHE_SHARE), 2**40)
+    monkeypatch.setattr(decode, "device_memory", lambda device: room)
+    lines: list[str] = []
+    engine = HFEngine(model, EOS, PAD, batch_size=16, cuda_graphs="on", log=lines.append)
+    got = engine.generate(prompts, params)
+    assert [g.response_ids for g in got] == [g.response_ids for g in want]
+    (ws,) = engine.workspaces.entries.values()
+    assert ws.state.done.shape[0] == 4 and max(key[0] for key in ws.graphs) == 4
+    assert len(lines) == 1 and "decoding 4 rows at a time" in lines[0], lines
+
+
+@gpu_test()
 def test_the_two_level_draw_on_cuda_and_in_a_cuda_graph_picks_what_the_cpu_picks():
     """The sampler's draw over a large vocabulary (two levels: a block, then an entry) on
     CUDA, eagerly and replayed from a captured graph with new uniform numbers, picks the
