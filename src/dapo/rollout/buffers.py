@@ -138,8 +138,8 @@ class DecodeState:
 
 class Workspace:
     """The buffers of one call shape (rows, cache length, response limit, vocabulary, cache
-    layout), and the CUDA graphs captured on them: kept between calls, since a graph replays
-    on the addresses it was captured with. ``busy`` while a call decodes on it."""
+    layout), and the CUDA graphs captured on them, which replay on its addresses as long as
+    it is kept. ``busy`` while a call decodes on it."""
 
     def __init__(self, state: DecodeState, cache: RowCache) -> None:
         self.state, self.cache = state, cache
@@ -153,8 +153,8 @@ class Workspace:
 
 
 class Workspaces:
-    """The engine's workspaces by call shape, the most recent :data:`KEEP` of them (with CUDA
-    graphs, or small ones; otherwise each call allocates its own)."""
+    """The engine's workspaces by call shape, the most recent :data:`KEEP` of them (those
+    whose cache is under :data:`KEEP_BYTES`; a call with a larger one allocates its own)."""
 
     KEEP = 2
 
