@@ -10,6 +10,7 @@ largest thing generation allocates, and training needs the memory back.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -161,6 +162,7 @@ class Workspaces:
     def __init__(self) -> None:
         self.entries: dict[tuple, Workspace] = {}
         self.capture_failed = False
+        self.lock = threading.Lock()  # held while a call sizes and takes its workspace
         self.told_fit = False  # the fewer rows a cache that did not fit decodes on: said once
 
     def idle(self, key: tuple) -> bool:

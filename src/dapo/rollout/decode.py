@@ -408,11 +408,14 @@ class Decoder:
             return Workspace(state, RowCache(keys, values, state.slot))
 
         slot_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
-        if not self.workspaces.idle(key):
-            key = self._fit(key, self.length * slot_bytes, vocab)
-        # Kept with its graphs when small; else freed with the call, for training's use.
-        keep = self.rows * self.length * slot_bytes <= buffers.KEEP_BYTES
-        ws = self.workspaces.get(key, make) if keep else make()
+        # Sized and allocated as one step: calls on two threads (an evaluation while the
+        # producer generates) would otherwise each count the other's memory as available.
+        with self.workspaces.lock:
+            if not self.workspaces.idle(key):
+                key = self._fit(key, self.length * slot_bytes, vocab)
+            # Kept with its graphs when small; else freed with the call, for training's use.
+            keep = self.rows * self.length * slot_bytes <= buffers.KEEP_BYTES
+            ws = self.workspaces.get(key, make) if keep else make()
         ws.state.done.fill_(True)  # every row free until filled
         return ws
 
