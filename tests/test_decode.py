@@ -255,6 +255,21 @@ def assert_same_groups(got, want) -> None:
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
 
 
+def row_estimates(monkeypatch) -> list[int]:
+    """The most one row may take, as each call's sizing estimated it."""
+    from dapo.rollout import decode
+
+    seen: list[int] = []
+    real = decode.Decoder._fit
+
+    def recorded(self, key, per_row):
+        seen.append(per_row)
+        return real(self, key, per_row)
+
+    monkeypatch.setattr(decode.Decoder, "_fit", recorded)
+    return seen
+
+
 def cache_bytes(ws) -> int:
     return sum(b.untyped_storage().nbytes() for b in [*ws.cache.keys, *ws.cache.values])
 
@@ -273,13 +288,15 @@ def test_a_cache_that_does_not_fit_decodes_on_fewer_rows_with_the_same_results(
 
     model = make_model(tok, seed=2, eos_scale=8.0)
     params = SamplingParams(n=2, temperature=0.0, max_tokens=10)
+    per_row = row_estimates(monkeypatch)
     roomy = HFEngine(model, EOS, PAD, batch_size=8)
     want = roomy.generate(prompts, params)
     (ws,) = roomy.workspaces.entries.values()
-    row = cache_bytes(ws) / ws.state.done.shape[0]  # one row's keys and values
     assert ws.state.done.shape[0] == 8
+    row = per_row[-1]  # the most one row may take: at least what its workspace holds
+    assert row >= ws.nbytes() / 8
 
-    # Room for 3 rows' caches; what the engine keeps is taken from it, as on a device.
+    # Room for 3 rows; what the engine keeps is taken from it, as on a device.
     budget = {"bytes": int(3.4 * row / decode.CACHE_SHARE)}
     lines: list[str] = []
     engine = HFEngine(model, EOS, PAD, batch_size=8, log=lines.append)
@@ -306,7 +323,7 @@ def test_a_cache_that_does_not_fit_decodes_on_fewer_rows_with_the_same_results(
     budget["bytes"] = int(0.5 * row / decode.CACHE_SHARE)
     with pytest.raises(ConfigError, match=r"rollout.max_completion_length=10: one response") as e:
         engine.generate(prompts, params)
-    assert "MiB are available on cpu" in str(e.value)
+    assert "more than 80% of the" in str(e.value) and "MiB available on cpu" in str(e.value)
     assert e.value.key == "rollout.max_completion_length"
 
 
@@ -446,6 +463,27 @@ def test_a_long_tail_runs_on_a_shrinking_batch(tok, prompts, monkeypatch):
     assert seen[0] == 16 and seen[-1] <= 3, seen
     row_steps = sum(seen)
     assert row_steps < 0.3 * 16 * len(seen), (row_steps, len(seen))
+
+
+def test_the_copies_memory_leaves_out_an_output_layer_the_model_holds_in_bf16(tok, monkeypatch):
+    """Under pure bf16 on CUDA the output layer's "copy" is the model's own bf16 weight (its
+    operand is not upcast there): it is no memory of the engine's, so it neither counts
+    towards what the engine frees nor is freed."""
+    from dapo.models import chunked_logprobs
+    from dapo.models.precision import GenerationWeights
+
+    model = set_precision(make_model(tok, seed=0), "bf16")
+    weights = GenerationWeights()
+    with weights.applied(model):  # on a CPU the operand is a float32 copy: the engine's
+        pass
+    head = model.lm_head.weight
+    assert weights.nbytes() == head.numel() * 4
+
+    monkeypatch.setattr(chunked_logprobs, "_operand", lambda x, dtype: x.to(dtype))  # as CUDA
+    weights = GenerationWeights()
+    with weights.applied(model):
+        pass
+    assert weights._head[1].weight.data_ptr() == head.data_ptr() and weights.nbytes() == 0
 
 
 def test_bf16_mixed_generation_reads_bf16_weights_cast_once_and_restores_them(tok, prompts):
@@ -683,11 +721,9 @@ def test_under_cuda_graphs_the_rows_that_fit_are_a_bucket(tok, prompts, monkeypa
     graph_stand_in(monkeypatch)
     model = make_model(tok, seed=2, eos_scale=8.0)
     params = SamplingParams(n=2, temperature=0.0, max_tokens=10)
-    roomy = HFEngine(model, EOS, PAD, batch_size=8)
-    want = roomy.generate(prompts, params)
-    (ws,) = roomy.workspaces.entries.values()
-    row = cache_bytes(ws) / ws.state.done.shape[0]
-    budget = int(5.4 * row / decode.CACHE_SHARE)
+    per_row = row_estimates(monkeypatch)
+    want = HFEngine(model, EOS, PAD, batch_size=8).generate(prompts, params)
+    budget = int(5.4 * per_row[-1] / decode.CACHE_SHARE)
     monkeypatch.setattr(decode, "device_memory", lambda device: Memory(budget, 2**40))
     seen = batch_sizes_seen(monkeypatch)
     engine = HFEngine(model, EOS, PAD, batch_size=8)

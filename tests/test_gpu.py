@@ -515,11 +515,12 @@ def test_a_cache_that_does_not_fit_decodes_on_a_smaller_bucket_on_cuda(tiny_path
     model = load_policy(str(tiny_path)).to(CUDA)
     prompts = addition_prompts(8)
     params = SamplingParams(n=2, temperature=0.0, max_tokens=32)
+    from test_decode import row_estimates
+
+    per_row = row_estimates(monkeypatch)
     roomy = HFEngine(model, EOS, PAD, batch_size=16, cuda_graphs="on")
     want = roomy.generate(prompts, params)
-    (ws,) = roomy.workspaces.entries.values()
-    row = sum(b.nbytes for b in [*ws.cache.keys, *ws.cache.values]) / 16
-    room = Memory(int(5.4 * row / decode.CACHE_SHARE), 2**40)
+    room = Memory(int(5.4 * per_row[-1] / decode.CACHE_SHARE), 2**40)
     monkeypatch.setattr(decode, "device_memory", lambda device: room)
     lines: list[str] = []
     engine = HFEngine(model, EOS, PAD, batch_size=16, cuda_graphs="on", log=lines.append)

@@ -42,3 +42,22 @@ def test_this_cpu_reports_available_memory_within_its_total():
     memory = device_memory(torch.device("cpu"))
     assert memory is not None and 0 < memory.available <= memory.total
     assert device_memory(torch.device("meta")) is None
+
+
+def test_the_tightest_limit_of_the_group_its_ancestors_or_the_containers_mount_counts(tmp_path):
+    """A limit on a parent group (a systemd slice, a Kubernetes pod) bounds its children; a
+    Docker container on cgroup v1 names ``/docker/<id>`` but sees its own group at the mount's
+    root."""
+    mount = tmp_path / "memory"
+    mount.mkdir()
+    (mount / "memory.limit_in_bytes").write_text(str(4 * 2**30))
+    (mount / "memory.usage_in_bytes").write_text(str(2**30))
+    assert cgroup_headroom("12:memory:/docker/0123abcd\n", tmp_path) == (3 * 2**30, 4 * 2**30)
+
+    pod, job = tmp_path / "pod", tmp_path / "pod" / "job"
+    job.mkdir(parents=True)
+    (pod / "memory.max").write_text(str(2 * 2**30))
+    (pod / "memory.current").write_text(str(2**30 + 5))
+    (job / "memory.max").write_text("max\n")
+    (job / "memory.current").write_text("5")
+    assert cgroup_headroom("0::/pod/job\n", tmp_path) == (2**30 - 5, 2 * 2**30)

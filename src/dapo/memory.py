@@ -56,30 +56,39 @@ def meminfo(text: str) -> dict[str, int]:
 
 
 def cgroup_headroom(proc_cgroup: str, root: Path) -> tuple[int, int] | None:
-    """``(headroom, limit)`` in bytes of the memory cgroup named in ``proc_cgroup`` (the text
-    of ``/proc/self/cgroup``) under ``root``, or None without a limit: the limit less what
-    the group uses, its inactive file cache (which the kernel reclaims first) counted free.
-    cgroup v2 (``memory.max``) and v1 (``memory.limit_in_bytes``)."""
+    """``(headroom, limit)`` in bytes of the tightest memory limit on this process's cgroup
+    (named in ``proc_cgroup``, the text of ``/proc/self/cgroup``, under ``root``) and its
+    ancestors, or None without a limit: the limit less what the group uses, its inactive file
+    cache (which the kernel reclaims first) counted free. cgroup v2 (``memory.max``) and v1
+    (``memory.limit_in_bytes``). A container whose own group is mounted at the root (Docker
+    on cgroup v1 names ``/docker/<id>``, which its mount does not show) is read there."""
+    best: tuple[int, int] | None = None
     for line in proc_cgroup.splitlines():
         _, controllers, path = line.split(":", 2)
-        rel = path.lstrip("/")
         if controllers == "":  # v2: one unified hierarchy
-            base, names = root / rel, ("memory.max", "memory.current", "inactive_file")
+            base, names = root, ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
-            base = root / "memory" / rel
+            base = root / "memory"
             names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
         else:
             continue
-        if not (base / names[0]).exists():
-            continue
-        raw = (base / names[0]).read_text().strip()
-        if raw == "max" or int(raw) >= _UNLIMITED:
-            continue
-        limit, used = int(raw), int((base / names[1]).read_text())
-        stat = (base / "memory.stat").read_text() if (base / "memory.stat").exists() else ""
-        inactive = next(
-            (int(v) for k, v in (ln.split() for ln in stat.splitlines() if ln) if k == names[2]),
-            0,
-        )
-        return max(0, limit - used + inactive), limit
-    return None
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # the group, its ancestors, the mount's root
+            found = _limit(base.joinpath(*parts[:depth]), names)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = found
+    return best
+
+
+def _limit(group: Path, names: tuple[str, str, str]) -> tuple[int, int] | None:
+    if not (group / names[0]).exists():
+        return None
+    raw = (group / names[0]).read_text().strip()
+    if raw == "max" or int(raw) >= _UNLIMITED:
+        return None
+    limit, used = int(raw), int((group / names[1]).read_text())
+    stat = (group / "memory.stat").read_text() if (group / "memory.stat").exists() else ""
+    inactive = next(
+        (int(v) for k, v in (ln.split() for ln in stat.splitlines() if ln) if k == names[2]), 0
+    )
+    return max(0, limit - used + inactive), limit

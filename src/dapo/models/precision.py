@@ -211,10 +211,14 @@ class GenerationWeights:
     def __init__(self) -> None:
         self._copies: dict[int, torch.Tensor] = {}
         self._head: tuple[int, Float32Linear] | None = None
+        self._head_is_weight = False  # the model holds it in the compute dtype already
 
     def nbytes(self) -> int:
-        """The memory the kept copies take."""
-        head = self._head[1].weight.nbytes if self._head is not None else 0
+        """The memory the kept copies take (not the output layer's weight where the model
+        already holds it in the compute dtype, and the copy is the weight itself)."""
+        head = 0
+        if self._head is not None and not self._head_is_weight:
+            head = self._head[1].weight.nbytes
         return head + sum(c.nbytes for c in self._copies.values())
 
     def release(self) -> None:
@@ -256,6 +260,7 @@ class GenerationWeights:
                     id(head.weight),
                     Float32Linear(head.weight.detach(), head.bias, dtype),
                 )
+                self._head_is_weight = self._head[1].weight.data_ptr() == head.weight.data_ptr()
             fl = self._head[1]
             fl.weight.copy_(head.weight.detach().to(dtype))
             if head.bias is not None:

@@ -174,7 +174,8 @@ class Workspaces:
         return sum(ws.nbytes() for ws in self.entries.values() if not ws.busy)
 
     def drop_idle(self) -> None:
-        """Free the kept workspaces no call is using (to make room for another shape)."""
+        """Free the kept workspaces no call is using (to make room for another shape). Under
+        :attr:`lock` when called from outside a call's sizing."""
         self.entries = {k: ws for k, ws in self.entries.items() if ws.busy}
 
     def get(self, key: tuple, make: Callable[[], Workspace]) -> Workspace:

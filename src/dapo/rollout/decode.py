@@ -408,46 +408,55 @@ class Decoder:
             return Workspace(state, RowCache(keys, values, state.slot))
 
         slot_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
-        # Sized and allocated as one step: calls on two threads (an evaluation while the
-        # producer generates) would otherwise each count the other's memory as available.
+        held, peak = self._row_bytes(slot_bytes, vocab)
+        # Sized and allocated as one step: calls on two threads would otherwise each count
+        # the other's memory as available.
         with self.workspaces.lock:
             if not self.workspaces.idle(key):
-                key = self._fit(key, self.length * slot_bytes, vocab)
+                key = self._fit(key, peak)
             # Kept with its graphs when small; else freed with the call, for training's use.
-            keep = self.rows * self.length * slot_bytes <= buffers.KEEP_BYTES
+            keep = self.rows * held <= buffers.KEEP_BYTES
             ws = self.workspaces.get(key, make) if keep else make()
         ws.state.done.fill_(True)  # every row free until filled
         return ws
 
-    def _fit(self, key: tuple, cache_row_bytes: int, vocab: int) -> tuple:
+    def _row_bytes(self, slot_bytes: int, vocab: int) -> tuple[int, int]:
+        """The memory of one row: what its workspace holds (cache and state), and at most
+        (adding a step's logits, probabilities and sampling copies, and a refill's prefill of
+        its prompt with the copy into the row)."""
+        t, width = self.params.max_tokens, self.length - self.params.max_tokens
+        held = self.length * slot_bytes + self.length + 12 * (t + 1) + 4 * vocab + 64
+        return held, held + 3 * 4 * vocab + 2 * width * slot_bytes
+
+    def _fit(self, key: tuple, per_row: int) -> tuple:
         """The workspace key of the rows this call decodes on: fewer than :attr:`rows` when
-        their cache and state would take more than :data:`CACHE_SHARE` of the device's
-        available memory (counting the kept workspaces no call uses, which are freed unless
-        one of them has the shape chosen): the largest batch-size bucket that fits, said
-        once; the other responses wait in the queue. Raises when not even one row fits."""
+        they would take (``per_row`` each, at most) more than :data:`CACHE_SHARE` of the
+        device's available memory (counting the kept workspaces no call uses, which are
+        freed unless one of them has the shape chosen): the largest batch-size bucket that
+        fits, said once; the other responses wait in the queue. Raises when not even one row
+        fits."""
         t = self.params.max_tokens
-        # The row's cache and state, and the step's logits, probabilities and sampling copies.
-        per_row = cache_row_bytes + self.length + 12 * (t + 1) + 4 * 4 * vocab + 64
         memory = device_memory(self.device)
         if memory is None or self.rows * per_row <= CACHE_SHARE * memory.available:
             return key
         room = CACHE_SHARE * (memory.available + self.workspaces.idle_bytes())
         rows = max((s for s in self.sizes if s * per_row <= room), default=0)
+        share = f"{CACHE_SHARE:.0%} of the {_size(memory.available)} available on {self.device}"
         if rows == 0:
             raise ConfigError(
                 f"rollout.max_completion_length={t}: one response's key/value cache "
-                f"({self.length:,} slots: prompt and response) and state take "
-                f"{_size(per_row)}, and {_size(memory.available)} are available on "
-                f"{self.device}; use a shorter rollout.max_completion_length or "
-                "data.max_prompt_length, or a device with more free memory",
+                f"({self.length:,} slots: prompt and response) and state take up to "
+                f"{_size(per_row)}, more than {share}; use a shorter "
+                "rollout.max_completion_length or data.max_prompt_length, or a device with "
+                "more free memory",
                 key="rollout.max_completion_length",
             )
         if rows < self.rows and not self.workspaces.told_fit:
             self.workspaces.told_fit = True
             self.log(
-                f"rollout: the key/value cache of {self.rows} rows x {self.length:,} slots "
-                f"takes {_size(self.rows * per_row)}, and {_size(memory.available)} are "
-                f"available on {self.device}: decoding {rows} rows at a time (lower "
+                f"rollout: the key/value cache and state of {self.rows} rows x "
+                f"{self.length:,} slots take up to {_size(self.rows * per_row)}, more than "
+                f"{share}: decoding {rows} rows at a time (lower "
                 "rollout.generation_batch_size or rollout.max_completion_length to fit)"
             )
         self.rows, self.held = rows, self.held[:rows]

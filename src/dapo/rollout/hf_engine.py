@@ -203,7 +203,8 @@ class HFEngine:
             if not keeps_copies(device, self.weights.nbytes()):
                 # Graphs captured on the copies would read freed memory: they go too.
                 self.weights.release()
-                self.workspaces.drop_idle()
+                with self.workspaces.lock:
+                    self.workspaces.drop_idle()
         tokens, logps, lengths, eos = (
             x.tolist() for x in (out.tokens, out.logps, out.lengths, out.eos)
         )
