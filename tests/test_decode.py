@@ -733,3 +733,29 @@ def test_under_cuda_graphs_the_rows_that_fit_are_a_bucket(tok, prompts, monkeypa
     (ws,) = engine.workspaces.entries.values()
     assert ws.state.done.shape[0] == 4 and max(seen) == 4, seen
     assert sorted(key[0] for key in ws.graphs)[-1] == 4
+
+
+def test_a_refill_prefills_its_prompts_in_chunks_of_bounded_tokens(tok, prompts, monkeypatch):
+    """The prompts of a refill are prefilled in forwards of at most ``PREFILL_TOKENS`` padded
+    tokens (a longer prompt alone), with the responses of one large prefill: the same greedy
+    tokens, log-probs equal to 1e-5."""
+    from dapo.rollout import decode
+
+    model = make_model(tok, seed=2, eos_scale=8.0)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=10)
+    want = HFEngine(model, EOS, PAD, batch_size=12).generate(prompts, params)
+
+    forwards: list[tuple[int, int]] = []  # (prompts, padded width) of each prefill
+
+    def prefills(module, args, kwargs):  # not the decode steps, which run on the RowCache
+        if not isinstance(kwargs.get("past_key_values"), RowCache):
+            forwards.append(tuple(kwargs["input_ids"].shape))
+
+    model.register_forward_pre_hook(prefills, with_kwargs=True)
+    monkeypatch.setattr(decode, "PREFILL_TOKENS", 24)
+    got = HFEngine(model, EOS, PAD, batch_size=12).generate(prompts, params)
+    assert_same_groups(got, want)
+    widths = sorted(len(p) for p in prompts)
+    assert len(forwards) >= 3 and sum(n for n, _ in forwards) == len(prompts), forwards
+    assert all(n * w <= 24 or n == 1 for n, w in forwards), forwards
+    assert max(w for _, w in forwards) == widths[-1]

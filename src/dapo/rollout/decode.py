@@ -31,6 +31,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -55,6 +56,7 @@ from dapo.rollout.sampling import sample_with
 SYNC_EVERY = 8  # decode steps between two looks at the host (finished rows, refills)
 SYNC_EVERY_CPU = 4  # on a CPU a look costs little and a finished row a whole row of compute
 CACHE_SHARE = 0.8  # of the device's available memory, what a call's cache and rows may take
+PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward (its activations' bound)
 
 
 def _size(n: float) -> str:
@@ -279,47 +281,69 @@ class Decoder:
 
     def _refill(self) -> None:
         """Give the free rows the next responses of the queue: each distinct prompt is
-        prefilled once and its keys and values copied into the rows of its responses."""
+        prefilled once and its keys and values copied into the rows of its responses. The
+        prompts go in chunks of at most :data:`PREFILL_TOKENS` padded tokens (one prompt at
+        least), so that a prefill's activations stay bounded; the first chunk of a call sizes
+        the workspace, which may give fewer rows."""
         free = [r for r in range(self.rows) if self.held[r] < 0]
         take = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
-        if not take:
-            return
         rows = free[: len(take)]
-        distinct = list(dict.fromkeys(p for p, _ in take))
-        ids, attn, pos, cache = self._prefill_inputs([self.prompts[p] for p in distinct])
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        prefill = out.past_key_values
-        if self.ws is None:  # the first refill: the rows may be fewer once the cache is sized
-            self.ws = self._workspace(prefill, out.logits.shape[-1])
-            self.queue.extendleft(reversed(take[self.rows :]))
-            take, rows = take[: self.rows], rows[: self.rows]
-        where = {p: i for i, p in enumerate(distinct)}
-        src = torch.tensor([where[p] for p, _ in take], device=self.device)
+        pending = list(dict.fromkeys(p for p, _ in take))
+        while pending:
+            chunk = self._prefill_chunk(pending)
+            pending = pending[len(chunk) :]
+            ids, attn, pos, cache = self._prefill_inputs([self.prompts[p] for p in chunk])
+            out = self.model(
+                input_ids=ids,
+                attention_mask=attn,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            if self.ws is None:  # the first chunk: the rows may be fewer once sized
+                self.ws = self._workspace(out.past_key_values, out.logits.shape[-1])
+                self.queue.extendleft(reversed(take[self.rows :]))
+                take, rows = take[: self.rows], rows[: self.rows]
+                needed = {p for p, _ in take}
+                pending = [p for p in pending if p in needed]
+            where = {p: i for i, p in enumerate(chunk)}
+            mine = [(r, p, k) for r, (p, k) in zip(rows, take, strict=True) if p in where]
+            self._fill([r for r, _, _ in mine], [where[p] for _, p, _ in mine], out, attn)
+            for r, p, k in mine:
+                self.held[r] = p * self.params.n + k
+
+    def _prefill_chunk(self, prompts: list[int]) -> list[int]:
+        """The first of ``prompts`` (indices) whose prefill, left-padded to the longest,
+        stays within :data:`PREFILL_TOKENS` tokens (at least one)."""
+        longest = 0
+        for i, p in enumerate(prompts):
+            longest = max(longest, len(self.prompts[p]) - self.prefix)
+            if i and (i + 1) * longest > PREFILL_TOKENS:
+                return prompts[:i]
+        return prompts
+
+    def _fill(self, rows: list[int], src: list[int], out: Any, attn: torch.Tensor) -> None:
+        """Start ``rows`` on the prefill ``out`` (row ``src[i]`` of it, whose attention mask
+        is ``attn``): its keys and values copied into the rows' first slots, their state
+        reset."""
         dst = torch.tensor(rows, device=self.device)
+        src_t = torch.tensor(src, device=self.device)
         w = attn.shape[1]
         cache, s = self.ws.cache, self.ws.state
-        for i, layer in enumerate(prefill.layers):
-            cache.keys[i][dst, :, :w] = layer.keys.index_select(0, src).to(cache.keys[i].dtype)
-            cache.values[i][dst, :, :w] = layer.values.index_select(0, src).to(
+        for i, layer in enumerate(out.past_key_values.layers):
+            cache.keys[i][dst, :, :w] = layer.keys.index_select(0, src_t).to(cache.keys[i].dtype)
+            cache.values[i][dst, :, :w] = layer.values.index_select(0, src_t).to(
                 cache.values[i].dtype
             )
         s.valid[dst] = False
-        s.valid[dst, :w] = attn.bool().index_select(0, src)
+        s.valid[dst, :w] = attn.bool().index_select(0, src_t)
         s.slot[dst] = w
-        s.pos[dst] = attn.sum(-1).index_select(0, src)
-        s.logits[dst] = out.logits[:, -1].float().index_select(0, src)
+        s.pos[dst] = attn.sum(-1).index_select(0, src_t)
+        s.logits[dst] = out.logits[:, -1].float().index_select(0, src_t)
         s.gen[dst] = 0
         s.done[dst] = False
         s.eos[dst] = False
-        for r, (p, k) in zip(rows, take, strict=True):
-            self.held[r] = p * self.params.n + k
 
     def _prefill_inputs(
         self, prompts: list[list[int]]
