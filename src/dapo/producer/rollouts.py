@@ -264,22 +264,23 @@ class Rollouts:
                 "sampling/skip_rate": len(skipped) / max(1, len(skipped) + len(generated)),
             }
         )
+        # Nothing generated (a step trained on the previous one's surplus): no rewards,
+        # lengths or rates to report, rather than zeros that read as real.
+        produced = (
+            {}
+            if not generated
+            else {
+                **group_metrics(generated, scored=not self.cfg.algorithm.distill_only),
+                "perf/rollout_tokens_per_s": tokens / max(timing["gen"], 1e-9),
+            }
+        )
         used = {id(g) for g in (*batch, *self.sampler.carry)}
         left_out = [(g, _left_out_reason(g)) for g in generated if id(g) not in used]
         return RolloutBatch(
             batch,
             {
                 **skips,
-                # Nothing generated (a step trained on the previous one's surplus): no
-                # rewards, lengths or rates to report, rather than zeros that read as real.
-                **(
-                    {
-                        **group_metrics(generated, scored=not self.cfg.algorithm.distill_only),
-                        "perf/rollout_tokens_per_s": tokens / max(timing["gen"], 1e-9),
-                    }
-                    if generated
-                    else {}
-                ),
+                **produced,
                 **failed,
                 "perf/gen_s": timing["gen"],
                 "perf/score_s": timing["score"],

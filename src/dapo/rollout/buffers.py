@@ -10,6 +10,7 @@ largest thing generation allocates, and training needs the memory back.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -105,27 +106,42 @@ class DecodeState:
     logps: torch.Tensor
     u: torch.Tensor
 
+    @staticmethod
+    def layout(length: int, max_tokens: int, vocab: int) -> dict[str, tuple[tuple, torch.dtype]]:
+        """Each buffer's shape for one row, and its dtype."""
+        one, long = (), torch.long
+        return {
+            "logits": ((vocab,), torch.float32),
+            "pos": (one, long),
+            "slot": (one, long),
+            "valid": ((length,), torch.bool),
+            "gen": (one, long),
+            "done": (one, torch.bool),
+            "eos": (one, torch.bool),
+            "tokens": ((max_tokens + 1,), long),
+            "logps": ((max_tokens + 1,), torch.float32),
+            "u": (one, torch.float64),
+        }
+
+    @classmethod
+    def row_bytes(cls, length: int, max_tokens: int, vocab: int) -> int:
+        """The memory of one row's state."""
+        layout = cls.layout(length, max_tokens, vocab).values()
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
+
     @classmethod
     def allocate(
         cls, rows: int, length: int, max_tokens: int, vocab: int, device: torch.device
     ) -> DecodeState:
-        def z(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        valid = z(rows, length, dtype=torch.bool)
-        valid[:, 0] = True  # a free row attends to something (no NaN from an empty softmax)
-        return cls(
-            logits=z(rows, vocab, dtype=torch.float32),
-            pos=z(rows),
-            slot=z(rows),
-            valid=valid,
-            gen=z(rows),
-            done=torch.ones(rows, dtype=torch.bool, device=device),
-            eos=z(rows, dtype=torch.bool),
-            tokens=z(rows, max_tokens + 1),
-            logps=z(rows, max_tokens + 1, dtype=torch.float32),
-            u=z(rows, dtype=torch.float64),
+        state = cls(
+            **{
+                name: torch.zeros((rows, *shape), dtype=dtype, device=device)
+                for name, (shape, dtype) in cls.layout(length, max_tokens, vocab).items()
+            }
         )
+        state.valid[:, 0] = True  # a free row attends to something (no NaN from an empty softmax)
+        state.done.fill_(True)
+        return state
 
     def buffers(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]

@@ -449,7 +449,7 @@ class Decoder:
         (adding a step's logits, probabilities and sampling copies, and a refill's prefill of
         its prompt with the copy into the row)."""
         t, width = self.params.max_tokens, self.length - self.params.max_tokens
-        held = self.length * slot_bytes + self.length + 12 * (t + 1) + 4 * vocab + 64
+        held = self.length * slot_bytes + DecodeState.row_bytes(self.length, t, vocab)
         return held, held + 3 * 4 * vocab + 2 * width * slot_bytes
 
     def _fit(self, key: tuple, per_row: int) -> tuple:
