@@ -166,3 +166,18 @@ def test_time_default_run_reports_the_median_step_of_a_short_run(tmp_path):
     assert r["steps"] == 2 and r["median_step_s"] > 0
     assert 0 < r["median_gen_s"] < r["median_step_s"] and r["median_train_s"] > 0
     assert r["precision"].startswith("fp32")
+
+
+def test_bench_graph_windows_attends_over_fewer_slots_on_the_same_schedule(tmp_path):
+    """On a CPU both sides run the graphs' schedule eagerly: the whole side's every step
+    attends over the whole cache (prompt width rounded to 32 + 300), the windows side's over
+    256 slots or more, fewer on average; both generate."""
+    report = import_benchmark("bench_graph_windows").main(
+        ["--prompts", "2", "--n", "2", "--max-tokens", "300", "--eos-rate", "0.2",
+         "--repeats", "1", "--threads", "1", "--json", str(tmp_path / "g.json")]
+    )  # fmt: skip
+    whole, windows = report["results"]["whole"], report["results"]["windows"]
+    assert whole["mean_window"] == 64 + 300  # the addition prompts' ~52 tokens rounded to 64
+    assert 256 <= windows["mean_window"] < whole["mean_window"]
+    assert min(whole["tokens"] + windows["tokens"]) >= 4 and report["ratio"] > 0
+    assert json.loads((tmp_path / "g.json").read_text())["results"] == report["results"]

@@ -646,6 +646,56 @@ def test_the_graph_path_captures_each_bucket_once_and_replays_it(tok, prompts, m
     assert Graph.replays > 2 * len(captured) and not lines
 
 
+def test_under_cuda_graphs_a_step_attends_over_the_smallest_window_that_holds_its_rows(
+    tok, prompts, monkeypatch
+):
+    """A captured step reads a fixed window of cache slots, so it is captured per window
+    (bucket sizes from ``GRAPH_MIN_WINDOW``, here 16, up to the whole cache): every step runs
+    on the smallest window that holds each row's slots until the next look, the window
+    growing with the responses, each (rows, window) captured once. The greedy tokens are the
+    engine's without graphs (log-probs to 1e-5); at temperature 1, the draws of eager steps
+    on the same schedule."""
+    from dapo.rollout import decode
+
+    monkeypatch.setattr(decode, "GRAPH_MIN_WINDOW", 16)
+    model = make_model(tok, seed=0, eos_scale=2.0)
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=40)
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=40, seed=5)
+    plain = HFEngine(model, EOS, PAD, batch_size=8).generate(prompts, greedy)
+
+    captures, _ = graph_stand_in(monkeypatch)
+    eager = HFEngine(model, EOS, PAD, batch_size=8)
+    eager.workspaces.capture_failed = True  # graphs' schedule (buckets, windows), eager steps
+    eager_sampled = eager.generate(prompts, sampled)
+    captures.clear()
+    seen: list[tuple[int, int]] = []  # per decode step: its window, the furthest row's slot
+    real_step = decode.decode_step
+
+    def recorded(model, s, cache, *args):
+        seen.append((s.valid.shape[1], int(s.slot.max())))
+        real_step(model, s, cache, *args)
+
+    monkeypatch.setattr(decode, "decode_step", recorded)
+    engine = HFEngine(model, EOS, PAD, batch_size=8)
+    assert_same_groups(engine.generate(prompts, greedy), plain)
+    assert_same_groups(engine.generate(prompts, sampled), eager_sampled)
+
+    (ws,) = engine.workspaces.entries.values()
+    length = ws.state.valid.shape[1]
+    windows = [w for w in buckets(length) if w >= 16]
+    assert length == 32 + 40 and windows == [16, 24, 32, 48, 64, 72]
+    used = sorted({w for w, _ in seen})
+    # From the widest prompt's 15 slots + 9 on (the whole cache is 72), growing with the rows.
+    assert max(map(len, prompts)) == 15 and used[0] == 24 and len(used) >= 3, used
+    for window, furthest in seen:
+        assert furthest < window  # the slot written is inside the window
+        smaller = windows[windows.index(window) - 1]
+        # The next smaller window would not hold the steps until the next look.
+        assert furthest + decode.SYNC_EVERY + 1 > smaller, (window, furthest)
+    assert len(captures) == 3 * len(ws.graphs)  # each (rows, window) captured once
+    assert {key[1] for key in ws.graphs} == set(used)
+
+
 def test_with_cuda_graphs_a_cache_over_the_keep_limit_is_freed_and_captured_anew(
     tok, prompts, monkeypatch
 ):

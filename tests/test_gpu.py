@@ -462,13 +462,15 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens_and_every_bucket_is_capture
 ):
     """Greedy decoding with the decode step replayed from CUDA graphs and without: the same
     tokens, log-probs within 1e-4 (fp32) / 2e-2 (bf16-mixed); 40 responses of lengths spread
-    over 4..48 on a batch of 16 pass through buckets 16 down to 1, each captured once (a
-    second call captures nothing new); no capture fallback is said. With nothing kept
-    between calls (as for a model whose cache and bf16 copies are large), two calls each
-    capture anew on fresh buffers and give the same tokens."""
+    over 4..48 on a batch of 16 pass through buckets 16 down to 1 and through growing cache
+    windows (from 32 slots here), each captured once (a second call captures nothing new);
+    no capture fallback is said. With nothing kept between calls (as for a model whose cache
+    and bf16 copies are large), two calls each capture anew on fresh buffers and give the
+    same tokens."""
     from dapo.models import load_policy
-    from dapo.rollout import HFEngine, SamplingParams, buffers
+    from dapo.rollout import HFEngine, SamplingParams, buffers, decode
 
+    monkeypatch.setattr(decode, "GRAPH_MIN_WINDOW", 32)
     model = set_precision(load_policy(str(tiny_path)), precision).to(CUDA)
     prompts = addition_prompts(20)
     params = SamplingParams(n=2, temperature=0.0, max_tokens=48)
@@ -487,8 +489,13 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens_and_every_bucket_is_capture
     assert gap < (1e-4 if precision == "fp32" else 2e-2), gap
     (ws,) = on.workspaces.entries.values()
     captured = sorted({key[0] for key in ws.graphs})
-    record(f"CUDA graphs ({precision}): buckets captured, max |logprob gap|", [captured, gap])
+    windows = sorted({key[1] for key in ws.graphs})
+    record(
+        f"CUDA graphs ({precision}): buckets and windows captured, max |logprob gap|",
+        [captured, windows, gap],
+    )
     assert 16 in captured and len(captured) >= 3, captured
+    assert len(windows) >= 2 and windows[-1] <= ws.state.valid.shape[1], windows
     before = len(ws.graphs)
     on.generate(prompts, params)
     assert len(ws.graphs) == before  # replayed, not captured again

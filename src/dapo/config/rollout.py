@@ -172,9 +172,9 @@ class RolloutConfig:
     cuda_graphs: CudaGraphs = opt(
         "auto",
         "The hf engine on CUDA: replay its decode step (forward and sampling) from CUDA "
-        "graphs, one captured per batch-size bucket. auto and on: on CUDA (a model that "
-        "cannot be captured, or an FSDP-sharded policy, falls back with one line saying "
-        "why; on also says so on a CPU); off: plain kernel launches.",
+        "graphs, one captured per batch-size bucket and cache window. auto and on: on CUDA "
+        "(a model that cannot be captured, or an FSDP-sharded policy, falls back with one "
+        "line saying why; on also says so on a CPU); off: plain kernel launches.",
     )
     eval_temperature: float = opt(
         1.0,

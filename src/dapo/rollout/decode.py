@@ -16,7 +16,10 @@ that is one function of static shapes, and a loop that only calls it.
   empty, the live rows are packed into the smallest batch-size bucket (:func:`buckets`) that
   holds them, so the long tail runs on a small batch.
 - On CUDA each bucket's decode step is captured once as a CUDA graph and replayed per token
-  (``cuda_graphs``); the step takes its random numbers as an input (``DecodeState.u``).
+  (``cuda_graphs``); the step takes its random numbers as an input (``DecodeState.u``). A
+  captured step attends over a fixed window of cache slots, so it is captured per window
+  too (:data:`GRAPH_MIN_WINDOW` slots and the bucket sizes above it): the smallest that
+  holds the rows' next slots, not the whole cache from the first token.
 - The rows fit the device: when the cache of the rows asked for would take more than
   :data:`CACHE_SHARE` of its available memory (a long ``max_completion_length``), the call
   decodes on fewer rows, and says so once.
@@ -57,6 +60,7 @@ SYNC_EVERY = 8  # decode steps between two looks at the host (finished rows, ref
 SYNC_EVERY_CPU = 4  # on a CPU a look costs little and a finished row a whole row of compute
 CACHE_SHARE = 0.8  # of the device's available memory, what a call's cache and rows may take
 PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward (its activations' bound)
+GRAPH_MIN_WINDOW = 256  # under CUDA graphs, the fewest cache slots a captured step attends to
 
 
 def _size(n: float) -> str:
@@ -158,6 +162,10 @@ class Decoder:
         self.sizes = buckets(self.rows) if graphs else list(range(1, self.rows + 1))
         self.sync_every = SYNC_EVERY if graphs or device.type == "cuda" else SYNC_EVERY_CPU
         self.length = width + params.max_tokens
+        # With graphs, the windows a step is captured for: bucket sizes from GRAPH_MIN_WINDOW
+        # (256, 384, 512, 768, ...) and the whole length; a step reads at most 1.5x its need.
+        low = min(GRAPH_MIN_WINDOW, self.length)
+        self.windows = [w for w in buckets(self.length) if w >= low] if graphs else []
         # Llama-family models step through LlamaStep (the same maths, fewer operators).
         self.forward = (
             LlamaStep(model, self.length, fuse=not graphs)
@@ -197,7 +205,7 @@ class Decoder:
                 if self.params.temperature != 0:
                     self.ws.state.u[:active].uniform_(generator=self.gen)
                 self._step_or_replay(active, window)
-            done = self.ws.state.done[:active].tolist()  # with CUDA graphs, the only sync
+            done = self.ws.state.done[:active].tolist()
             self._retire([r for r in range(active) if done[r] and self.held[r] >= 0])
             if self.queue:
                 self._refill()
@@ -212,13 +220,13 @@ class Decoder:
             window = self._window(active)
 
     def _window(self, rows: int) -> int:
-        """The cache slots the next :attr:`sync_every` steps can reach: all of them with CUDA
-        graphs (one shape per bucket); else up to the furthest row's slot plus those steps,
-        so that attention does not run over slots no row has written yet."""
-        if self.graphs:
-            return self.length
+        """The cache slots the next :attr:`sync_every` steps can reach: up to the furthest
+        row's slot plus those steps, so that attention does not run over slots no row has
+        written yet; with CUDA graphs, the smallest of :attr:`windows` that holds them (one
+        captured step per window)."""
         furthest = int(self.ws.state.slot[:rows].max())
-        return min(self.length, furthest + self.sync_every + 1)
+        need = min(self.length, furthest + self.sync_every + 1)
+        return bucket_for(need, self.windows) if self.graphs else need
 
     def _step(self, rows: int, window: int) -> None:
         views = self._views.get((rows, window))
@@ -234,21 +242,22 @@ class Decoder:
             self._step(rows, window)
             return
         p = self.params
-        key = (rows, p.temperature, p.top_p, p.top_k, self.eos)
+        key = (rows, window, p.temperature, p.top_p, p.top_k, self.eos)
         graph = self.ws.graphs.get(key)
         if graph is None:
-            graph = self._capture(rows)
+            graph = self._capture(rows, window)
             if graph is None:
                 self._step(rows, window)
                 return
             self.ws.graphs[key] = graph
         graph.replay()
 
-    def _capture(self, rows: int) -> torch.cuda.CUDAGraph | None:
-        """The decode step of ``rows`` rows as a CUDA graph (None, said once, when the model
-        cannot be captured). Warm-up steps run for real on a side stream, as capturing
-        requires; the rows' small state is put back after them (the cache slots and response
-        columns they wrote are written again by the real step, at the same places)."""
+    def _capture(self, rows: int, window: int) -> torch.cuda.CUDAGraph | None:
+        """The decode step of ``rows`` rows over ``window`` cache slots as a CUDA graph (None,
+        said once, when the model cannot be captured). Warm-up steps run for real on a side
+        stream, as capturing requires; the rows' small state is put back after them (the
+        cache slots and response columns they wrote are written again by the real step, at
+        the same places)."""
         s = self.ws.state.view(rows, self.length)
         small = [b for b in s.buffers() if b is not s.tokens and b is not s.logps]
         saved = [b.clone() for b in small]
@@ -257,13 +266,13 @@ class Decoder:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._step(rows, self.length)
+                    self._step(rows, window)
             torch.cuda.current_stream().wait_stream(side)
             if self.ws.pool is None:
                 self.ws.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.ws.pool):
-                self._step(rows, self.length)
+                self._step(rows, window)
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
             self.workspaces.capture_failed = True
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
