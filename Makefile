@@ -82,10 +82,12 @@ test: setup $(VLLM_STAMP) $(REALMODEL_STAMP) browser
 
 # The inner loop: every module's unit tests in a few minutes; leaves out the end-to-end
 # trainings (slow), vLLM, the real model, the GPU tier, the browser and the benchmark scripts.
+QUICK_TIER := -m "not slow and not realmodel and not gpu" --ignore-glob='tests/test_bench_*.py'
+NO_VLLM_NO_BROWSER := --ignore=tests/test_vllm.py --ignore=tests/test_rollout_server_vllm.py \
+	--ignore=tests/test_docs_site.py
+
 test-quick: setup
-	$(PY) -m pytest -q $(XDIST) --durations=15 -m "not slow and not realmodel and not gpu" \
-		--ignore=tests/test_vllm.py --ignore=tests/test_rollout_server_vllm.py \
-		--ignore=tests/test_docs_site.py --ignore-glob='tests/test_bench_*.py' $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=15 $(QUICK_TIER) $(NO_VLLM_NO_BROWSER) $(PYTEST_ARGS)
 
 # An AVX2-only CPU (an AMD EPYC without AVX-512 BF16 or AMX) on any x86 machine: MKL, oneDNN
 # and ATen limited to AVX2 (bf16 products emulated, ~100x slower than fp32) and the bf16
@@ -147,8 +149,7 @@ $(IMAGE_VENV)/.installed: pyproject.toml $(VENV)/.installed
 
 test-image: $(IMAGE_VENV)/.installed gpu-wheels
 	$(IMAGE_PY) -c "import torch, transformers; print('the image stack:', torch.__version__, transformers.__version__)"
-	$(IMAGE_PY) -m pytest -q $(XDIST) --hypothesis-profile=ci \
-		$(or $(PYTEST_ARGS),-m "not slow and not realmodel and not gpu" --ignore-glob='tests/test_bench_*.py') \
-		--ignore=tests/test_vllm.py --ignore=tests/test_rollout_server_vllm.py --ignore=tests/test_docs_site.py
+	$(IMAGE_PY) -m pytest -q $(XDIST) --hypothesis-profile=ci $(or $(PYTEST_ARGS),$(QUICK_TIER)) \
+		$(NO_VLLM_NO_BROWSER)
 	$(MAKE) test-gpu GPU_PYTHON=$(IMAGE_PY) OUT=$(IMAGE_VENV)/gpu-results PYTEST_ARGS=
 	$(MAKE) bench-gpu GPU_PYTHON=$(IMAGE_PY) OUT=$(IMAGE_VENV)/gpu-results GPU_ARGS=--quick
