@@ -9,9 +9,12 @@ fork copies only the forking thread), computes nothing, and serves one group at 
 
     request (a JSON line on stdin):  {"ranks": [{"argv", "cwd", "env", "stdout", "stderr"}],
                                       "timeout": seconds, "grace": seconds (optional)}
-    reply (a JSON line on stdout):   {"codes": [exit status per rank], "timed_out": bool}
+    reply (a JSON line on stdout):   {"codes": [exit status per rank], "timed_out": bool,
+                                      "outlived": [ranks that outlived a finished peer]}
 
-Ranks still running at the timeout, or ``grace`` seconds (default 30) after another rank of
+A rank still running ``outlive`` seconds (default 60) after a peer ended successfully hangs
+at its exit: it is stopped as below and named in ``outlived``. Ranks still running at the
+timeout, or ``grace`` seconds (default 30) after another rank of
 the group failed (as torchrun stops a failed rank's peers), are stopped with SIGABRT, which
 makes faulthandler print their Python stacks to their stderr, then SIGKILL.
 
@@ -144,6 +147,10 @@ def fork_rank(spec: dict) -> int:
 # stops them at once, would not let them): long enough to end with their own error where
 # they are about to, short of the group's timeout where they wait for the failed rank.
 FAILED_PEER_GRACE_S = 30.0
+# How long a rank may outlive a peer that finished successfully: the ranks of a finished run
+# leave together (a last barrier, then each writes nothing more), so one still running after
+# this hangs at its exit.
+OUTLIVE_S = 60.0
 
 
 def stop(pids: list[int]) -> None:
@@ -159,7 +166,8 @@ def serve_group(request: dict) -> dict:
     pids = [fork_rank(spec) for spec in request["ranks"]]
     codes: dict[int, int] = {}
     deadline = time.monotonic() + float(request["timeout"])
-    a_rank_failed, timed_out = False, False
+    outlive_deadline = float("inf")
+    a_rank_failed, timed_out, outlived = False, False, []
     while len(codes) < len(pids):
         for pid in pids:
             if pid not in codes:
@@ -170,15 +178,23 @@ def serve_group(request: dict) -> dict:
                         grace = float(request.get("grace", FAILED_PEER_GRACE_S))
                         deadline = min(deadline, time.monotonic() + grace)
                         a_rank_failed = True
+                    elif codes[pid] == 0:
+                        outlive = float(request.get("outlive", OUTLIVE_S))
+                        outlive_deadline = min(outlive_deadline, time.monotonic() + outlive)
         running = [pid for pid in pids if pid not in codes]
         if running:
-            if time.monotonic() > deadline and not timed_out:
+            now = time.monotonic()
+            if now > outlive_deadline and not (timed_out or outlived or a_rank_failed):
+                outlived = [pids.index(pid) for pid in running]
+                stop(running)
+            elif now > deadline and not (timed_out or outlived):
                 timed_out = True
                 stop(running)
             time.sleep(0.02)
     return {
         "codes": [codes[pid] for pid in pids],
         "timed_out": timed_out and not a_rank_failed,
+        "outlived": outlived,
     }
 
 

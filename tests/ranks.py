@@ -96,12 +96,14 @@ def forked(
     ranks: int = 1,
     vllm: bool = False,
     grace: float | None = None,
+    outlive: float | None = None,
 ) -> subprocess.CompletedProcess:
     """``python ARGS`` as ``ranks`` processes forked by the zygote (``ranks`` > 1: with
     torchrun's rank environment); the result as ``subprocess.run`` gives it (the ranks'
     outputs one after the other, the first failing status). Ranks still running ``grace``
     seconds (the zygote's default: 30) after another failed are stopped, their stacks in
-    their stderr."""
+    their stderr; so are ranks still running ``outlive`` seconds (default 60) after another
+    finished, and that fails: every rank's process must end, not only write its files."""
     # As torchrun's agent does, this process hosts the group's store and every rank is its
     # client: the store binds a port the OS picks as it listens, where a port chosen free
     # beforehand for rank 0 to bind could be taken in between by any other process on this
@@ -135,6 +137,8 @@ def forked(
     request = {"ranks": specs, "timeout": timeout}
     if grace is not None:
         request["grace"] = grace
+    if outlive is not None:
+        request["outlive"] = outlive
     try:
         reply = Zygote.ask(request, vllm)
     finally:
@@ -145,6 +149,12 @@ def forked(
         Path(r["stdout"]).unlink()
         Path(r["stderr"]).unlink()
     cmd = ["rank_zygote", *args]
+    if reply.get("outlived"):  # a finished run whose process did not end: its stacks
+        tails = "\n".join(f"--- rank {i} stderr ---\n{_stacks(errs[i])}" for i in reply["outlived"])
+        raise AssertionError(
+            f"{' '.join(cmd)}: rank(s) {reply['outlived']} still running {outlive or 60} s after "
+            f"a peer had finished (a process that does not end); codes {reply['codes']}\n{tails}"
+        )
     if reply["timed_out"]:  # the ranks' stacks at the deadline are in their stderr
         tails = "\n".join(f"--- rank {i} stderr ---\n{_stacks(e)}" for i, e in enumerate(errs))
         raise AssertionError(

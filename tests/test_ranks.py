@@ -128,6 +128,27 @@ def test_a_failed_rank_stops_its_waiting_peer_after_the_grace(tmp_path: Path) ->
     assert "in wait_for_rank_0" in proc.stderr
 
 
+def test_a_rank_that_outlives_its_finished_peer_fails_with_its_stack(tmp_path: Path) -> None:
+    """A run whose ranks wrote everything but one process never ends (as a rank waiting at its
+    exit for a thread nobody stops) fails within the outlive bound, naming that rank and
+    showing its stack, instead of passing on its files or waiting for the timeout."""
+    script = tmp_path / "lingers.py"
+    script.write_text(
+        "import os, threading\n"
+        "def wait_for_work_that_never_comes():\n"
+        "    threading.Event().wait()\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    wait_for_work_that_never_comes()\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failure:
+        forked([str(script)], tmp_path, dict(os.environ), timeout=300, ranks=2, outlive=2)
+    assert time.monotonic() - start < 60
+    text = str(failure.value)
+    assert "rank(s) [0] still running" in text
+    assert "in wait_for_work_that_never_comes" in text.split("--- rank 0 stderr ---")[1]
+
+
 def test_forked_ranks_join_the_store_this_process_hosts(tmp_path: Path) -> None:
     """No rank binds the group's port (which another process could take first): both are
     clients of the store the launching process holds, and they form a gloo group."""

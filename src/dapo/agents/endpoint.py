@@ -71,8 +71,10 @@ class AgentEndpoint:
         return secrets.token_hex(8)
 
     def close(self) -> None:
+        """Stop serving and end the server's thread (its request threads are daemons)."""
         self.server.shutdown()
         self.server.server_close()
+        self._thread.join(timeout=5)
 
 
 def _error(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:

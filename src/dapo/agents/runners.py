@@ -106,6 +106,7 @@ class AgentRunner:
         self._workers: list[_Worker | None] = [None] * self.num_workers
         self._next = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
         self._tasks: dict[str, Any] = {}
 
     # --- starting episodes ----------------------------------------------------------------
@@ -117,7 +118,7 @@ class AgentRunner:
             loop = self._event_loop()
             self._tasks[token] = asyncio.run_coroutine_threadsafe(self._async(*args), loop)
         elif self.num_workers == 0:
-            threading.Thread(target=self._thread, args=args, daemon=True).start()
+            threading.Thread(target=self._thread, args=args, name="dapo-agent", daemon=True).start()
         else:
             w = self._worker(self._next % self.num_workers)
             self._next += 1
@@ -138,9 +139,10 @@ class AgentRunner:
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
-            threading.Thread(
+            self._loop_thread = threading.Thread(
                 target=self._loop.run_forever, name="dapo-agent-loop", daemon=True
-            ).start()
+            )
+            self._loop_thread.start()
         return self._loop
 
     def _worker(self, i: int) -> _Worker:
@@ -152,7 +154,9 @@ class AgentRunner:
             if conn.recv() != "ready":
                 raise RuntimeError("an agent worker did not start")
             self._workers[i] = w
-            threading.Thread(target=self._read, args=(w,), daemon=True).start()
+            threading.Thread(
+                target=self._read, args=(w,), name="dapo-agent-reader", daemon=True
+            ).start()
         return w
 
     def _read(self, w: _Worker) -> None:
@@ -201,7 +205,9 @@ class AgentRunner:
         self._workers = [None] * self.num_workers
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop = None
+            if self._loop_thread is not None:
+                self._loop_thread.join(timeout=5)
+            self._loop, self._loop_thread = None, None
 
 
 def _absolute(spec: str) -> str:
