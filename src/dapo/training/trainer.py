@@ -45,6 +45,7 @@ from dapo.training.learner import Learner, NonFiniteUpdates
 from dapo.training.loading import load_spec_and_tokenizer
 from dapo.training.record import RunRecord, check_output_dir, write_summary
 from dapo.training.resume import check_resume
+from dapo.training.run_lock import lock_run_dir
 from dapo.training.teacher import load_teacher
 
 
@@ -59,6 +60,15 @@ class Trainer:
         self.log = log if self.dist.is_main else (lambda _: None)  # only rank 0 speaks
         self.cfg, self.out, inputs = cfg, Path(cfg.output_dir), inputs or RunInputs()
         check_output_dir(self.out)
+        self.lock = lock_run_dir(self.out, self.dist.is_main, self.log)  # one writer per run
+        try:
+            self._build(cfg, inputs)
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release()
+            raise
+
+    def _build(self, cfg: Config, inputs: RunInputs) -> None:
         seed_everything(cfg.seed)
         # The episode spec and the tokenizer, checked against each other before any weights.
         self.spec, self.tokenizer, model_path = load_spec_and_tokenizer(cfg, inputs, self.log)
@@ -234,6 +244,8 @@ class Trainer:
         self.rollouts.close()
         if self.learner.teacher is not None:
             self.learner.teacher.close()
+        if self.lock is not None:
+            self.lock.release()
 
     # --- the whole run --------------------------------------------------------------------
 
