@@ -43,6 +43,10 @@ HealthKind = Literal[
     "engine_mismatch",
 ]
 CudaGraphs = Literal["auto", "on", "off"]  # rollout.cuda_graphs (the hf engine on CUDA)
+# checkpoint.on_signal: stop at a safe point and save, or die at once as by default
+OnSignal = Literal["save", "exit"]
+# checkpoint.stop_signals: what schedulers send before a kill (SIGINT, Ctrl-C, always counts)
+StopSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU"]
 
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)  # algorithm.advantage_scale
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAgg)  # algorithm.loss_agg
@@ -62,3 +66,5 @@ ROUND_CAP_ACTIONS: tuple[str, ...] = get_args(RoundCap)  # algorithm.round_cap
 CURRICULA: tuple[str, ...] = get_args(Curriculum)  # data.curriculum: dapo.data.curriculum
 VLLM_QUANTIZATIONS: tuple[str, ...] = get_args(VLLMQuantization)  # rollout.vllm_quantization
 CUDA_GRAPHS: tuple[str, ...] = get_args(CudaGraphs)  # rollout.cuda_graphs: dapo.rollout.hf_engine
+ON_SIGNAL: tuple[str, ...] = get_args(OnSignal)  # checkpoint.on_signal
+STOP_SIGNALS: tuple[str, ...] = get_args(StopSignal)  # checkpoint.stop_signals

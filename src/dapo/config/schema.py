@@ -25,7 +25,9 @@ from dapo.choices import (
     DataParallelMode,
     HealthKind,
     LRSchedule,
+    OnSignal,
     Precision,
+    StopSignal,
 )
 from dapo.config.algorithm import AlgorithmConfig
 from dapo.config.fields import opt, without_secrets
@@ -429,6 +431,26 @@ class CheckpointConfig:
         True,
         "Save the final policy with save_pretrained to output_dir/final_model (loadable by "
         "transformers, vLLM and `dapo eval`).",
+    )
+    on_signal: OnSignal = opt(
+        "save",
+        "On SIGTERM, Ctrl-C or one of checkpoint.stop_signals: save, stop at the next safe "
+        "point (a rollout step still generating is abandoned, one updating is finished), "
+        "checkpoint, write summary.json marked interrupted, exit 143 (Ctrl-C: 130); exit: die "
+        "at once, as without a handler (the last periodic checkpoint stays).",
+    )
+    signal_grace_s: float = opt(
+        25.0,
+        "Seconds from the signal to the end of that checkpoint; past them the process exits "
+        "without it (the last periodic one stays). Keep it below the scheduler's kill wait "
+        "(Slurm KillWait, Kubernetes terminationGracePeriodSeconds: 30 s by default).",
+        gt=0,
+        hint="seconds",
+    )
+    stop_signals: list[StopSignal] = opt(
+        help="Signals that stop the run as on_signal says, besides SIGINT (Ctrl-C): e.g. "
+        "[SIGTERM, SIGUSR1] with Slurm's `#SBATCH --signal=USR1@90` for an early warning.",
+        factory=lambda: ["SIGTERM"],
     )
 
 
