@@ -60,7 +60,9 @@ def write_manifest(directory: str | Path) -> None:
             os.fsync(fh.fileno())
         rel = path.relative_to(directory).as_posix()
         files[rel] = {"bytes": path.stat().st_size, "crc32": crc32(path)}
-    text = json.dumps({"format": _FORMAT, "version": _VERSION, "files": files}, indent=1)
+    head = json.dumps({"format": _FORMAT, "version": _VERSION})[:-1]
+    body = ",\n".join(f"  {json.dumps(rel)}: {json.dumps(entry)}" for rel, entry in files.items())
+    text = f'{head}, "files": {{\n{body}\n}}}}\n'  # JSON, one line per file for a reader
     atomic_write(directory / MANIFEST, lambda fh: fh.write(text.encode()))
 
 
