@@ -476,3 +476,17 @@ def test_fsdp_manifest_covers_every_ranks_shards_and_all_ranks_resume_alike(tmp_
     assert "step_000001 is damaged (model_optim/__0_0.distcp: contents changed" in second
     assert len(results[0]["said"]) == 1 and "model_optim/__1_0.distcp" in results[0]["said"][0]
     assert results[1]["said"] == []  # only rank 0 checks and speaks
+
+
+@pytest.mark.slow
+def test_the_cost_measurement_runs(tmp_path, capsys):
+    """benchmarks/measure_checkpoint_integrity.py (its figures are in the checkpoints guide),
+    at 4 MiB."""
+    from benchmark_modules import import_benchmark  # tests/benchmark_modules.py
+
+    report = import_benchmark("measure_checkpoint_integrity").main(
+        ["--mb", "4", "--dir", str(tmp_path)]
+    )
+    assert set(report["checksum_MiB_per_s"]) >= {"zlib.crc32", "sha256", "blake2b"}
+    for kind in ("builtin:tiny", "synthetic"):
+        assert report[kind]["MB"] > 1 and report[kind]["verify_cached_s"] >= 0
