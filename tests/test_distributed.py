@@ -248,7 +248,11 @@ def test_fsdp_checkpoint_is_written_in_shards_and_loads_into_one_process(
     a single process without a process group loads them into a plain model and optimizer
     (another world size): exactly the state the two ranks held."""
     ckpt = two_rank_steps["fsdp"]["checkpoint"]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["model_optim", "trainer_state.pt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "dapo-manifest.json",
+        "model_optim",
+        "trainer_state.pt",
+    ]
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= {
         p.name for p in (ckpt / "model_optim").iterdir()
     }

@@ -6,8 +6,8 @@ The convention (docs/development.md, "Code blocks in the docs"): a fenced block 
   small: a few rollout steps);
 - ```` ```bash ````: every command checked: ``dapo train ...`` (also under ``torchrun -m
   dapo`` and ``make train ARGS=...``) resolves its config with ``--print-config``; ``dapo
-  eval / plot / vllm-serve`` parse their options; ``dapo presets`` runs; ``make T`` names a
-  Makefile target; ``python examples/X.py`` names an example (run below);
+  eval / plot / show / verify / vllm-serve`` parse their options; ``dapo presets`` runs;
+  ``make T`` names a Makefile target; ``python examples/X.py`` names an example (run below);
 - ```` ```yaml ````: a config file, resolved as ``dapo train FILE --print-config`` would;
 - any language with ``title="illustrative: REASON"``: shown, not run (needs a GPU, a hub
   model, your data); the title is what the reader sees above the block.
@@ -171,7 +171,9 @@ def _check(words: list[str], where: str, monkeypatch: pytest.MonkeyPatch) -> Non
         with contextlib.redirect_stdout(io.StringIO()):
             assert cli.main(["presets"]) == 0
     else:
-        assert command in ("eval", "plot", "show", "vllm-serve"), f"{where}: dapo {command}"
+        assert command in ("eval", "plot", "show", "verify", "vllm-serve"), (
+            f"{where}: dapo {command}"
+        )
         _parse_only(command, argv, monkeypatch)
 
 

@@ -345,13 +345,16 @@ def crash_runs(random_tiny_model, train_file, tmp_path_factory):
 
 
 def assert_checkpoints_complete(out: Path, model_dir: Path) -> list[int]:
-    """Every step_* directory holds a whole, loadable checkpoint of its own step."""
+    """Every step_* directory holds a whole, loadable checkpoint of its own step, whose files
+    match its manifest."""
     from dapo.models import load_policy
+    from dapo.training.manifest import verify_manifest
 
     model = load_policy(str(model_dir))
     steps = []
     for path in list_checkpoints(out / "checkpoints"):
         assert path.name.startswith("step_"), path
+        assert verify_manifest(path) == [], path
         state = load_checkpoint(path, model)
         torch.load(path / "optimizer.pt", weights_only=False)
         assert state["step"] == int(path.name[len("step_") :])

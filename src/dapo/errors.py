@@ -75,3 +75,8 @@ class DynamicSamplingWarning(UserWarning):
 class HealthWarning(UserWarning):
     """A run-health symptom: the metrics say the run cannot learn as configured (once per
     kind; docs/guides/run-health.md)."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint is damaged (resuming falls back to an older intact one) or cannot be
+    verified (it has no manifest)."""

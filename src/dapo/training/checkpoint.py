@@ -22,6 +22,11 @@ size):
 A model with frozen parameters (LoRA) checkpoints its trainable ones only, in either format:
 the adapters, their optimizer state and the trainer state; the frozen base comes from the
 model path.
+
+Last, inside the temporary directory, rank 0 writes the manifest (:mod:`.manifest`): every
+file's size and checksum (all ranks' shards of an FSDP checkpoint). Resuming checks it
+before loading anything and falls back to the newest intact checkpoint
+(:func:`latest_intact_checkpoint`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import re
 import shutil
 import types
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +47,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dapo.atomic import fsync_dir
-from dapo.errors import CheckpointError
+from dapo.errors import CheckpointError, CheckpointWarning
 from dapo.parallel.distributed import all_gather_objects, all_reduce_sum, current
 from dapo.parallel.sharding import (
     full_model_state,
@@ -50,6 +56,7 @@ from dapo.parallel.sharding import (
     load_full_model_state,
     load_full_optimizer_state,
 )
+from dapo.training.manifest import MANIFEST, verify_manifest, write_manifest
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 # A finished checkpoint moved aside while the same step is re-saved: it is restored if the
@@ -238,9 +245,10 @@ def _start(root: Path, step: int, pid: int) -> Path:
 
 
 def _finish(root: Path, step: int, tmp: Path, keep_last: int) -> None:
-    """fsync the written checkpoint, rename it into place, prune old ones."""
+    """fsync the written checkpoint, add its manifest, rename it into place, prune old ones."""
     final = step_dir(root, step)
     _fsync_tree(tmp)
+    write_manifest(tmp)  # last: a checkpoint with a manifest is complete
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it
         old = root / f".tmp-old-{final.name}-{os.getpid()}"
         os.replace(final, old)  # a crash from here to the next line: _recover restores it
@@ -365,6 +373,67 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 def latest_checkpoint(root: str | Path) -> Path | None:
     ckpts = list_checkpoints(root)
     return ckpts[-1] if ckpts else None
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+
+def latest_intact_checkpoint(root: str | Path, warn: Callable[[str], None] = _warn) -> Path | None:
+    """The newest checkpoint under ``root`` whose files match its manifest (None: there is
+    no checkpoint). Newer damaged ones are skipped, said in one ``warn`` line; one without a
+    manifest (an older release's) is taken as it is, with a notice. Reads every file of the
+    checkpoints it checks; changes nothing.
+
+    Raises :class:`CheckpointError` naming the damaged files when no checkpoint is intact:
+    starting afresh is the user's decision, not a fallback."""
+    root = Path(root)
+    damaged: list[str] = []
+    for path in reversed(list_checkpoints(root)):
+        problems = verify_manifest(path)
+        if problems:
+            damaged.append(f"{path} is damaged ({'; '.join(problems)})")
+            continue
+        if damaged:
+            warn(
+                f"{', '.join(damaged)}; resuming from {path}, the newest intact checkpoint "
+                "(nothing was deleted)"
+            )
+        if problems is None:
+            warn(
+                f"{path} has no {MANIFEST} (written by an older dapo): its files cannot be "
+                "verified; loading it as it is"
+            )
+        return path
+    if damaged:
+        raise CheckpointError(
+            f"no intact checkpoint to resume from in {root}: {', '.join(damaged)}. Restore the "
+            f"damaged files (e.g. from a backup), or delete {root} to start the run again; "
+            "nothing was deleted."
+        )
+    return None
+
+
+def checkpoint_to_resume(root: str | Path, warn: Callable[[str], None] = _warn) -> Path | None:
+    """:func:`latest_intact_checkpoint`, checked by rank 0 alone and the same on every rank
+    (every rank calls this); rank 0 warns, and every rank raises its error."""
+    found: str | None = None
+    failure: Exception | None = None
+    if current().is_main:
+        try:
+            path = latest_intact_checkpoint(root, warn)
+            found = None if path is None else str(path)
+        except Exception as exc:  # noqa: BLE001 - told to every rank, raised below
+            failure = exc
+    why = None if failure is None else str(failure)
+    if failure is not None and not isinstance(failure, CheckpointError):
+        why = f"rank 0 could not choose a checkpoint: {type(failure).__name__}: {failure}"
+    found, why = all_gather_objects((found, why))[0]
+    if failure is not None:
+        raise failure
+    if why is not None:
+        raise CheckpointError(why)
+    return None if found is None else Path(found)
 
 
 def load_checkpoint(

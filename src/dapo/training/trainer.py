@@ -34,6 +34,7 @@ from dapo.run_inputs import RunInputs
 from dapo.seeding import seed_everything
 from dapo.training.batch import Sample, build_samples, group_sizes
 from dapo.training.checkpoint import (
+    checkpoint_to_resume,
     latest_checkpoint,
     load_checkpoint,
     read_trainer_state,
@@ -43,6 +44,7 @@ from dapo.training.checkpoint import (
 from dapo.training.inputs import Callbacks
 from dapo.training.learner import Learner, NonFiniteUpdates
 from dapo.training.loading import load_spec_and_tokenizer
+from dapo.training.manifest import MANIFEST, write_manifest
 from dapo.training.record import RunRecord, check_output_dir, write_summary
 from dapo.training.resume import check_resume
 from dapo.training.run_lock import lock_run_dir
@@ -99,6 +101,7 @@ class Trainer:
         self.health = HealthMonitor(cfg, warn=self.dist.is_main)  # when it cannot learn
         self.left_out: list[tuple[ScoredGroup, str]] = []  # the last step's, for transcripts
         self.step = 0
+        self.saved_step: int | None = None  # the step whose checkpoint holds this state
         self.summary: dict[str, Any] = {}
         self.advantages: list[list[float]] = []  # the last step's, per group (transcripts)
 
@@ -229,6 +232,7 @@ class Trainer:
             keep_last=self.cfg.checkpoint.keep_last,
         )
         D.barrier()
+        self.saved_step = self.step
         return path
 
     def budget_spent(self) -> bool:
@@ -304,7 +308,7 @@ class Trainer:
                 record.evaluated(self.step, ev, "after training")
                 callbacks.on_evaluate(self.step, ev)
             final = step_dir(self.out / "checkpoints", self.step)
-            existed = final.is_dir()
+            existed = self.saved_step == self.step  # not a damaged one resuming skipped
             if cfg.train.steps > 0:  # train.steps=0 trains nothing, so saves nothing
                 self._save_final()
             if not existed and final.is_dir():
@@ -325,7 +329,9 @@ class Trainer:
     def _resume_or_start(self) -> int | None:
         """Load the newest checkpoint (``resume=true``) or refuse to overwrite one; write the
         config. The step resumed from, or None."""
-        ckpt = latest_checkpoint(self.out / "checkpoints")
+        root = self.out / "checkpoints"
+        # resume: the newest checkpoint whose files match its manifest, the same on all ranks
+        ckpt = checkpoint_to_resume(root) if self.cfg.resume else latest_checkpoint(root)
         resumed_from = None
         if self.cfg.resume and ckpt is None:
             self.log(f"resume=true but no checkpoint in {self.out / 'checkpoints'}; starting fresh")
@@ -335,7 +341,7 @@ class Trainer:
                 warnings.warn(changed, UserWarning, stacklevel=2)
             self.load_state_dict(load_checkpoint(ckpt, self.model, self.learner.optimizer))
             self.rollouts.sync.push(self.step)  # the resumed policy
-            resumed_from = self.step
+            resumed_from = self.saved_step = self.step
             self.log(f"resumed from {ckpt} (step {self.step})")
         elif ckpt is not None:
             raise TrainingError(
@@ -349,16 +355,17 @@ class Trainer:
         return resumed_from
 
     def _save_final(self) -> None:
-        """A checkpoint of the last step (unless it exists) and the final model."""
-        last = latest_checkpoint(self.out / "checkpoints")
-        if last is None or last.name != step_dir(self.out / "checkpoints", self.step).name:
+        """A checkpoint of the last step (unless this state is saved) and the final model."""
+        if self.saved_step != self.step:
             self.save()
         if self.cfg.checkpoint.save_final_model:
             weights = self.learner.pretrained_weights()  # all ranks gather with FSDP
             if self.dist.is_main:
                 final = self.out / "final_model"
+                (final / MANIFEST).unlink(missing_ok=True)  # an earlier save's, stale now
                 self.model.save_pretrained(final, state_dict=weights)
                 self.tokenizer.save_pretrained(final)
+                write_manifest(final)
 
     def _write_summary(
         self, start: float, resumed_from: int | None, error: BaseException | None
