@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,6 @@ from dapo.training.batch import Sample, build_samples, group_sizes
 from dapo.training.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
-    read_trainer_state,
     save_checkpoint,
     step_dir,
 )
@@ -44,7 +42,7 @@ from dapo.training.inputs import Callbacks
 from dapo.training.learner import Learner, NonFiniteUpdates
 from dapo.training.loading import load_spec_and_tokenizer
 from dapo.training.record import RunRecord, check_output_dir, write_summary
-from dapo.training.resume import check_resume
+from dapo.training.resume import check_before_loading, continue_state
 from dapo.training.teacher import load_teacher
 
 
@@ -59,6 +57,8 @@ class Trainer:
         self.log = log if self.dist.is_main else (lambda _: None)  # only rank 0 speaks
         self.cfg, self.out, inputs = cfg, Path(cfg.output_dir), inputs or RunInputs()
         check_output_dir(self.out)
+        if cfg.resume:  # what the checkpoint cannot continue is refused before anything loads
+            self._check_resume(latest_checkpoint(self.out / "checkpoints"))
         seed_everything(cfg.seed)
         # The episode spec and the tokenizer, checked against each other before any weights.
         self.spec, self.tokenizer, model_path = load_spec_and_tokenizer(cfg, inputs, self.log)
@@ -91,6 +91,12 @@ class Trainer:
         self.step = 0
         self.summary: dict[str, Any] = {}
         self.advantages: list[list[float]] = []  # the last step's, per group (transcripts)
+
+    def _check_resume(self, checkpoint: Path | None) -> None:
+        """Refuse a config that ``checkpoint`` cannot continue, or stop with nothing to train,
+        from its trainer state alone (:func:`~dapo.training.resume.check_before_loading`)."""
+        if checkpoint is not None:
+            check_before_loading(self.cfg, checkpoint, self.dist.world_size, self.log)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -195,6 +201,7 @@ class Trainer:
             "health": self.health.state_dict(),
             "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
             "config": self.cfg.to_dict(),
+            "world_size": self.dist.world_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -318,10 +325,10 @@ class Trainer:
         if self.cfg.resume and ckpt is None:
             self.log(f"resume=true but no checkpoint in {self.out / 'checkpoints'}; starting fresh")
         elif self.cfg.resume:
-            changed = check_resume(read_trainer_state(ckpt).get("config"), self.cfg.to_dict(), ckpt)
-            if changed:
-                warnings.warn(changed, UserWarning, stacklevel=2)
-            self.load_state_dict(load_checkpoint(ckpt, self.model, self.learner.optimizer))
+            # Checked before anything loaded (_check_resume); held groups a change made
+            # unusable are dropped.
+            state = load_checkpoint(ckpt, self.model, self.learner.optimizer)
+            self.load_state_dict(continue_state(state, self.cfg.to_dict()))
             self.rollouts.sync.push(self.step)  # the resumed policy
             resumed_from = self.step
             self.log(f"resumed from {ckpt} (step {self.step})")
