@@ -431,7 +431,7 @@ def test_two_rank_run_resumes_from_its_checkpoint(
 
     from dapo.config import TrainConfig
     from dapo.parallel.sharding import full_optimizer_state
-    from dapo.training.checkpoint import load_checkpoint
+    from dapo.training.checkpoint import load_checkpoint, read_trainer_state
     from dapo.training.optim import make_optimizer
 
     out = tmp_path / "run"
@@ -466,6 +466,11 @@ def test_two_rank_run_resumes_from_its_checkpoint(
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "resumed from" in proc.stdout and "data parallel" not in proc.stdout
+        assert (
+            "resuming a run of 2 ranks on 1: weights, optimizer state and data position carry "
+            "over; sampling seeds are per rank, so from step 2 the run follows a 1-rank "
+            "trajectory"
+        ) in proc.stdout
         summary = json.loads((one / "summary.json").read_text())
         assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
         assert (one / "checkpoints" / "step_000003" / "model.safetensors").is_file()
@@ -485,6 +490,10 @@ def test_two_rank_run_resumes_from_its_checkpoint(
         w2, w3 = at2.state_dict(), at3.state_dict()
         assert 0 < distance(w3, w2) < distance(w3, start)
     torchrun(*common, "train.steps=3", "resume=true", f"train.data_parallel={mode}", cwd=tmp_path)
+    if mode == "fsdp":  # at either world size step 3 drew the same prompts, none skipped
+        at1, at2 = (read_trainer_state(r / "checkpoints" / "step_000003") for r in (one, out))
+        assert (at1["world_size"], at2["world_size"]) == (1, 2)
+        assert at1["stream"] == at2["stream"] == {"epoch": 0, "pos": 12}
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

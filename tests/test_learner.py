@@ -177,13 +177,13 @@ def test_resuming_with_another_model_is_refused_in_one_line(random_tiny_model, t
     model = build_model(len(tok), seed=1)
     model.save_pretrained(other)
     tok.save_pretrained(other)
-    trainer = Trainer(small_config(other, out, "train.steps=2", "resume=true"), log=lambda _: None)
-    with pytest.raises(TrainingError) as info:
-        trainer.run()
+    with pytest.raises(TrainingError) as info:  # before the other model loads
+        Trainer(small_config(other, out, "train.steps=2", "resume=true"), log=lambda _: None)
     message = str(info.value)
     assert "\n" not in message
     assert f"model.name_or_path {str(random_tiny_model)!r} there, {str(other)!r} now" in message
-    assert "same model" in message and "new output_dir" in message
+    assert f"Resume with model.name_or_path={random_tiny_model}" in message
+    assert "new output_dir" in message
     assert "size mismatch" not in message
 
 
@@ -191,19 +191,19 @@ def test_resuming_with_another_model_is_refused_in_one_line(random_tiny_model, t
 def test_resuming_with_changed_keys_lists_them(random_tiny_model, tmp_path) -> None:
     out = tmp_path / "run"
     Trainer(small_config(random_tiny_model, out, "train.steps=1"), log=lambda _: None).run()
-    resumed = Trainer(
-        small_config(
-            random_tiny_model,
-            out,
-            "train.steps=2",
-            "resume=true",
-            "train.prompts_per_step=2",
-            "preset=grpo",
-        ),
-        log=lambda _: None,
-    )
-    with pytest.warns(UserWarning) as caught:
-        summary = resumed.run()
+    with pytest.warns(UserWarning) as caught:  # said before anything loads
+        resumed = Trainer(
+            small_config(
+                random_tiny_model,
+                out,
+                "train.steps=2",
+                "resume=true",
+                "train.prompts_per_step=2",
+                "preset=grpo",
+            ),
+            log=lambda _: None,
+        )
+    summary = resumed.run()
     text = " ".join(str(w.message) for w in caught)
     assert "resuming with" in text
     assert "train.prompts_per_step 4 -> 2" in text and "preset dapo -> grpo" in text
@@ -235,13 +235,13 @@ def test_a_checkpoint_of_release_a5216fc_resumes_with_its_carry_over(tmp_path) -
     (ckpt / "trainer_state.pt").write_bytes((FIXTURES / "trainer_state_a5216fc.pt").read_bytes())
     legacy = load_state_file(FIXTURES / "trainer_state_a5216fc.pt")
     carried = [(g.prompt_ids, g.response_ids) for g in legacy["sampler"]["carry"]]
-    trainer = Trainer(
-        load_config(overrides=[*args, "train.steps=3", "resume=true"]), log=lambda _: None
-    )
+    with pytest.warns(UserWarning, match="resuming with"):  # output_dir and train.steps
+        trainer = Trainer(
+            load_config(overrides=[*args, "train.steps=3", "resume=true"]), log=lambda _: None
+        )
     trained = []
     build = trainer.build_samples
     trainer.build_samples = lambda groups: trained.append(groups) or build(groups)
-    with pytest.warns(UserWarning, match="resuming with"):  # output_dir and train.steps
-        summary = trainer.run()
+    summary = trainer.run()
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
     assert [(g.prompt_ids, g.response_ids) for g in trained[0][:2]] == carried

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo.config import Config, ConfigError, all_keys, foreign, load_config, read_config_file
-from dapo.errors import ModelError
+from dapo.errors import ModelError, NothingToTrain
 from dapo.models import load_tokenizer
 from dapo.parallel import distributed as D
 from dapo.rewards.user import check_signature
@@ -125,7 +125,10 @@ def train(
     agent: Any = None,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """Train a policy; the run's summary (what ``summary.json`` holds).
+    """Train a policy; the run's summary (what ``summary.json`` holds). With ``resume=True``
+    and the run's checkpoint already at ``train.steps``, it says so in one line and returns the
+    saved summary without loading anything (:class:`~dapo.errors.NothingToTrain`, which
+    :func:`make_trainer` raises).
 
     - ``config`` and ``**overrides``: as :func:`make_config` (YAML path, mapping or Config;
       dotted keys, sections, ``preset=``). With no arguments: ``dapo train``'s default run.
@@ -158,19 +161,24 @@ def train(
       or objects with ``on_step`` / ``on_evaluate`` / ``on_save`` (:mod:`dapo.training.inputs`).
     """
     created = not D.current().enabled  # a process group this call makes under torchrun
-    trainer = make_trainer(
-        config,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        reward_funcs=reward_funcs,
-        callbacks=callbacks,
-        model=model,
-        tokenizer=tokenizer,
-        environment=environment,
-        tools=tools,
-        agent=agent,
-        **overrides,
-    )
+    try:
+        trainer = make_trainer(
+            config,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            reward_funcs=reward_funcs,
+            callbacks=callbacks,
+            model=model,
+            tokenizer=tokenizer,
+            environment=environment,
+            tools=tools,
+            agent=agent,
+            **overrides,
+        )
+    except NothingToTrain as done:  # resume=True at train.steps: said, nothing loaded
+        if created:
+            D.destroy()
+        return done.summary
     summary = trainer.run()
     # Released while every rank is still in the group, as `dapo train` releases its trainer:
     # freed after the group was destroyed (at this function's return), the run's distributed

@@ -71,11 +71,15 @@ def _train(argv: list[str]) -> int:
             return 0
         if print_prompt:
             return _print_prompt(cfg)
+        from dapo.errors import NothingToTrain
         from dapo.parallel import distributed
         from dapo.training.trainer import Trainer
 
         try:
             summary = Trainer(cfg).run()
+        except NothingToTrain:  # resume=true at train.steps: the trainer said so, loaded nothing
+            distributed.destroy()
+            return 0
         except KeyboardInterrupt:
             print(_interrupted(cfg, path, argv), file=sys.stderr)
             return 130

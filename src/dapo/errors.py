@@ -6,6 +6,8 @@ base where a caller wants to catch "a problem the user can fix" in one ``except`
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class DapoError(Exception):
     """A problem the user can fix; the message says what to change."""
@@ -40,6 +42,17 @@ class DynamicSamplingError(TrainingError):
 class HealthError(TrainingError):
     """A run-health symptom of a kind listed in ``health.fatal``: the run stops (its
     checkpoints are kept)."""
+
+
+class NothingToTrain(DapoError):
+    """``resume=true`` found the run's checkpoint already at ``train.steps`` (or its
+    ``train.sample_budget`` spent): nothing was loaded and there is nothing to train.
+    ``step``: the step reached; ``summary``: the run's saved summary (``summary.json``).
+    ``dapo train`` exits 0 and ``dapo.train`` returns the summary."""
+
+    def __init__(self, message: str, *, step: int, summary: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.step, self.summary = step, summary
 
 
 class CheckpointError(DapoError, RuntimeError):

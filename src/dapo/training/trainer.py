@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,6 @@ from dapo.training.checkpoint import (
     checkpoint_to_resume,
     latest_checkpoint,
     load_checkpoint,
-    read_trainer_state,
     save_checkpoint,
     step_dir,
 )
@@ -46,7 +44,7 @@ from dapo.training.learner import Learner, NonFiniteUpdates
 from dapo.training.loading import load_spec_and_tokenizer
 from dapo.training.manifest import MANIFEST, write_manifest
 from dapo.training.record import RunRecord, check_output_dir, write_summary
-from dapo.training.resume import check_resume
+from dapo.training.resume import check_before_loading, continue_state
 from dapo.training.run_lock import lock_run_dir
 from dapo.training.teacher import load_teacher
 
@@ -71,6 +69,10 @@ class Trainer:
             raise
 
     def _build(self, cfg: Config, inputs: RunInputs) -> None:
+        # resume: the newest checkpoint whose files match its manifest (the same on all ranks),
+        # and what it cannot continue refused, before anything heavy loads
+        self.resume_from = checkpoint_to_resume(self.out / "checkpoints") if cfg.resume else None
+        self._check_resume(self.resume_from)
         seed_everything(cfg.seed)
         # The episode spec and the tokenizer, checked against each other before any weights.
         self.spec, self.tokenizer, model_path = load_spec_and_tokenizer(cfg, inputs, self.log)
@@ -104,6 +106,12 @@ class Trainer:
         self.saved_step: int | None = None  # the step whose checkpoint holds this state
         self.summary: dict[str, Any] = {}
         self.advantages: list[list[float]] = []  # the last step's, per group (transcripts)
+
+    def _check_resume(self, checkpoint: Path | None) -> None:
+        """Refuse a config that ``checkpoint`` cannot continue, or stop with nothing to train,
+        from its trainer state alone (:func:`~dapo.training.resume.check_before_loading`)."""
+        if checkpoint is not None:
+            check_before_loading(self.cfg, checkpoint, self.dist.world_size, self.log)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -208,6 +216,7 @@ class Trainer:
             "health": self.health.state_dict(),
             "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
             "config": self.cfg.to_dict(),
+            "world_size": self.dist.world_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -330,16 +339,15 @@ class Trainer:
         """Load the newest checkpoint (``resume=true``) or refuse to overwrite one; write the
         config. The step resumed from, or None."""
         root = self.out / "checkpoints"
-        # resume: the newest checkpoint whose files match its manifest, the same on all ranks
-        ckpt = checkpoint_to_resume(root) if self.cfg.resume else latest_checkpoint(root)
+        ckpt = self.resume_from if self.cfg.resume else latest_checkpoint(root)
         resumed_from = None
         if self.cfg.resume and ckpt is None:
             self.log(f"resume=true but no checkpoint in {self.out / 'checkpoints'}; starting fresh")
         elif self.cfg.resume:
-            changed = check_resume(read_trainer_state(ckpt).get("config"), self.cfg.to_dict(), ckpt)
-            if changed:
-                warnings.warn(changed, UserWarning, stacklevel=2)
-            self.load_state_dict(load_checkpoint(ckpt, self.model, self.learner.optimizer))
+            # Checked before anything loaded (_check_resume); held groups a change made
+            # unusable are dropped.
+            state = load_checkpoint(ckpt, self.model, self.learner.optimizer)
+            self.load_state_dict(continue_state(state, self.cfg.to_dict()))
             self.rollouts.sync.push(self.step)  # the resumed policy
             resumed_from = self.saved_step = self.step
             self.log(f"resumed from {ckpt} (step {self.step})")
