@@ -65,6 +65,11 @@ METRICS: tuple[Metric, ...] = (
         "Reward calls that failed since the run started (resumed runs included).",
     ),
     Metric(
+        "reward/output_dropped_bytes",
+        "Bytes the reward workers printed this step (stdout and stderr) over "
+        "logging.user_output_kb per worker, dropped; the rest is in output_dir/user_output.log.",
+    ),
+    Metric(
         "reward/overlong_penalty_mean",
         "Mean soft overlong punishment added to the rewards, with its factor.",
         "every rollout step; 0 when algorithm.overlong_penalty is off",
@@ -223,6 +228,12 @@ METRICS: tuple[Metric, ...] = (
         "env/failures_total",
         "Episodes ended by a failed environment or agent since the run started.",
         "multi-turn and agents",
+    ),
+    Metric(
+        "env/output_dropped_bytes",
+        "Bytes the environment workers (environments and tools) printed this step over "
+        "logging.user_output_kb per worker, dropped; the rest is in output_dir/user_output.log.",
+        "multi-turn",
     ),
     Metric(
         "env/ended_{reason}",
