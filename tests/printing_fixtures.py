@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 from dapo.rewards import dapo_math_score
 
@@ -31,3 +33,11 @@ def dies_at_start(conn: object, *fds: int) -> None:
     """A worker entry point that prints a traceback-like line and exits at once."""
     print("Traceback: the worker could not start", file=sys.stderr)
     sys.exit(4)
+
+
+def hang_and_say_where(response: str, ground_truth: str) -> float:
+    """Writes its process id to the file named by ``DAPO_TEST_PID_FILE``, then hangs."""
+    with open(os.environ["DAPO_TEST_PID_FILE"], "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(60)
+    return 0.0

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -202,6 +204,40 @@ def test_a_worker_that_dies_at_start_up_is_reported_with_the_end_of_its_output(
     ):
         scorer.score([req("a")])
     assert "could not start" not in capfd.readouterr().err
+
+
+# A trainer stand-in: a reward pool whose function hangs; the test SIGKILLs this process.
+TRAINER = """
+import sys
+from dapo.rewards import RewardScorer, ScoreRequest
+scorer = RewardScorer([(sys.argv[1], 1.0)], num_workers=1, timeout_s=300)
+scorer.score([ScoreRequest("a", "7")])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_sigkilled_trainer_takes_its_reward_workers_with_it(tmp_path: Path) -> None:
+    pid_file = tmp_path / "worker.pid"
+    env = dict(os.environ, DAPO_TEST_PID_FILE=str(pid_file), OMP_NUM_THREADS="1")
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, f"{FIXTURES}:hang_and_say_where"], env=env
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert trainer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        worker = int(pid_file.read_text())
+        assert _alive(worker)  # in the reward function's sleep(60)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        deadline = time.monotonic() + 5
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker)
+    finally:
+        trainer.kill()
+        trainer.wait()
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ library only (workers import neither torch nor the trainer).
 What workers print (user code's ``print``, warnings, tracebacks; file descriptors 1 and 2)
 goes to a pipe per worker that the pool's :class:`~dapo.worker_output.OutputCapture` drains:
 into a file of the run, at most a limit per worker and rollout step, the rest counted and
-dropped, never into the trainer's console.
+dropped, never into the trainer's console. A worker dies with the trainer (SIGKILL, via
+``PR_SET_PDEATHSIG`` on Linux), even while user code runs in it.
 """
 
 from __future__ import annotations
@@ -31,11 +32,21 @@ if TYPE_CHECKING:
     from dapo.worker_output import OutputCapture
 
 # What a fresh interpreter runs to become a worker. argv: the pipe's file descriptor, the
-# entry point ("module:function", called with the pipe and the further arguments as ints).
-# It takes the parent's sys.path first, so that it imports what the parent imports.
+# trainer's process id, the entry point ("module:function", called with the pipe and the
+# further arguments as ints). On Linux it first asks the kernel for SIGKILL when the
+# trainer dies (PR_SET_PDEATHSIG = 1), then checks that the trainer did not die before
+# that. It takes the parent's sys.path first, so that it imports what the parent imports.
 # Its stdout is line-buffered: what a worker printed before a kill is in the capture.
 _BOOT = (
-    "import sys\n"
+    "import os, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    try:\n"
+    "        import ctypes\n"
+    "        ctypes.CDLL(None, use_errno=True).prctl(1, 9)\n"
+    "    except Exception:\n"
+    "        pass\n"
+    "if os.getppid() != int(sys.argv[2]):\n"  # the trainer is already gone
+    "    os._exit(0)\n"
     "for stream in (sys.stdout, sys.stderr):\n"
     "    try:\n"
     "        stream.reconfigure(line_buffering=True)\n"
@@ -48,8 +59,8 @@ _BOOT = (
     "except EOFError:\n"  # the pool was closed before this worker started
     "    sys.exit(0)\n"
     "import importlib\n"
-    "module, _, function = sys.argv[2].partition(':')\n"
-    "getattr(importlib.import_module(module), function)(conn, *map(int, sys.argv[3:]))\n"
+    "module, _, function = sys.argv[3].partition(':')\n"
+    "getattr(importlib.import_module(module), function)(conn, *map(int, sys.argv[4:]))\n"
 )
 
 
@@ -69,7 +80,11 @@ def start_worker(
     """A fresh interpreter that takes this process's ``sys.path``, then calls ``entry`` (a
     module-level function) with its end of a pipe and ``fds``, file descriptors it inherits.
     Its stdout and stderr go to ``output`` (without one: this process's). Returns the
-    process and this end of the pipe."""
+    process and this end of the pipe.
+
+    On Linux the worker is killed when the thread that started it ends (the kernel's
+    parent-death signal follows the creating thread, not the process): start workers
+    from a thread that outlives them, such as the main thread or the rollout producer."""
     parent_conn, child_conn = Pipe(duplex=True)
     target = f"{entry.__module__}:{entry.__qualname__}"
     out_r = out_w = None
@@ -77,7 +92,15 @@ def start_worker(
         out_r, out_w = os.pipe()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(child_conn.fileno()), target, *map(str, fds)],
+            [
+                sys.executable,
+                "-c",
+                _BOOT,
+                str(child_conn.fileno()),
+                str(os.getpid()),
+                target,
+                *map(str, fds),
+            ],
             pass_fds=(child_conn.fileno(), *fds),
             stdin=subprocess.DEVNULL,
             stdout=out_w,
