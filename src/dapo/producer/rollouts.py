@@ -20,7 +20,8 @@ import torch
 
 from dapo.agents import AgentHost, run_agent_episodes
 from dapo.config import Config
-from dapo.data.prompts import encode_prompts, load_prompt_set
+from dapo.data import LoadStats
+from dapo.data.prompts import dropped_lines, encode_prompts, load_prompt_set
 from dapo.environments import (
     ChatRenderer,
     EnvironmentPool,
@@ -178,14 +179,16 @@ class Rollouts:
         opening = (
             None if renderer is None else (lambda r: renderer.opening_text(prompt_messages(r)))
         )
-        self.train_records, self.train_ids, dropped = encode_prompts(
-            load_prompt_set(d, "train", inputs.train_dataset, answers),
+        stats = LoadStats()
+        self.train_records, self.train_ids, _ = encode_prompts(
+            load_prompt_set(d, "train", inputs.train_dataset, answers, stats),
             self.tokenizer,
             d.max_prompt_length,
+            stats=stats,
             text_of=opening,
         )
-        if dropped:
-            log(f"dropped {dropped} training prompts longer than data.max_prompt_length")
+        for line in dropped_lines(stats, "training", d.max_prompt_length):
+            log(line)
         if self.train_records:  # TRL-form rewards take columns by name: all there?
             self.scorer.rewards.check_columns(set(self.train_records[0].extra), "data.train")
         if not self.cfg.algorithm.distill_only:
@@ -193,12 +196,16 @@ class Rollouts:
                 log(line)
         self.eval_records, self.eval_ids = [], []
         if self.cfg.evaluate and (d.eval is not None or inputs.eval_dataset is not None):
+            stats = LoadStats()
             self.eval_records, self.eval_ids, _ = encode_prompts(
-                load_prompt_set(d, "eval", inputs.eval_dataset, answers),
+                load_prompt_set(d, "eval", inputs.eval_dataset, answers, stats),
                 self.tokenizer,
                 d.max_prompt_length,
+                stats=stats,
                 text_of=opening,
             )
+            for line in dropped_lines(stats, "held-out", d.max_prompt_length):
+                log(line)
         elif self.cfg.evaluate:
             log(
                 "no held-out evaluation: data.eval is null (left unset, it is null when "
