@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dapo.atomic import write_text_atomic
+from dapo.atomic import as_new_file, write_text_atomic
 from dapo.config import Config
 from dapo.environments import parse_hermes
 from dapo.errors import HealthError, TrainingError
@@ -347,6 +347,8 @@ class Trainer:
                 final = self.out / "final_model"
                 self.model.save_pretrained(final, state_dict=weights)
                 self.tokenizer.save_pretrained(final)
+                for weights_file in final.glob("*.safetensors"):  # written 0600
+                    as_new_file(weights_file)
 
     def _write_summary(
         self, start: float, resumed_from: int | None, error: BaseException | None
