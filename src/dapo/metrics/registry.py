@@ -231,9 +231,10 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric(
         "env/output_dropped_bytes",
-        "Bytes the environment workers (environments and tools) printed this step over "
-        "logging.user_output_kb per worker, dropped; the rest is in output_dir/user_output.log.",
-        "multi-turn",
+        "Bytes the environment and agent workers (environments, tools, agents) printed this "
+        "step over logging.user_output_kb per worker, dropped; the rest is in "
+        "output_dir/user_output.log.",
+        "multi-turn and agents",
     ),
     Metric(
         "env/ended_{reason}",

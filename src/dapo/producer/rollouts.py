@@ -51,7 +51,7 @@ from dapo.rollout.episodes import run_episodes
 from dapo.rollout.versioned import VersionedEngine
 from dapo.run_inputs import RunInputs
 from dapo.seeding import Stream, mix_seed, stream_seed
-from dapo.worker_output import UserOutput
+from dapo.worker_output import OutputCapture, UserOutput
 
 
 class Policy(Protocol):
@@ -107,6 +107,7 @@ class Rollouts:
                     num_workers=r.env_workers,
                     timeout_s=r.agent_timeout_s,
                     parser=load_parser(r.tool_parser),
+                    output=output,
                 )
             self.sampler = DynamicSampler(
                 cfg.train.prompts_per_step,
@@ -121,12 +122,11 @@ class Rollouts:
         except BaseException:
             self.close()
             raise
-        envs = self.environments
-        if self.scorer.rewards.captures_user_output or (envs is not None and envs.num_workers):
+        if self.scorer.rewards.captures_user_output or self._captures():
             log(
-                "what the reward functions, environments and tools print in their worker "
-                f"processes goes to {output.path}, at most {cfg.logging.user_output_kb} KiB per "
-                "worker and rollout step (logging.user_output_kb)"
+                "what the reward functions, environments, tools and agents print in their "
+                f"worker processes goes to {output.path}, at most {cfg.logging.user_output_kb} "
+                "KiB per worker and rollout step (logging.user_output_kb)"
             )
         self.samples_generated = 0  # every response generated, trained on or not
         self.env_failures = 0  # episodes whose environment failed, over the run
@@ -325,20 +325,25 @@ class Rollouts:
             left_out,
         )
 
+    def _captures(self) -> list[OutputCapture]:
+        """The captured output of the environment and agent workers (none in-process)."""
+        owners = [self.environments, self.agents.runner if self.agents is not None else None]
+        return [o.output for o in owners if o is not None and o.output is not None]
+
     def _output_step(self, step: str) -> dict[str, int]:
-        """What the reward and environment workers print from here on belongs to ``step``
-        (``output_dir/user_output.log``, with a fresh limit per worker); the bytes dropped
-        so far (:meth:`_output_dropped`)."""
+        """What the reward, environment and agent workers print from here on belongs to
+        ``step`` (``output_dir/user_output.log``, with a fresh limit per worker); the bytes
+        dropped so far (:meth:`_output_dropped`)."""
         self.scorer.rewards.output_step(step)
-        if self.environments is not None:
-            self.environments.output_step(step)
+        for capture in self._captures():
+            capture.new_step(step)
         return self._output_dropped()
 
     def _output_dropped(self) -> dict[str, int]:
         """Bytes the workers printed over the limit, dropped, since the start, by metric."""
         dropped = {"reward/output_dropped_bytes": self.scorer.rewards.output_dropped}
-        if self.environments is not None:
-            dropped["env/output_dropped_bytes"] = self.environments.output_dropped
+        if self.environments is not None or self.agents is not None:
+            dropped["env/output_dropped_bytes"] = sum(c.dropped for c in self._captures())
         return dropped
 
     def _check_failures(
