@@ -123,7 +123,8 @@ def start_worker(
 
 def flush_output() -> None:
     """Flush this worker's stdout and stderr (after each call of user code, before its
-    result is sent: the parent then holds all the call printed, :meth:`~dapo.worker_output.OutputCapture.sync`)."""
+    result is sent: the parent then holds all the call printed,
+    :meth:`~dapo.worker_output.OutputCapture.sync`)."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -13,8 +13,8 @@ same assistant text); an episode whose replay answers differently ends as ``lost
 hang costs one episode, provided environments depend only on the record and the turns.
 
 What environments and tools print in the workers goes to the pool's
-:class:`~dapo.worker_output.OutputCapture` (a file of the run, capped per worker and step), not to
-the console; in-process episodes (``num_workers=0``) print where the trainer prints.
+:class:`~dapo.worker_output.OutputCapture` (a file of the run, capped per worker and step),
+not to the console; in-process episodes (``num_workers=0``) print where the trainer prints.
 """
 
 from __future__ import annotations
@@ -96,9 +96,10 @@ class EnvironmentPool:
     :class:`Outcome` says ``done`` is over, and ``end(episodes)`` releases episodes that
     stop for another reason (a limit). Calls from several threads are serialised.
 
-    The workers' stdout and stderr go where ``output`` says (:class:`~dapo.worker_output.UserOutput`;
-    default: the last MiB in memory), at most its limit per worker and step
-    (:meth:`output_step`), the rest counted (:attr:`output_dropped`) and dropped.
+    The workers' stdout and stderr go where ``output`` says
+    (:class:`~dapo.worker_output.UserOutput`; default: the last MiB in memory), at most its
+    limit per worker and step (:meth:`output_step`), the rest counted (:attr:`output_dropped`)
+    and dropped.
     """
 
     def __init__(

@@ -5,8 +5,8 @@ hands them chunks of samples and watches a shared progress slot per worker: a ca
 longer than ``timeout_s`` gets its worker killed and replaced, costing that one sample
 (``TIMEOUT``), and the rest of the chunk is requeued. A worker that dies costs the call it
 was in (``ERROR``); with no call to blame its samples are retried a bounded number of times.
-What the workers print goes to the pool's :class:`~dapo.worker_output.OutputCapture` (a file of the
-run, capped per worker and step), not to the console.
+What the workers print goes to the pool's :class:`~dapo.worker_output.OutputCapture` (a
+file of the run, capped per worker and step), not to the console.
 """
 
 from __future__ import annotations
