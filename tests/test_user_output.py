@@ -62,8 +62,17 @@ def kept_per_worker_and_step(text: str) -> dict[str, int]:
     return {tag: len(body.encode()) for tag, body in output_per_worker_and_step(text).items()}
 
 
-def capture_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("dapo-output")]
+def capture_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("dapo-output")}
+
+
+@pytest.fixture(autouse=True)
+def no_capture_thread_left():
+    """Every test's pools stop the threads that drain their workers' output (the threads of
+    pools other tests left to the garbage collector aside)."""
+    before = capture_threads()
+    yield
+    assert not capture_threads() - before
 
 
 def test_a_reward_function_printing_10_mb_reaches_neither_the_console_nor_the_file(
@@ -85,7 +94,6 @@ def test_a_reward_function_printing_10_mb_reaches_neither_the_console_nor_the_fi
     assert path.stat().st_size < LIMIT + 400  # the limit, two headers, the line of drops
     assert kept_per_worker_and_step(text) == {f"reward worker {pid}, start-up": LIMIT}
     assert DROPPED.findall(text) == [str(printed - LIMIT)]  # written at the step's end
-    assert not capture_threads()
 
 
 def test_small_output_is_kept_whole_and_the_limit_starts_again_at_each_step(
@@ -143,7 +151,6 @@ def test_an_environment_and_a_tool_that_print_are_captured_alike(
         f"environment worker {pid}, rollout step 1": LIMIT,
         f"environment worker {tool_pid}, start-up": LIMIT,
     }
-    assert not capture_threads()
 
 
 def test_without_a_file_the_output_is_kept_in_memory_not_printed(
@@ -162,8 +169,9 @@ def test_without_a_file_the_output_is_kept_in_memory_not_printed(
 def test_the_capture_thread_is_a_daemon_that_ends_with_its_pool(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    before = capture_threads()
     scorer = RewardScorer([(f"{FIXTURES}:noisy", 1.0)], num_workers=1)
-    (thread,) = capture_threads()
+    (thread,) = capture_threads() - before
     assert thread.daemon
     scorer.close()
     assert not thread.is_alive()
@@ -177,7 +185,7 @@ def test_the_capture_thread_is_a_daemon_that_ends_with_its_pool(
     monkeypatch.setattr("dapo.environments.pool.start_worker", refuse)
     with pytest.raises(OSError, match="no more processes"):
         EnvironmentPool(load_environment(f"{ENVS}:Noisy"), num_workers=1)
-    assert not capture_threads()
+    assert not capture_threads() - before
 
 
 def test_a_worker_that_dies_at_start_up_is_reported_with_the_end_of_its_output(
