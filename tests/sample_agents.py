@@ -4,6 +4,7 @@ agent, they use only the openai client they are given (no dapo import)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import openai
@@ -53,8 +54,8 @@ def three_requests_scored(client, record):
 
 
 def by_mode(client, record):
-    """What ``record["extra"]["mode"]`` says: ok (one request, reward 1), raise, hang, exit, or
-    turns (requests until the endpoint refuses one; the refusal is caught)."""
+    """What ``record["extra"]["mode"]`` says: ok (one request, reward 1), raise, hang, exit,
+    print (10 MB), or turns (requests until the endpoint refuses one; the refusal is caught)."""
     mode = record["extra"]["mode"]
     messages = list(record["prompt"])
     reply = client.chat.completions.create(model="m", messages=messages)
@@ -64,6 +65,9 @@ def by_mode(client, record):
         time.sleep(600)
     if mode == "exit":
         os._exit(3)  # kills its worker process
+    if mode == "print":  # 10 MB to stdout, a line to stderr
+        print("o" * 10_000_000)
+        print("agent done", file=sys.stderr)
     if mode == "turns":
         try:
             for _ in range(50):

@@ -138,3 +138,29 @@ class Flaky(TwoTurns):
 def half_right(response: str, ground_truth: str) -> float:
     """+1 for an odd number of characters in the final answer, else -1: mixed groups."""
     return 1.0 if len(response) % 2 else -1.0
+
+
+class Noisy(Environment):
+    """Prints: 10 MB to stdout and to stderr on a turn saying ``noisy``, else one line to
+    each (``heard <text>``); ends on ``stop``. A tool the model calls runs in it too."""
+
+    def step(self, text):
+        import sys
+
+        if text == "noisy":
+            print("o" * 10_000_000)
+            print("e" * 10_000_000, file=sys.stderr)
+        else:
+            print(f"heard {text}")
+            print(f"grumbled {text}", file=sys.stderr)
+        return [], None, text == "stop"
+
+
+def shout(word: str) -> str:
+    """Print a word 1,000,000 times (a noisy tool).
+
+    Args:
+        word: The word to print.
+    """
+    print(f"{word} " * 1_000_000)
+    return "done"

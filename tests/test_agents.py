@@ -561,6 +561,32 @@ def test_the_example_agent_plays_the_calculator_environments_episodes_token_for_
         assert [s["tool_calls"] for s in a.episode_stats] == [1, 1]
 
 
+def test_what_an_agent_prints_in_its_worker_is_captured_not_shown(tok, tmp_path, capfd) -> None:
+    from dapo.worker_output import UserOutput
+
+    engine = ScriptedEngine(tok, lambda text: "hi")
+    path = tmp_path / "user_output.log"
+    host = AgentHost(
+        f"{AGENTS}:by_mode", num_workers=1, timeout_s=30.0, output=UserOutput(path, 4096)
+    )
+    try:
+        params = SamplingParams(n=1, max_tokens=50, seed=0)
+        (group,) = run_agent_episodes(
+            engine, tok, [record(mode="print")], params, host, max_turns=3
+        )
+        assert group.episode_stats[0]["end"] == "done"
+        capture = host.runner.output
+        assert capture is not None and capture.dropped == 10_000_001 + 11 - 4096
+    finally:
+        host.close()
+    out, err = capfd.readouterr()
+    assert len(out) + len(err) < 1000
+    text = path.read_text()
+    assert text.startswith("==> agent worker ") and "o" * 4096 in text and "o" * 4097 not in text
+    assert f"[{10_000_001 + 11 - 4096} more bytes dropped" in text
+    assert capture._thread is not None and not capture._thread.is_alive()
+
+
 def test_an_agent_worker_process_does_not_import_torch() -> None:
     """A worker (re)starts in a fraction of a second: its module and the package's
     ``__init__`` import neither torch nor transformers (6.9 s on a 2-core CPU)."""

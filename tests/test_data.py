@@ -27,6 +27,7 @@ from dapo.data import (
     records_from_rows,
     render_prompt,
 )
+from dapo.data.prompts import dropped_lines
 
 AIME = Path(__file__).resolve().parents[2] / "shared" / "data" / "aime-2024.parquet"
 CHAT_TEMPLATE = (
@@ -478,6 +479,75 @@ def test_encode_prompts_all_too_long():
     assert "data.max_prompt_length=5" in msg
     assert "shortest 7" in msg and "longest 12" in msg
     assert "all 3 prompts" in msg
+
+
+def test_the_start_up_lines_count_the_dropped_prompts_and_name_their_first_rows(tmp_path):
+    # Rows 2, 4, 5 repeat rows 0 and 1 (row 5 repeats row 0 again); rows 3, 6, 8 are over 6.
+    prompts = ["abc", "abcd", "abc", "x" * 9, "abcd", "abc", "y" * 7, "ok", "z" * 30]
+    path = write_jsonl(tmp_path / "t.jsonl", [qa_row(p, i) for i, p in enumerate(prompts)])
+    stats = LoadStats()
+    records = load_prompt_set(QA_DATA, "train", str(path), stats=stats)
+    kept, _, dropped = encode_prompts(records, char_tokenizer(), 6, stats=stats)
+    assert [r.prompt for r in kept] == ["abc", "abcd", "ok"] and dropped == 3
+    assert stats == LoadStats(rows=9, duplicates=3, too_long=3, kept=3)
+    assert dropped_lines(stats, "training", 6) == [
+        f"dropped 3 duplicate training prompts (the first row of each prompt is kept): "
+        f"{path}: row 2 (repeats row 0), row 4 (repeats row 1), row 5 (repeats row 0)",
+        f"dropped 3 training prompts longer than data.max_prompt_length=6 tokens: {path}: "
+        "row 3 (9 tokens), row 6 (7 tokens), row 8 (30 tokens)",
+    ]
+
+
+def test_the_start_up_lines_name_the_first_five_rows_and_count_the_rest():
+    rows = [qa_row("same", 1) for _ in range(8)] + [qa_row("q" * (10 + i), i) for i in range(7)]
+    stats = LoadStats()
+    records = load_prompt_set(QA_DATA, "train", rows, stats=stats)
+    encode_prompts(records, char_tokenizer(), 6, stats=stats)
+    duplicates, too_long = dropped_lines(stats, "held-out", 6)
+    assert duplicates == (
+        "dropped 7 duplicate held-out prompts (the first row of each prompt is kept): "
+        "train_dataset: row 1 (repeats row 0), row 2 (repeats row 0), row 3 (repeats row 0), "
+        "row 4 (repeats row 0), row 5 (repeats row 0) and 2 more"
+    )
+    assert too_long == (
+        "dropped 7 held-out prompts longer than data.max_prompt_length=6 tokens: train_dataset: "
+        "row 8 (10 tokens), row 9 (11 tokens), row 10 (12 tokens), row 11 (13 tokens), "
+        "row 12 (14 tokens) and 2 more"
+    )
+    # Records of unknown origin (a built-in task's) are named by their position.
+    bare = LoadStats()
+    encode_prompts([PromptRecord(t, "1") for t in ("a", "b" * 9)], char_tokenizer(), 6, stats=bare)
+    assert dropped_lines(bare, "training", 6) == [
+        "dropped 1 training prompt longer than data.max_prompt_length=6 tokens: prompt 1 (9 tokens)"
+    ]
+    assert dropped_lines(LoadStats(rows=3, kept=3), "training", 6) == []
+
+
+def test_the_trainer_says_at_start_up_which_rows_it_dropped(tmp_path):
+    from dapo.config import load_config
+    from dapo.producer.rollouts import Rollouts
+    from dapo.run_inputs import RunInputs
+
+    prompts = ["abc", "abcd", "abc", "x" * 9, "ok", "q" * 20]
+    path = write_jsonl(tmp_path / "t.jsonl", [qa_row(p, str(i)) for i, p in enumerate(prompts)])
+    cfg = load_config(
+        overrides=[
+            f"data.train={path}",
+            "data.prompt_key=question",
+            "data.answer_key=label.value",
+            "data.max_prompt_length=6",
+            f"output_dir={tmp_path / 'run'}",
+            "evaluate=false",
+        ]
+    )
+    lines: list[str] = []
+    Rollouts(cfg, char_tokenizer(), RunInputs(), lines.append).close()
+    assert lines[:2] == [
+        f"dropped 1 duplicate training prompt (the first row of each prompt is kept): {path}: "
+        "row 2 (repeats row 0)",
+        f"dropped 2 training prompts longer than data.max_prompt_length=6 tokens: {path}: "
+        "row 3 (9 tokens), row 5 (20 tokens)",
+    ]
 
 
 def test_group_repeats_order():

@@ -234,6 +234,33 @@ def test_existing_checkpoints_are_not_overwritten_without_resume(random_tiny_mod
 
 
 @pytest.mark.slow
+def test_every_file_of_a_run_has_the_permissions_of_a_new_file(random_tiny_model, tmp_path):
+    """safetensors writes its files 0600; the weights of the checkpoints and final_model get
+    what every other file of the run gets: 0o666 less the umask."""
+    import os
+
+    out = tmp_path / "run"
+    cfg = small_config(
+        random_tiny_model,
+        out,
+        "algorithm.dynamic_sampling=false",
+        "train.steps=1",
+        "checkpoint.save_final_model=true",
+    )
+    umask = os.umask(0o027)  # not the usual 022: the mode follows the umask
+    try:
+        Trainer(cfg, log=lambda _: None).run()
+    finally:
+        os.umask(umask)
+    modes = {str(p.relative_to(out)): os.stat(p).st_mode & 0o777 for p in out.rglob("*")}
+    files = [name for name in modes if (out / name).is_file()]
+    weights = [name for name in files if name.endswith(".safetensors")]
+    assert any(n.startswith("checkpoints/") for n in weights)
+    assert any(n.startswith("final_model/") for n in weights)
+    assert {name: oct(modes[name]) for name in files} == {name: "0o640" for name in files}
+
+
+@pytest.mark.slow
 def test_same_seed_same_metrics(random_tiny_model, tmp_path):
     """Two runs of one seed log the same metrics; logging.dashboard changes only whether
     dashboard.png is drawn at the end."""

@@ -27,14 +27,36 @@ def fsync_dir(path: Path, *, strict: bool = False) -> None:
             raise
 
 
+def new_file_mode() -> int:
+    """The permissions a file created here gets: 0o666 less the umask (0o644 under the
+    usual umask 022)."""
+    try:  # Linux says it without changing it
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def as_new_file(path: Path) -> None:
+    """Give ``path`` the permissions of a newly created file (:func:`new_file_mode`), for
+    writers that create theirs private: safetensors writes 0600."""
+    os.chmod(path, new_file_mode())
+
+
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Write ``path`` atomically: temp file in the same directory, fsync, ``os.replace``.
 
-    The file keeps its permissions when it exists; on any error the temp file is removed
-    and the old file is untouched.
+    The file keeps its permissions when it exists, else gets those of a new file (the temp
+    file's own are 0600); on any error the temp file is removed and the old file is
+    untouched.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+    mode = path.stat().st_mode & 0o777 if path.exists() else new_file_mode()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

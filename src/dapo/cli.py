@@ -24,6 +24,7 @@ from dapo.config import (
     describe_presets,
     load_config,
 )
+from dapo.worker_output import USER_OUTPUT_FILE
 
 _TRAIN_HELP = """\
 dapo train [CONFIG.yaml] [key.path=value ...]
@@ -183,6 +184,9 @@ def _print_summary(summary: dict, out: Path, dashboard: bool = True) -> None:
     transcripts = out / "rollouts.jsonl"
     if transcripts.is_file() and transcripts.stat().st_size:
         print(f"rollouts (dapo show {out}): {transcripts}")
+    printed = out / USER_OUTPUT_FILE
+    if printed.is_file():
+        print(f"what reward functions, environments and tools printed: {printed}")
 
 
 _EVAL_DESCRIPTION = """\

@@ -4,12 +4,19 @@ their worker processes, and loading and describing the user code those run.
 :mod:`dapo.rewards.pool` and :mod:`dapo.environments.pool` each keep worker processes,
 fresh interpreters that run user code. Workers import this module: it imports the standard
 library only (workers import neither torch nor the trainer).
+
+What workers print (user code's ``print``, warnings, tracebacks; file descriptors 1 and 2)
+goes to a pipe per worker that the pool's :class:`~dapo.worker_output.OutputCapture` drains:
+into a file of the run, at most a limit per worker and rollout step, the rest counted and
+dropped, never into the trainer's console. A worker dies with the trainer (SIGKILL, via
+``PR_SET_PDEATHSIG`` on Linux), even while user code runs in it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -19,13 +26,32 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from types import ModuleType
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from dapo.worker_output import OutputCapture
 
 # What a fresh interpreter runs to become a worker. argv: the pipe's file descriptor, the
-# entry point ("module:function", called with the pipe and the further arguments as ints).
-# It takes the parent's sys.path first, so that it imports what the parent imports.
+# trainer's process id, the entry point ("module:function", called with the pipe and the
+# further arguments as ints). On Linux it first asks the kernel for SIGKILL when the
+# trainer dies (PR_SET_PDEATHSIG = 1), then checks that the trainer did not die before
+# that. It takes the parent's sys.path first, so that it imports what the parent imports.
+# Its stdout is line-buffered: what a worker printed before a kill is in the capture.
 _BOOT = (
-    "import sys\n"
+    "import os, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    try:\n"
+    "        import ctypes\n"
+    "        ctypes.CDLL(None, use_errno=True).prctl(1, 9)\n"
+    "    except Exception:\n"
+    "        pass\n"
+    "if os.getppid() != int(sys.argv[2]):\n"  # the trainer is already gone
+    "    os._exit(0)\n"
+    "for stream in (sys.stdout, sys.stderr):\n"
+    "    try:\n"
+    "        stream.reconfigure(line_buffering=True)\n"
+    "    except Exception:\n"
+    "        pass\n"
     "from multiprocessing.connection import Connection\n"
     "conn = Connection(int(sys.argv[1]))\n"
     "try:\n"
@@ -33,8 +59,8 @@ _BOOT = (
     "except EOFError:\n"  # the pool was closed before this worker started
     "    sys.exit(0)\n"
     "import importlib\n"
-    "module, _, function = sys.argv[2].partition(':')\n"
-    "getattr(importlib.import_module(module), function)(conn, *map(int, sys.argv[3:]))\n"
+    "module, _, function = sys.argv[3].partition(':')\n"
+    "getattr(importlib.import_module(module), function)(conn, *map(int, sys.argv[4:]))\n"
 )
 
 
@@ -49,23 +75,59 @@ W = TypeVar("W", bound=WorkerProcess)
 
 
 def start_worker(
-    entry: Callable[..., None], *fds: int
+    entry: Callable[..., None], *fds: int, output: OutputCapture | None = None
 ) -> tuple[subprocess.Popen[bytes], Connection]:
     """A fresh interpreter that takes this process's ``sys.path``, then calls ``entry`` (a
     module-level function) with its end of a pipe and ``fds``, file descriptors it inherits.
-    Returns the process and this end of the pipe."""
+    Its stdout and stderr go to ``output`` (without one: this process's). Returns the
+    process and this end of the pipe.
+
+    On Linux the worker is killed when the thread that started it ends (the kernel's
+    parent-death signal follows the creating thread, not the process): start workers
+    from a thread that outlives them, such as the main thread or the rollout producer."""
     parent_conn, child_conn = Pipe(duplex=True)
     target = f"{entry.__module__}:{entry.__qualname__}"
+    out_r = out_w = None
+    if output is not None:
+        out_r, out_w = os.pipe()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(child_conn.fileno()), target, *map(str, fds)],
+            [
+                sys.executable,
+                "-c",
+                _BOOT,
+                str(child_conn.fileno()),
+                str(os.getpid()),
+                target,
+                *map(str, fds),
+            ],
             pass_fds=(child_conn.fileno(), *fds),
             stdin=subprocess.DEVNULL,
+            stdout=out_w,
+            stderr=out_w,
         )
+    except BaseException:
+        parent_conn.close()
+        if out_r is not None:
+            os.close(out_r)
+        raise
     finally:
         child_conn.close()
+        if out_w is not None:
+            os.close(out_w)
+    if output is not None and out_r is not None:
+        output.add(out_r, proc.pid)
     parent_conn.send(list(sys.path))
     return proc, parent_conn
+
+
+def flush_output() -> None:
+    """Flush this worker's stdout and stderr (after each call of user code, before its
+    result is sent: the parent then holds all the call printed,
+    :meth:`~dapo.worker_output.OutputCapture.sync`)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def retire(worker: WorkerProcess) -> int | None:

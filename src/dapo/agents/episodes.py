@@ -58,6 +58,7 @@ from dapo.environments import (
 from dapo.errors import ConfigError
 from dapo.rollout.base import Group, RolloutEngine, SamplingParams
 from dapo.seeding import mix_seed
+from dapo.worker_output import UserOutput
 
 _AGENT_SEED = 0x6167656E  # "agen": the seed stream of agent engine calls
 
@@ -73,6 +74,7 @@ class AgentHost:
         timeout_s: float = 300.0,
         parser: Callable[[str], list[ToolCall]] = parse_hermes,
         model: str = "dapo-policy",
+        output: UserOutput | None = None,
     ) -> None:
         if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"`rollout.agent_timeout_s` must be > 0 seconds, got {timeout_s!r}")
@@ -84,8 +86,14 @@ class AgentHost:
                 "installed. Fix: pip install 'dapo[agents]' (or pip install openai)"
             ) from None
         self.events: queue.Queue = queue.Queue()
-        self.runner = AgentRunner(agent, self.events, num_workers=num_workers, timeout_s=timeout_s)
-        self.endpoint = AgentEndpoint(self.events, model, wait_s=timeout_s + 60.0)
+        self.runner = AgentRunner(
+            agent, self.events, num_workers=num_workers, timeout_s=timeout_s, output=output
+        )
+        try:
+            self.endpoint = AgentEndpoint(self.events, model, wait_s=timeout_s + 60.0)
+        except BaseException:
+            self.runner.close()  # its workers and the thread draining their output
+            raise
         self.parser, self.timeout_s = parser, float(timeout_s)
         self._renderers: dict[tuple[int, str], ChatRenderer] = {}
         self._warned: set[str] = set()  # kinds of episode failure already warned about

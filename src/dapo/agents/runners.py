@@ -29,6 +29,7 @@ from dapo.agents.worker import run_async, run_sync, worker_main
 from dapo.environments import EnvironmentWarning
 from dapo.environments.loading import import_spec
 from dapo.errors import ConfigError
+from dapo.worker_output import OutputCapture, UserOutput
 from dapo.workers import exit_text, retire, start_worker, stop_workers
 
 
@@ -81,7 +82,10 @@ class _Worker:
 
 
 class AgentRunner:
-    """Starts agent episodes and reports their ends on ``events``."""
+    """Starts agent episodes and reports their ends on ``events``. What agents print in
+    the worker processes goes where ``output`` says (:class:`~dapo.worker_output.UserOutput`;
+    default: the last MiB in memory); agents on threads of this process print to its
+    console."""
 
     def __init__(
         self,
@@ -90,6 +94,7 @@ class AgentRunner:
         *,
         num_workers: int = 1,
         timeout_s: float = 300.0,
+        output: UserOutput | None = None,
     ) -> None:
         self.fn, self.payload, self.name = load_agent_spec(agent)
         self.events, self.timeout_s = events, float(timeout_s)
@@ -104,6 +109,7 @@ class AgentRunner:
             )
         self.num_workers = 0 if self.is_async or self.payload is None else num_workers
         self._workers: list[_Worker | None] = [None] * self.num_workers
+        self.output = OutputCapture("agent worker", output) if self.num_workers else None
         self._next = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
@@ -148,7 +154,7 @@ class AgentRunner:
     def _worker(self, i: int) -> _Worker:
         w = self._workers[i]
         if w is None or w.proc.poll() is not None:
-            proc, conn = start_worker(worker_main)
+            proc, conn = start_worker(worker_main, output=self.output)
             conn.send(self.payload)
             w = _Worker(proc, conn)
             if conn.recv() != "ready":
@@ -201,7 +207,11 @@ class AgentRunner:
                 self._workers[i] = None
 
     def close(self) -> None:
-        stop_workers([w for w in self._workers if w is not None])
+        try:
+            stop_workers([w for w in self._workers if w is not None])
+        finally:
+            if self.output is not None:  # what they printed last; the draining thread ends
+                self.output.close()
         self._workers = [None] * self.num_workers
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)

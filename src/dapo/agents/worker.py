@@ -125,6 +125,7 @@ def worker_main(conn: Connection) -> None:
     def episode(*args: Any) -> None:
         result = run_sync(agent, *args)
         with lock:
+            workers.flush_output()  # what the agent printed arrives before its result
             try:
                 conn.send(result)
             except OSError:  # the parent is gone

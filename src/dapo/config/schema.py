@@ -407,6 +407,15 @@ class LoggingConfig:
         ge=0,
         hint="0: none",
     )
+    user_output_kb: int = opt(
+        64,
+        "What reward functions, environments, tools and agents print in their worker "
+        "processes (stdout and stderr) goes to output_dir/user_output.log, not the console: "
+        "at most this many KiB per worker and rollout step; the rest is counted "
+        "(reward/output_dropped_bytes, env/output_dropped_bytes) and dropped. 0: keep none.",
+        ge=0,
+        hint="KiB; 0: keep none",
+    )
 
 
 @dataclass

@@ -3,6 +3,7 @@ the length filter, and the seeded endless stream of training prompts."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from collections import OrderedDict
@@ -11,7 +12,7 @@ from typing import Any
 
 from dapo.config import DataConfig
 from dapo.data.curriculum import draw
-from dapo.data.records import LoadStats, PromptRecord, record_field
+from dapo.data.records import NAMED_ROWS, LoadStats, PromptRecord, Row, record_field
 from dapo.data.sources import PromptSource, load_records
 from dapo.data.tasks import is_builtin, load_task
 from dapo.errors import DataError
@@ -64,7 +65,8 @@ def encode_prompts(
     template (a multi-turn run's opening, with the tools' schemas); the length limit applies
     to its tokens. The texts are tokenized in batches, without special tokens (one call per
     prompt took most of a small run's start). Returns the kept records, their token ids and
-    the number dropped. If ``stats`` is given, its ``too_long`` and ``kept`` are updated.
+    the number dropped. If ``stats`` is given, its ``too_long``, ``too_long_rows`` (the first
+    few dropped) and ``kept`` are updated.
     """
     if max_prompt_length <= 0:
         raise DataError(
@@ -77,10 +79,13 @@ def encode_prompts(
 
     kept: list[PromptRecord] = []
     kept_ids: list[list[int]] = []
-    for record, ids in zip(records, all_ids, strict=True):
+    too_long: list[tuple[int, int]] = []  # the first few: position, length
+    for i, (record, ids) in enumerate(zip(records, all_ids, strict=True)):
         if len(ids) <= max_prompt_length:
             kept.append(record)
             kept_ids.append(ids)
+        elif len(too_long) < NAMED_ROWS:
+            too_long.append((i, len(ids)))
     dropped = len(records) - len(kept)
     if records and not kept:
         lengths = [len(ids) for ids in all_ids]
@@ -100,8 +105,54 @@ def encode_prompts(
         )
     if stats is not None:
         stats.too_long = dropped
+        stats.too_long_rows = too_long
         stats.kept = len(kept)
     return kept, kept_ids, dropped
+
+
+def dropped_lines(stats: LoadStats, which: str, max_prompt_length: int) -> list[str]:
+    """Start-up lines for the prompts dropped while loading (duplicates) and encoding (over
+    ``max_prompt_length``), each naming its first rows; ``which`` is ``training`` or
+    ``held-out``."""
+    lines = []
+    if stats.duplicates:
+        named: list[tuple[Row | str, str]] = [
+            (row, f"repeats {_row_name(first, row)}") for row, first in stats.duplicate_rows
+        ]
+        lines.append(
+            f"dropped {_prompts(stats.duplicates, 'duplicate ' + which)} (the first row of "
+            f"each prompt is kept): {_rows_text(named, stats.duplicates)}"
+        )
+    if stats.too_long:
+        named = [(stats.origin(i) or f"prompt {i}", f"{n} tokens") for i, n in stats.too_long_rows]
+        lines.append(
+            f"dropped {_prompts(stats.too_long, which)} longer than data.max_prompt_length="
+            f"{max_prompt_length} tokens: {_rows_text(named, stats.too_long)}"
+        )
+    return lines
+
+
+def _prompts(n: int, which: str) -> str:
+    return f"{n} {which} prompt{'' if n == 1 else 's'}"
+
+
+def _row_name(row: Row, beside: Row | None = None) -> str:
+    """``train.jsonl row 12``; ``row 12`` where ``beside`` is of the same file."""
+    where, index = row
+    return f"row {index}" if beside is not None and beside[0] == where else f"{where} row {index}"
+
+
+def _rows_text(named: list[tuple[Row | str, str]], total: int) -> str:
+    """``train.jsonl: row 3 (D), row 9 (D) and 4 more``; a record of unknown origin (a
+    built-in task's) is named by a text of its own (``prompt 3``)."""
+    wheres = {row[0] for row, _ in named if not isinstance(row, str)}
+    one = len(wheres) == 1 and not any(isinstance(row, str) for row, _ in named)
+    parts = [
+        f"{row if isinstance(row, str) else f'row {row[1]}' if one else _row_name(row)} ({d})"
+        for row, d in named
+    ]
+    text = (f"{wheres.pop()}: " if one else "") + ", ".join(parts)
+    return text + (f" and {total - len(named)} more" if total > len(named) else "")
 
 
 def tokenize_texts(texts: list[str], tokenizer: Any) -> list[list[int]]:
@@ -168,14 +219,20 @@ def history_keys(records: list[PromptRecord], field: str | None) -> list[str]:
 
 
 def load_prompt_set(
-    data: DataConfig, which: str, source: PromptSource | None = None, answers: str = "text"
+    data: DataConfig,
+    which: str,
+    source: PromptSource | None = None,
+    answers: str = "text",
+    stats: LoadStats | None = None,
 ) -> list[PromptRecord]:
     """The training (``which="train"``) or held-out (``"eval"``) prompts: ``source`` if
     given (in-memory data such as a ``datasets.Dataset`` or a list of row dicts, or anything
     data.train takes), else ``data.train`` / ``data.eval``. Either way the rows go through
     the same column rules (data.prompt_key, data.answer_key, data.data_source_key, the split
     of a DatasetDict), errors and dedup; the length filter is :func:`encode_prompts`'.
-    ``answers`` says what an answer may be (:class:`~dapo.data.records.RecordOptions`)."""
+    ``answers`` says what an answer may be (:class:`~dapo.data.records.RecordOptions`).
+    ``stats``, if given, gets the loading's counts and rows (:class:`LoadStats`; a built-in
+    task gives none)."""
     if which not in ("train", "eval"):
         raise ValueError(f"which must be 'train' or 'eval', got {which!r}")
     if source is None:
@@ -185,7 +242,7 @@ def load_prompt_set(
     if isinstance(source, str) and is_builtin(source):
         n = 20000 if which == "train" else data.max_eval_prompts
         return load_task(source, "train" if which == "train" else "test", n=n)
-    records, _ = load_records(
+    records, loaded = load_records(
         source,
         split=data.train_split if which == "train" else data.eval_split,
         split_setting=f"data.{which}_split",
@@ -197,6 +254,9 @@ def load_prompt_set(
         setting_prefix="data.",
         answers=answers,
     )
+    if stats is not None:
+        for f in dataclasses.fields(LoadStats):
+            setattr(stats, f.name, getattr(loaded, f.name))
     return records[: data.max_eval_prompts] if which == "eval" else records
 
 

@@ -30,14 +30,30 @@ class PromptRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+NAMED_ROWS = 5  # dropped rows named in the start-up lines (the first ones)
+
+Row = tuple[str, int]  # where a record came from: the file (or data's name) and the row index
+
+
 @dataclass
 class LoadStats:
-    """Counts from loading (and, through ``encode_prompts(stats=...)``, length filtering)."""
+    """Counts from loading (and, through ``encode_prompts(stats=...)``, length filtering),
+    with where the records came from and which rows were dropped (the first
+    :data:`NAMED_ROWS`), for the start-up lines; only the counts compare."""
 
     rows: int = 0  # rows read
     duplicates: int = 0  # rows dropped as duplicate prompts
     too_long: int = 0  # dropped by the prompt-length filter (filled by encode_prompts)
     kept: int = 0
+    origins: list[Row] = field(default_factory=list, compare=False, repr=False)  # per record
+    # (the duplicate row, the row it repeats), the first few
+    duplicate_rows: list[tuple[Row, Row]] = field(default_factory=list, compare=False)
+    # (position among the records encoded, length in tokens), the first few
+    too_long_rows: list[tuple[int, int]] = field(default_factory=list, compare=False)
+
+    def origin(self, position: int) -> Row | None:
+        """Where the record at ``position`` came from, when known."""
+        return self.origins[position] if position < len(self.origins) else None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -330,7 +346,7 @@ def build_records(
         raise DataError(f"max_rows must be >= 0 or None, got {max_rows}")
     stats = LoadStats()
     records: list[PromptRecord] = []
-    uids: dict[Any, str] = {}  # dedupe key -> uid
+    uids: dict[Any, tuple[str, Row]] = {}  # dedupe key -> uid, its first row
     for where, index, row in located:
         if max_rows is not None and stats.rows >= max_rows:
             break
@@ -348,12 +364,17 @@ def build_records(
             answer = _normalize_answer(raw_answer, where, index, answer_key, answers)
 
         key = _dedupe_key(prompt)
-        uid = uids.get(key)
-        if uid is None:
-            uid = uids[key] = _uid(_canonical(prompt), where, index, prompt_key)
+        seen = uids.get(key)
+        if seen is None:
+            uid = _uid(_canonical(prompt), where, index, prompt_key)
+            uids[key] = (uid, (where, index))
         elif dedupe:
             stats.duplicates += 1
+            if len(stats.duplicate_rows) < NAMED_ROWS:
+                stats.duplicate_rows.append(((where, index), seen[1]))
             continue
+        else:
+            uid = seen[0]
 
         raw_source = _to_plain(_get_field(row, data_source_key))
         if raw_source is _MISSING or raw_source is None or raw_source == "":
@@ -377,6 +398,7 @@ def build_records(
             if k not in (prompt_key, data_source_key) and not str(k).startswith("__index_level_")
         }
         records.append(PromptRecord(prompt, answer, data_source, uid, extra))
+        stats.origins.append((where, index))
 
     if stats.rows == 0:
         limit = f" (max_rows={max_rows})" if max_rows is not None else ""

@@ -11,6 +11,10 @@ A killed or crashed worker takes its other episodes' instances with it. They are
 in the replacement worker by replaying their calls (``reset``, then each ``step`` with the
 same assistant text); an episode whose replay answers differently ends as ``lost``. So a
 hang costs one episode, provided environments depend only on the record and the turns.
+
+What environments and tools print in the workers goes to the pool's
+:class:`~dapo.worker_output.OutputCapture` (a file of the run, capped per worker and step),
+not to the console; in-process episodes (``num_workers=0``) print where the trainer prints.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 from dapo.environments.base import EnvironmentWarning, Message
 from dapo.environments.loading import EnvironmentSpec
 from dapo.environments.worker import EpisodeHost, new_result, worker_main
+from dapo.worker_output import OutputCapture, UserOutput
 from dapo.workers import exit_text, retire, start_worker, stop_workers
 
 _STARTUP_TIMEOUT_S = 120.0
@@ -90,9 +95,21 @@ class EnvironmentPool:
     ``step([(episode, assistant_text), ...])`` runs one turn of each; an episode whose
     :class:`Outcome` says ``done`` is over, and ``end(episodes)`` releases episodes that
     stop for another reason (a limit). Calls from several threads are serialised.
+
+    The workers' stdout and stderr go where ``output`` says
+    (:class:`~dapo.worker_output.UserOutput`; default: the last MiB in memory), at most its
+    limit per worker and step (:meth:`output_step`), the rest counted (:attr:`output_dropped`)
+    and dropped.
     """
 
-    def __init__(self, spec: EnvironmentSpec, *, num_workers: int = 1, timeout_s: float = 30.0):
+    def __init__(
+        self,
+        spec: EnvironmentSpec,
+        *,
+        num_workers: int = 1,
+        timeout_s: float = 30.0,
+        output: UserOutput | None = None,
+    ):
         if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(
                 f"`rollout.env_timeout_s` must be a positive number of seconds, got {timeout_s!r}"
@@ -123,9 +140,14 @@ class EnvironmentPool:
         self._lock = threading.Lock()
         self._closed = False
         self._workers: list[_Worker] = []
-        self._finalizer = weakref.finalize(self, stop_workers, self._workers)
-        while len(self._workers) < self.num_workers:
-            self._workers.append(self._spawn())
+        self.output = OutputCapture("environment worker", output) if num_workers else None
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self.output)
+        try:
+            while len(self._workers) < self.num_workers:
+                self._workers.append(self._spawn())
+        except BaseException:
+            self._finalizer()
+            raise
 
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -135,6 +157,17 @@ class EnvironmentPool:
     @property
     def worker_pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
+
+    def output_step(self, step: str) -> None:
+        """What the workers print from here on belongs to ``step`` (``rollout step 3``),
+        with a fresh limit per worker."""
+        if self.output is not None:
+            self.output.new_step(step)
+
+    @property
+    def output_dropped(self) -> int:
+        """Bytes the workers printed over the limit, dropped, over the pool's life."""
+        return self.output.dropped if self.output is not None else 0
 
     def reset(self, records: Sequence[Any]) -> list[Outcome]:
         """Start one episode per record (a new environment instance each); their ids are
@@ -179,7 +212,7 @@ class EnvironmentPool:
                         worker.conn.send(("drop", ids))
 
     def close(self) -> None:
-        """Stop the worker processes (idempotent)."""
+        """Stop the worker processes and the draining of their output (idempotent)."""
         with self._lock:
             self._closed = True
             self._finalizer()
@@ -274,7 +307,7 @@ class EnvironmentPool:
     # -- the worker processes ------------------------------------------------------------
 
     def _spawn(self) -> _Worker:
-        proc, conn = start_worker(worker_main)
+        proc, conn = start_worker(worker_main, output=self.output)
         conn.send(("init", self._payload, self.spec.name))
         return _Worker(proc, conn, time.monotonic())
 
@@ -311,6 +344,8 @@ class EnvironmentPool:
                 self._workers.append(self._spawn())
             self._logs.clear()
             raise
+        if self.output is not None:
+            self.output.sync()  # what the calls printed counts in this step
         return results  # type: ignore[return-value]
 
     def _send(
@@ -344,9 +379,10 @@ class EnvironmentPool:
             if not w.ready:
                 code = w.proc.wait()
                 self._retire(w)
+                said = self.output.last_words(w.proc.pid).strip() if self.output else ""
                 raise RuntimeError(
-                    f"an environment worker {exit_text(code)} during start-up; its error output "
-                    "is above"
+                    f"an environment worker {exit_text(code)} during start-up"
+                    + (f"; the end of its output:\n{said}" if said else "; it printed nothing")
                 ) from None
             self._lose(w, "died", results, queues)
             return
@@ -429,6 +465,15 @@ class EnvironmentPool:
         if w in self._workers:
             self._workers.remove(w)
         return code
+
+
+def _shutdown(workers: list[_Worker], output: OutputCapture | None) -> None:
+    """Stop the workers, then take in what they printed last and stop draining."""
+    try:
+        stop_workers(workers)
+    finally:
+        if output is not None:
+            output.close()
 
 
 def _failed(kind: str, detail: str, seconds: float) -> dict[str, Any]:

@@ -149,8 +149,10 @@ def _worker_loop(conn: Connection) -> None:
     try:
         host = EpisodeHost(*resolve_refs(pickle.loads(payload)), name)
     except BaseException as exc:
+        workers.flush_output()
         conn.send(("init_error", describe_exception(exc)))
         return
+    workers.flush_output()
     conn.send(("ready", os.getpid()))
     while True:
         kind, body = conn.recv()
@@ -160,6 +162,7 @@ def _worker_loop(conn: Connection) -> None:
             continue
         for pos, (episode, op, arg) in enumerate(body):
             result = host.run(episode, op, arg)
+            workers.flush_output()  # what the call printed arrives before its result
             try:
                 conn.send(("result", pos, result))
             except (OSError, EOFError):

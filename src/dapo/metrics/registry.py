@@ -65,6 +65,11 @@ METRICS: tuple[Metric, ...] = (
         "Reward calls that failed since the run started (resumed runs included).",
     ),
     Metric(
+        "reward/output_dropped_bytes",
+        "Bytes the reward workers printed this step (stdout and stderr) over "
+        "logging.user_output_kb per worker, dropped; the rest is in output_dir/user_output.log.",
+    ),
+    Metric(
         "reward/overlong_penalty_mean",
         "Mean soft overlong punishment added to the rewards, with its factor.",
         "every rollout step; 0 when algorithm.overlong_penalty is off",
@@ -222,6 +227,13 @@ METRICS: tuple[Metric, ...] = (
     Metric(
         "env/failures_total",
         "Episodes ended by a failed environment or agent since the run started.",
+        "multi-turn and agents",
+    ),
+    Metric(
+        "env/output_dropped_bytes",
+        "Bytes the environment and agent workers (environments, tools, agents) printed this "
+        "step over logging.user_output_kb per worker, dropped; the rest is in "
+        "output_dir/user_output.log.",
         "multi-turn and agents",
     ),
     Metric(

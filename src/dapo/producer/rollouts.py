@@ -20,7 +20,8 @@ import torch
 
 from dapo.agents import AgentHost, run_agent_episodes
 from dapo.config import Config
-from dapo.data.prompts import encode_prompts, load_prompt_set
+from dapo.data import LoadStats
+from dapo.data.prompts import dropped_lines, encode_prompts, load_prompt_set
 from dapo.environments import (
     ChatRenderer,
     EnvironmentPool,
@@ -50,6 +51,7 @@ from dapo.rollout.episodes import run_episodes
 from dapo.rollout.versioned import VersionedEngine
 from dapo.run_inputs import RunInputs
 from dapo.seeding import Stream, mix_seed, stream_seed
+from dapo.worker_output import OutputCapture, UserOutput
 
 
 class Policy(Protocol):
@@ -81,36 +83,51 @@ class Rollouts:
         # Multi-turn episodes: an environment and/or tools (None: one response per prompt).
         # Their prompts are measured as the model sees them: rendered with the tools.
         self.renderer = None if spec is None else ChatRenderer(tokenizer, spec.schemas)
-        self.scorer = GroupScorer(cfg, tokenizer, inputs.reward_funcs)
-        self._load_prompts(inputs, log)
+        # What user code prints in the workers: output_dir/user_output.log, capped per step.
+        output = UserOutput.of_run(
+            cfg.output_dir,
+            cfg.logging.user_output_kb,
+            f"rank {self.dist.rank} " if self.dist.enabled else "",
+        )
+        self.scorer = GroupScorer(cfg, tokenizer, inputs.reward_funcs, output)
+        self.environments: EnvironmentPool | None = None
+        self.agents: AgentHost | None = None
         self.engine: Any = None
-        self.environments = (
-            None
-            if spec is None
-            else EnvironmentPool(spec, num_workers=r.env_workers, timeout_s=r.env_timeout_s)
-        )
-        # Agent episodes: an OpenAI-client program behind this rank's own endpoint.
-        agent = inputs.agent if inputs.agent is not None else r.agent
-        self.agents = (
-            None
-            if agent is None
-            else AgentHost(
-                agent,
-                num_workers=r.env_workers,
-                timeout_s=r.agent_timeout_s,
-                parser=load_parser(r.tool_parser),
+        try:  # a refusal below stops the workers started so far, and their output's thread
+            self._load_prompts(inputs, log)
+            if spec is not None:
+                self.environments = EnvironmentPool(
+                    spec, num_workers=r.env_workers, timeout_s=r.env_timeout_s, output=output
+                )
+            # Agent episodes: an OpenAI-client program behind this rank's own endpoint.
+            agent = inputs.agent if inputs.agent is not None else r.agent
+            if agent is not None:
+                self.agents = AgentHost(
+                    agent,
+                    num_workers=r.env_workers,
+                    timeout_s=r.agent_timeout_s,
+                    parser=load_parser(r.tool_parser),
+                    output=output,
+                )
+            self.sampler = DynamicSampler(
+                cfg.train.prompts_per_step,
+                # Distillation alone: a uniform group still carries the teacher's signal.
+                enabled=a.dynamic_sampling and not a.distill_only,
+                metric=a.dynamic_sampling_metric,
+                max_rounds=a.max_gen_rounds,
+                round_cap=a.round_cap,
+                max_empty_steps=a.max_empty_steps,
             )
-        )
-        self.sampler = DynamicSampler(
-            cfg.train.prompts_per_step,
-            # Distillation alone: a uniform group still carries the teacher's signal.
-            enabled=a.dynamic_sampling and not a.distill_only,
-            metric=a.dynamic_sampling_metric,
-            max_rounds=a.max_gen_rounds,
-            round_cap=a.round_cap,
-            max_empty_steps=a.max_empty_steps,
-        )
-        self.prompts = PromptSelector(cfg, self.train_records)  # skipping and curriculum
+            self.prompts = PromptSelector(cfg, self.train_records)  # skipping and curriculum
+        except BaseException:
+            self.close()
+            raise
+        if self.scorer.rewards.captures_user_output or self._captures():
+            log(
+                "what the reward functions, environments, tools and agents print in their "
+                f"worker processes goes to {output.path}, at most {cfg.logging.user_output_kb} "
+                "KiB per worker and rollout step (logging.user_output_kb)"
+            )
         self.samples_generated = 0  # every response generated, trained on or not
         self.env_failures = 0  # episodes whose environment failed, over the run
         self.failed_in_a_row = 0  # rollout steps in a row with no sample that did not fail
@@ -162,14 +179,16 @@ class Rollouts:
         opening = (
             None if renderer is None else (lambda r: renderer.opening_text(prompt_messages(r)))
         )
-        self.train_records, self.train_ids, dropped = encode_prompts(
-            load_prompt_set(d, "train", inputs.train_dataset, answers),
+        stats = LoadStats()
+        self.train_records, self.train_ids, _ = encode_prompts(
+            load_prompt_set(d, "train", inputs.train_dataset, answers, stats),
             self.tokenizer,
             d.max_prompt_length,
+            stats=stats,
             text_of=opening,
         )
-        if dropped:
-            log(f"dropped {dropped} training prompts longer than data.max_prompt_length")
+        for line in dropped_lines(stats, "training", d.max_prompt_length):
+            log(line)
         if self.train_records:  # TRL-form rewards take columns by name: all there?
             self.scorer.rewards.check_columns(set(self.train_records[0].extra), "data.train")
         if not self.cfg.algorithm.distill_only:
@@ -177,12 +196,16 @@ class Rollouts:
                 log(line)
         self.eval_records, self.eval_ids = [], []
         if self.cfg.evaluate and (d.eval is not None or inputs.eval_dataset is not None):
+            stats = LoadStats()
             self.eval_records, self.eval_ids, _ = encode_prompts(
-                load_prompt_set(d, "eval", inputs.eval_dataset, answers),
+                load_prompt_set(d, "eval", inputs.eval_dataset, answers, stats),
                 self.tokenizer,
                 d.max_prompt_length,
+                stats=stats,
                 text_of=opening,
             )
+            for line in dropped_lines(stats, "held-out", d.max_prompt_length):
+                log(line)
         elif self.cfg.evaluate:
             log(
                 "no held-out evaluation: data.eval is null (left unset, it is null when "
@@ -199,6 +222,8 @@ class Rollouts:
         timing = {"gen": 0.0, "score": 0.0}
         staleness = []  # rollout steps between the policy that sampled a round and this one
         self.prompts.start_step(step)
+        # Numbered from 1, as the console counts steps; the workers' output limit starts again.
+        dropped_output = self._output_step(f"rollout step {step + 1}")
         n = self.cfg.rollout.max_staleness
         dropped = self.sampler.drop_older_than(step - n) if n else 0  # carry-over too stale
         continued = self.engine.continued
@@ -249,6 +274,7 @@ class Rollouts:
             raise
         failed = self._check_failures(step, generated, reward_failures)
         failed["reward/unscorable"] = float(self.scorer.unscorable - unscorable)
+        failed.update({k: float(v - dropped_output[k]) for k, v in self._output_dropped().items()})
         if fill.note and self.dist.is_main:  # the round cap: a short batch or no update
             # Numbered from 1, as the console and the health warnings count steps.
             warnings.warn(
@@ -298,6 +324,27 @@ class Rollouts:
             },
             left_out,
         )
+
+    def _captures(self) -> list[OutputCapture]:
+        """The captured output of the environment and agent workers (none in-process)."""
+        owners = [self.environments, self.agents.runner if self.agents is not None else None]
+        return [o.output for o in owners if o is not None and o.output is not None]
+
+    def _output_step(self, step: str) -> dict[str, int]:
+        """What the reward, environment and agent workers print from here on belongs to
+        ``step`` (``output_dir/user_output.log``, with a fresh limit per worker); the bytes
+        dropped so far (:meth:`_output_dropped`)."""
+        self.scorer.rewards.output_step(step)
+        for capture in self._captures():
+            capture.new_step(step)
+        return self._output_dropped()
+
+    def _output_dropped(self) -> dict[str, int]:
+        """Bytes the workers printed over the limit, dropped, since the start, by metric."""
+        dropped = {"reward/output_dropped_bytes": self.scorer.rewards.output_dropped}
+        if self.environments is not None or self.agents is not None:
+            dropped["env/output_dropped_bytes"] = sum(c.dropped for c in self._captures())
+        return dropped
 
     def _check_failures(
         self,
@@ -394,6 +441,7 @@ class Rollouts:
         )
         records = D.shard(self.eval_records, self.dist)
         ids = D.shard(self.eval_ids, self.dist)
+        self._output_step("evaluation")
         rewards = self.scorer.rewards
         scored, failed = rewards.scored, rewards.failed
         ev = self.accuracy(records, ids, params)

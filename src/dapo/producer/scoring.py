@@ -11,6 +11,7 @@ from dapo.data.records import PromptRecord
 from dapo.handover import ScoredGroup
 from dapo.rewards import RewardScorer, ScoreRequest, ScoreResult, soft_overlong_punishment
 from dapo.rollout import Group
+from dapo.worker_output import UserOutput
 
 # The reward of an episode whose environment failed (raised, hung, answered garbage); its
 # loss is masked out (build_samples), so it costs that episode only.
@@ -21,7 +22,14 @@ class GroupScorer:
     """Turns generated groups into scored ones; owns the reward workers and counts their
     failures (a reward function that raises or times out costs its sample, never the run)."""
 
-    def __init__(self, cfg: Config, tokenizer: Any, reward_funcs: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        tokenizer: Any,
+        reward_funcs: Sequence[Any] = (),
+        output: UserOutput | None = None,
+    ) -> None:
+        """``output``: where the reward workers' prints go (default: kept in memory)."""
         r = cfg.reward
         # Python callables (dapo.train(reward_funcs=...)) beside the configured ones.
         extra = [f if isinstance(f, tuple) else (f, 1.0) for f in reward_funcs]
@@ -31,6 +39,7 @@ class GroupScorer:
             default_scorer=r.default_scorer,
             timeout_s=r.timeout_s,
             num_workers=r.num_workers,
+            output=output,
         )
         self.tokenizer = tokenizer
         a = cfg.algorithm

@@ -5,6 +5,8 @@ hands them chunks of samples and watches a shared progress slot per worker: a ca
 longer than ``timeout_s`` gets its worker killed and replaced, costing that one sample
 (``TIMEOUT``), and the rest of the chunk is requeued. A worker that dies costs the call it
 was in (``ERROR``); with no call to blame its samples are retried a bounded number of times.
+What the workers print goes to the pool's :class:`~dapo.worker_output.OutputCapture` (a
+file of the run, capped per worker and step), not to the console.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from dapo.rewards.user import ERROR, TIMEOUT, Outcome, Sample, Source
 from dapo.rewards.worker import PROGRESS, main
+from dapo.worker_output import OutputCapture, UserOutput
 from dapo.workers import exit_text, retire, start_worker, stop_workers
 
 logger = logging.getLogger(__name__)
@@ -51,18 +54,23 @@ class _Worker:
         return PROGRESS.unpack_from(self.progress, 0)[0]
 
 
-def _shutdown_workers(workers: list[_Worker]) -> None:
-    """Close the progress slots (a worker has its own mapping), then stop the workers."""
-    for w in workers:
-        w.progress.close()
-    stop_workers(workers)
+def _shutdown_workers(workers: list[_Worker], output: OutputCapture) -> None:
+    """Close the progress slots (a worker has its own mapping), stop the workers, then
+    take in what they printed last and stop draining their output."""
+    try:
+        for w in workers:
+            w.progress.close()
+        stop_workers(workers)
+    finally:
+        output.close()
 
 
 class WorkerPool:
     """``num_workers`` worker processes that load the functions ``entries`` (``(display name,
     source)`` pairs, :func:`~dapo.rewards.user.load_entry`) and run them on samples, each
     call limited to ``timeout_s``. ``warm`` names built-in scorers to call once at start-up.
-    Workers start at once, and again whenever one is retired."""
+    Workers start at once, and again whenever one is retired. Their stdout and stderr go
+    where ``output`` says (:class:`~dapo.worker_output.UserOutput`; default: kept in memory)."""
 
     def __init__(
         self,
@@ -70,6 +78,7 @@ class WorkerPool:
         warm: list[str],
         num_workers: int,
         timeout_s: float,
+        output: UserOutput | None = None,
     ) -> None:
         self.entries = entries
         self.warm = warm
@@ -77,8 +86,13 @@ class WorkerPool:
         self.timeout_s = timeout_s
         self._poll_s = min(0.05, timeout_s / 10)
         self._workers: list[_Worker] = []
-        self._finalizer = weakref.finalize(self, _shutdown_workers, self._workers)
-        self._fill_pool()
+        self.output = OutputCapture("reward worker", output)
+        self._finalizer = weakref.finalize(self, _shutdown_workers, self._workers, self.output)
+        try:
+            self._fill_pool()
+        except BaseException:
+            self._finalizer()
+            raise
 
     def run(self, items: list[Item]) -> list[list[Outcome] | Outcome]:
         """The outcomes of each item (:func:`~dapo.rewards.user.run_item`: one per sample),
@@ -106,10 +120,11 @@ class WorkerPool:
                 self._retire(w)
             raise
         self._fill_pool()  # replacements start now, not at the next call
+        self.output.sync()  # what the calls printed counts in this step
         return run.outcomes  # type: ignore[return-value]
 
     def close(self) -> None:
-        """Stop the worker processes (idempotent)."""
+        """Stop the worker processes and the draining of their output (idempotent)."""
         self._finalizer()
 
     @property
@@ -129,7 +144,7 @@ class WorkerPool:
         try:
             os.ftruncate(progress_fd, PROGRESS.size)
             progress = mmap.mmap(progress_fd, PROGRESS.size)
-            proc, conn = start_worker(main, progress_fd)
+            proc, conn = start_worker(main, progress_fd, output=self.output)
         finally:
             os.close(progress_fd)
         conn.send(("init", self.entries, self.warm))
@@ -174,7 +189,8 @@ class WorkerPool:
             code = w.proc.wait()
             self._retire(w)
             raise RuntimeError(
-                f"a reward worker {exit_text(code)} during start-up; its error output is above"
+                f"a reward worker {exit_text(code)} during start-up"
+                + _last_words(self.output, w.proc.pid)
             ) from None
         if msg[0] == "ready":
             w.ready = True
@@ -242,6 +258,12 @@ class _Run:
     outcomes: list[list[Outcome] | Outcome | None]
     retries: list[int]  # requeues of a sample after a worker death with no call to blame
     pending: deque[list[int]] = field(default_factory=deque)
+
+
+def _last_words(output: OutputCapture, pid: int) -> str:
+    """The end of what a dead worker printed (its traceback), for a message."""
+    text = output.last_words(pid).strip()
+    return f"; the end of its output:\n{text}" if text else "; it printed nothing"
 
 
 def _temp_fd() -> int:

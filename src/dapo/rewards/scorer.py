@@ -38,6 +38,7 @@ from dapo.rewards.user import (
     run_item,
     worker_spec,
 )
+from dapo.worker_output import UserOutput
 
 RewardSpec = str | Callable[..., Any]  # a SCORERS name, a spec, or a Python callable
 UNSCORABLE = "unscorable"  # a warning kind beside the failures: every function said None
@@ -159,6 +160,13 @@ class RewardScorer:
     exception or a bad value still costs only its sample, and a call over ``timeout_s``
     scores a time-out and is abandoned, but it cannot be stopped: it runs on in the
     background until it returns.
+
+    What the functions print in the workers (stdout and stderr) goes where ``output``
+    says (:class:`~dapo.worker_output.UserOutput`: a file of the run, or by default the last MiB
+    in memory), at most its limit per worker and step (:meth:`output_step`), the rest
+    counted (:attr:`output_dropped`) and dropped; never to the console. Functions that run
+    in this process (``num_workers=0``, a callable that cannot be pickled) print where
+    this process prints: their output cannot be told apart from the trainer's.
     """
 
     def __init__(
@@ -169,6 +177,7 @@ class RewardScorer:
         default_scorer: str = "dapo_math",
         timeout_s: float = 5.0,
         num_workers: int = 1,
+        output: UserOutput | None = None,
     ) -> None:
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(
@@ -199,7 +208,7 @@ class RewardScorer:
         self._runners: list[tuple[WorkerPool | ThreadRunner, bool]] = []
         if num_workers > 0 and len(self._in_process) < len(self._plan.sources):
             entries = list(zip(self._plan.names, self._plan.sources, strict=True))
-            pool = WorkerPool(entries, self._plan.warm, num_workers, self.timeout_s)
+            pool = WorkerPool(entries, self._plan.warm, num_workers, self.timeout_s, output)
             self._runners.append((pool, False))
         if num_workers > 0 and self._in_process:
             self._runners.append((ThreadRunner(self._plan.table, self.timeout_s), True))
@@ -400,6 +409,27 @@ class RewardScorer:
         """Process ids of the live workers."""
         pool = self._pool()
         return pool.pids if pool is not None else []
+
+    def output_step(self, step: str) -> None:
+        """What the workers print from here on belongs to ``step`` (``rollout step 3``),
+        with a fresh limit per worker (:class:`~dapo.worker_output.OutputCapture`)."""
+        pool = self._pool()
+        if pool is not None:
+            pool.output.new_step(step)
+
+    @property
+    def captures_user_output(self) -> bool:
+        """Whether functions other than the built-in scorers run in worker processes (their
+        output is captured, :class:`~dapo.worker_output.OutputCapture`)."""
+        return self._pool() is not None and any(
+            s is not None and not (isinstance(s, str) and s in SCORERS) for s in self._plan.sources
+        )
+
+    @property
+    def output_dropped(self) -> int:
+        """Bytes the workers printed over the limit, dropped, over this scorer's life."""
+        pool = self._pool()
+        return pool.output.dropped if pool is not None else 0
 
     @property
     def worker_startup_s(self) -> list[float]:

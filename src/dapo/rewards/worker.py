@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 
 from dapo.rewards.math import SCORERS
 from dapo.rewards.user import Outcome, load_entry, run_item
+from dapo.workers import flush_output
 
 PROGRESS = struct.Struct("<Q")  # shared slot: ((position in chunk + 1) << 16) | fn id, 0 = idle
 _FLUSH_INTERVAL_S = 0.2  # a worker reports finished samples at least this often
@@ -41,11 +42,13 @@ def _worker_loop(conn: Connection, progress: mmap.mmap) -> None:
     try:
         table = [load_entry(name, source) for name, source in entries]
     except BaseException as e:
+        flush_output()
         conn.send(("init_error", f"{type(e).__name__}: {e}"))
         return
     for name in warm:  # pay first-call costs (imports, sympy caches) before the first batch
         with contextlib.suppress(Exception):
             SCORERS[name]("Answer: 1/2", "0.5")
+    flush_output()  # what the functions' imports printed belongs to the start-up
     conn.send(("ready", os.getpid()))
     while True:
         chunk = conn.recv()
@@ -55,6 +58,7 @@ def _worker_loop(conn: Connection, progress: mmap.mmap) -> None:
         last_flush = time.monotonic()
         for pos, (item_id, samples, fn_ids) in enumerate(chunk):
             if out and time.monotonic() - last_flush >= _FLUSH_INTERVAL_S:
+                flush_output()  # what the calls printed arrives before their results
                 conn.send(("results", out, False))
                 out, last_flush = [], time.monotonic()
             base = (pos + 1) << 16
@@ -64,4 +68,5 @@ def _worker_loop(conn: Connection, progress: mmap.mmap) -> None:
 
             out.append((item_id, run_item(table, fn_ids, samples, on_call)))
         PROGRESS.pack_into(progress, 0, 0)
+        flush_output()
         conn.send(("results", out, True))

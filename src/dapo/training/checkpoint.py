@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from dapo.atomic import fsync_dir
+from dapo.atomic import as_new_file, fsync_dir
 from dapo.errors import CheckpointError, CheckpointWarning
 from dapo.parallel.distributed import all_gather_objects, all_reduce_sum, current
 from dapo.parallel.sharding import (
@@ -217,6 +217,7 @@ def save_checkpoint(
 
     def write(tmp: Path) -> None:
         save_file(weights, str(tmp / "model.safetensors"))
+        as_new_file(tmp / "model.safetensors")  # safetensors writes 0600, the rest 0644
         torch.save(full.optimizer, tmp / "optimizer.pt")
         torch.save(state, tmp / "trainer_state.pt")
 

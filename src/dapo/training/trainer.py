@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dapo.atomic import write_text_atomic
+from dapo.atomic import as_new_file, write_text_atomic
 from dapo.config import Config
 from dapo.environments import parse_hermes
 from dapo.errors import HealthError, TrainingError
@@ -373,6 +373,8 @@ class Trainer:
                 (final / MANIFEST).unlink(missing_ok=True)  # an earlier save's, stale now
                 self.model.save_pretrained(final, state_dict=weights)
                 self.tokenizer.save_pretrained(final)
+                for weights_file in final.glob("*.safetensors"):  # written 0600
+                    as_new_file(weights_file)
                 write_manifest(final)
 
     def _write_summary(
