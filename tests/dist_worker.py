@@ -485,6 +485,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from dapo.cli import exit_now
+    from dapo.process_exit import exit_now
 
     exit_now(0)

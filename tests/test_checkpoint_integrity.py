@@ -340,9 +340,9 @@ def test_damage_in_the_newest_checkpoint_resumes_from_the_previous_one(
         random_tiny_model, train_file, out, "resume=true", "checkpoint.save_final_model=false"
     )
 
-    trainer = Trainer(load_config(overrides=[*args, "train.steps=2"]), log=quiet)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:  # said as the trainer is built
         warnings.simplefilter("always")
+        trainer = Trainer(load_config(overrides=[*args, "train.steps=2"]), log=quiet)
         summary = trainer.run()
     [said] = [str(w.message) for w in caught if w.category is CheckpointWarning]
     assert said.startswith(f"{ckpts / 'step_000003'} is damaged ({file}: contents changed")

@@ -15,19 +15,19 @@ import pytest
 
 LEFT_OPEN = """
 from concurrent.futures import ThreadPoolExecutor
-import dapo.cli
+import dapo.process_exit
 pool = ThreadPoolExecutor(max_workers=2)
 print(pool.submit(lambda: 'task ran').result(), flush=True)
-dapo.cli.exit_now(4)
+dapo.process_exit.exit_now(4)
 """
 
 NEVER_ENDS = """
 import threading
-import dapo.cli
+import dapo.process_exit
 def wait_for_a_signal_that_never_comes():
     threading.Event().wait()
 threading.Thread(target=wait_for_a_signal_that_never_comes, name='stuck-reader').start()
-dapo.cli.exit_now(3, wait_s=1)
+dapo.process_exit.exit_now(3, wait_s=1)
 """
 
 

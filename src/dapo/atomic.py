@@ -1,14 +1,23 @@
-"""Atomic file writes: a reader sees the old file or the new one, never a torn one."""
+"""Atomic file writes: a reader sees the old file or the new one, never a torn one; appends
+to a log land whole or not at all; a failed write says which file, how much room is left
+and what to do."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
+
+from dapo.errors import OutputWriteError
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# The errors of a write that failed for want of room or of a working file system.
+WRITE_FAILURES = (*_NO_SPACE, errno.EIO, errno.EROFS)
 
 
 def fsync_dir(path: Path, *, strict: bool = False) -> None:
@@ -99,3 +108,41 @@ def staged_dir(final: Path) -> Iterator[Path]:
         fsync_dir(final.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_error(
+    path: Path,
+    exc: OSError,
+    left: str = "nothing half-written was left in it, and the checkpoints are as they were",
+) -> OutputWriteError:
+    """The error a run stops with when writing ``path`` failed: the file, the reason, the
+    space left on its file system, the fix and (``left``) what the failure left behind."""
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 2**20:.0f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    reason = exc.strerror or str(exc)
+    if exc.errno in _NO_SPACE:
+        fix = "Free disk space (or raise the quota), then continue with resume=true"
+    elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = f"Make {path.parent} writable, then continue with resume=true"
+    else:
+        fix = f"Check the disk or file system of {path.parent}, then continue with resume=true"
+    return OutputWriteError(
+        f"could not write {path} ({reason}; {free} on its file system). {fix}: {left}"
+    )
+
+
+def append_whole(fd: int, data: bytes, path: Path) -> None:
+    """Append ``data`` to ``path`` (``fd``: opened with ``O_APPEND``) whole or not at all:
+    after a failed write (a full disk, an I/O error) the file is cut back to its size
+    before, so that no reader or resume meets half a line; then :func:`write_error`."""
+    size = os.fstat(fd).st_size
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, size)
+        raise write_error(path, exc) from exc

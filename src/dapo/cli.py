@@ -4,17 +4,15 @@
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import os
 import sys
-import threading
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
+from dapo.atomic import WRITE_FAILURES, write_error
 from dapo.choices import VLLM_QUANTIZATIONS
 from dapo.config import (
     PRESETS,
@@ -24,6 +22,7 @@ from dapo.config import (
     describe_presets,
     load_config,
 )
+from dapo.process_exit import exit_now
 from dapo.worker_output import USER_OUTPUT_FILE
 
 _TRAIN_HELP = """\
@@ -72,7 +71,7 @@ def _train(argv: list[str]) -> int:
             return 0
         if print_prompt:
             return _print_prompt(cfg)
-        from dapo.errors import NothingToTrain
+        from dapo.errors import Interrupted, NothingToTrain
         from dapo.parallel import distributed
         from dapo.training.trainer import Trainer
 
@@ -81,6 +80,10 @@ def _train(argv: list[str]) -> int:
         except NothingToTrain:  # resume=true at train.steps: the trainer said so, loaded nothing
             distributed.destroy()
             return 0
+        except Interrupted as exc:  # a stop signal: saved, summary.json says so
+            if distributed.current().is_main:
+                print(f"dapo: {exc}", file=sys.stderr)
+            return exc.exit_code
         except KeyboardInterrupt:
             print(_interrupted(cfg, path, argv), file=sys.stderr)
             return 130
@@ -520,75 +523,25 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"dapo: config error: {exc}", file=sys.stderr)
         return 2
-    except (OSError, ValueError, RuntimeError) as exc:
+    except OSError as exc:  # a write no owner turned into a message: name file, room, fix
+        if exc.filename and exc.errno in WRITE_FAILURES:
+            exc = write_error(Path(exc.filename), exc, "see the run's files before resuming")
+        print(f"dapo: error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, RuntimeError) as exc:
         print(f"dapo: error: {exc}", file=sys.stderr)
         return 1
 
 
 def run() -> NoReturn:
-    """The ``dapo`` command: :func:`main`, then :func:`exit_now`."""
-    exit_now(main())
-
-
-# How long a finished command may wait for threads and exit hooks before it ends anyway.
-EXIT_WAIT_S = 10.0
-
-
-def exit_now(status: int, wait_s: float = EXIT_WAIT_S) -> NoReturn:
-    """End the process with ``status`` once what it still owes is done, within ``wait_s``.
-
-    First the hooks the interpreter itself runs before joining threads (``concurrent.futures``
-    registers its executors' shutdown there: without them an executor nobody shut down, ours
-    or a library's, keeps its worker threads waiting for work for ever), then the non-daemon
-    threads, the atexit functions and the buffered output. Past ``wait_s`` the process ends
-    anyway, with one line naming the threads still alive: the run's files are written by
-    then. The interpreter's own teardown of torch, transformers and vLLM objects is skipped:
-    it only costs time (2 to 12 s a process on a 2-core CPU, measured)."""
-    watchdog = threading.Thread(
-        target=_exit_when_overdue, args=(status, wait_s), name="dapo-exit-watchdog", daemon=True
-    )
-    watchdog.start()
-    for hook in reversed(getattr(threading, "_threading_atexits", [])):
-        with contextlib.suppress(Exception):
-            hook()
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    _flush_and_exit(status)
-
-
-def _exit_when_overdue(status: int, wait_s: float) -> None:
-    """The exit's bound: after ``wait_s`` say what is still running, then end the process."""
-    time.sleep(wait_s)
-    frames = sys._current_frames()
-    alive = [
-        t
-        for t in threading.enumerate()
-        if t is not threading.current_thread() and not t.daemon and t.is_alive()
-    ]
-    where = ", ".join(f"{t.name!r} ({_where(frames.get(t.ident or -1))})" for t in alive)
-    print(
-        f"dapo: the command finished but its exit waited {wait_s:.0f} s for "
-        f"{where or 'exit hooks'}; exiting anyway (status {status}; its files are written)",
-        file=sys.stderr,
-    )
-    _flush_and_exit(status)
-
-
-def _where(frame: Any) -> str:
-    """``function at file:line`` of a thread's innermost frame."""
-    if frame is None:
-        return "no frame"
-    code = frame.f_code
-    return f"{code.co_name} at {Path(code.co_filename).name}:{frame.f_lineno}"
-
-
-def _flush_and_exit(status: int) -> NoReturn:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(status)
+    """The ``dapo`` command: :func:`main`, then :func:`exit_now`. Ctrl-C before a command
+    handles it (while modules import, say) is one line and status 130, not a traceback."""
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        print("dapo: interrupted", file=sys.stderr)
+        status = 130
+    exit_now(status)
 
 
 if __name__ == "__main__":

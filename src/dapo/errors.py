@@ -55,6 +55,24 @@ class NothingToTrain(DapoError):
         self.step, self.summary = step, summary
 
 
+class Interrupted(DapoError):
+    """A stop signal (SIGTERM, Ctrl-C, one of ``checkpoint.stop_signals``) ended the run at a
+    safe point, its state saved in ``checkpoint`` (None when none could be); ``exit_code``:
+    130 for Ctrl-C, else 143, as for a process the signal ended."""
+
+    def __init__(
+        self, message: str, *, signal: str, step: int, checkpoint: str | None, exit_code: int
+    ) -> None:
+        super().__init__(message)
+        self.signal, self.step, self.checkpoint = signal, step, checkpoint
+        self.exit_code = exit_code
+
+
+class OutputWriteError(TrainingError):
+    """A run's file could not be written (a full disk, an I/O error): the message names the
+    file, the space left and the fix; nothing half-written is left in it."""
+
+
 class CheckpointError(DapoError, RuntimeError):
     """A checkpoint could not be written or read; earlier checkpoints are intact."""
 

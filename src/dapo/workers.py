@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 # trainer's process id, the entry point ("module:function", called with the pipe and the
 # further arguments as ints). On Linux it first asks the kernel for SIGKILL when the
 # trainer dies (PR_SET_PDEATHSIG = 1), then checks that the trainer did not die before
-# that. It takes the parent's sys.path first, so that it imports what the parent imports.
+# that. A Ctrl-C or SIGTERM meant for the whole process group leaves it to the trainer, which
+# finishes (or abandons) the step and stops its workers itself; the kernel kills it with the
+# trainer. It takes the parent's sys.path first, so that it imports what the parent imports.
 # Its stdout is line-buffered: what a worker printed before a kill is in the capture.
 _BOOT = (
     "import os, sys\n"
@@ -47,6 +49,10 @@ _BOOT = (
     "        pass\n"
     "if os.getppid() != int(sys.argv[2]):\n"  # the trainer is already gone
     "    os._exit(0)\n"
+    "if sys.platform.startswith('linux'):\n"  # the trainer stops its workers on these
+    "    import signal\n"
+    "    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
     "for stream in (sys.stdout, sys.stderr):\n"
     "    try:\n"
     "        stream.reconfigure(line_buffering=True)\n"

@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from dapo.atomic import atomic_write
+from dapo.atomic import append_whole, atomic_write
 from dapo.metrics import registry
 from dapo.metrics.console import (
     BAR_KEYS,
@@ -176,7 +176,7 @@ class MetricsLogger:
         self.verbose = verbose
         self.metrics_path = self.output_dir / METRICS_FILE
         self._closed = False
-        self._file: IO[str] | None = None
+        self._fd: int | None = None  # metrics.jsonl, append-only
         self._tb: Any = None
         self._wandb_run: Any = None
         self._wandb_mod: Any = None
@@ -201,7 +201,7 @@ class MetricsLogger:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         keep_through = -1 if resume_step is None else resume_step
         self._truncate(keep_through)
-        self._file = self._open_append()
+        self._fd = self._open_append()
 
         if wandb_mod is not None:
             self._wandb_mod = wandb_mod
@@ -213,7 +213,7 @@ class MetricsLogger:
                     dir=str(self.output_dir),
                 )
             except BaseException:
-                self._file.close()
+                os.close(self._fd)
                 raise
 
         if tensorboard:
@@ -252,7 +252,7 @@ class MetricsLogger:
         ]
         atomic_write(self.metrics_path, lambda f: f.writelines(kept))
 
-    def _open_append(self) -> IO[str]:
+    def _open_append(self) -> int:
         """Open metrics.jsonl for appending, first cutting off a torn last line (crash)."""
         path = self.metrics_path
         if path.exists() and path.stat().st_size > 0:
@@ -261,7 +261,7 @@ class MetricsLogger:
                 if f.read(1) != b"\n":  # rare: read it all to find the last full line
                     f.seek(0)
                     f.truncate(f.read().rfind(b"\n") + 1)
-        return path.open("a", encoding="utf-8")
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
     def _open_tensorboard(self, keep_through: int, config: dict | None) -> Any:
         try:
@@ -322,9 +322,9 @@ class MetricsLogger:
 
         record: dict[str, Any] = {"step": step, "time": now}
         record.update((k, _json_value(v)) for k, v in values.items())
-        assert self._file is not None
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        assert self._fd is not None
+        line = json.dumps(record, allow_nan=False) + "\n"
+        append_whole(self._fd, line.encode("utf-8"), self.metrics_path)  # whole, or stops
 
         if self._tb is not None:
             try:
@@ -408,8 +408,9 @@ class MetricsLogger:
                     self._tb.close()
             if self._wandb_run is not None:
                 self._wandb_run.finish()
-            if self._file is not None:
-                self._file.close()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from dapo.atomic import atomic_write
+from dapo.atomic import append_whole, atomic_write
 from dapo.environments.tools import ToolCallParseError, parse_hermes
 
 TRANSCRIPTS_FILE = "rollouts.jsonl"
@@ -183,9 +183,7 @@ class TranscriptWriter:
         if self._fd is None:
             raise RuntimeError("TranscriptWriter.write() called after close()")
         data = "".join(json.dumps(r, default=_plain) + "\n" for r in records).encode("utf-8")
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
+        append_whole(self._fd, data, self.path)  # all of this step's lines, or none
 
     def close(self) -> None:
         """Close the file (idempotent)."""

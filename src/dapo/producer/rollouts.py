@@ -14,6 +14,7 @@ import copy
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -373,14 +374,20 @@ class Rollouts:
                 f"every sample of the last {self.failed_in_a_row} rollout steps failed "
                 f"(train.max_failed_steps={limit}; step {step + 1}: {rewards} reward failures, "
                 f"{len(env)} environment failures of {samples} samples); the first error: "
-                f"{first}. Fix that component; the last checkpoint is intact (continue with "
-                "resume=true)."
+                f"{first}. Fix that component; {self._checkpoints_left()}"
             ) from cause
         return {
             "reward/failures": float(rewards),
             "reward/failures_total": float(self.scorer.failures),
             **({"env/failures_total": float(self.env_failures)} if episodes else {}),
         }
+
+    def _checkpoints_left(self) -> str:
+        """What the run's checkpoints offer after a failure: resume, or start again."""
+        root = Path(self.cfg.output_dir) / "checkpoints"
+        if any(root.glob("step_*")):
+            return "the last checkpoint is intact (continue with resume=true)."
+        return "no checkpoint was saved yet: rerun to start again."
 
     def generate(self, indices: list[int], step: int, round_no: int) -> list[Group]:
         """``rollout.num_generations`` responses (or episodes) for the training prompts

@@ -143,8 +143,13 @@ def _write_error(root: Path, step: int, exc: BaseException, need: int) -> Checkp
         )
     return CheckpointError(
         f"could not write the checkpoint of step {step} in {root} "
-        f"({type(exc).__name__}: {exc}). {fix}. Nothing partial was left behind and earlier "
-        "checkpoints are intact: continue with resume=true from the last complete one."
+        f"({type(exc).__name__}: {exc}). {fix}. Nothing partial was left behind"
+        + (
+            " and earlier checkpoints are intact: continue with resume=true from the last "
+            "complete one."
+            if latest_checkpoint(root) is not None
+            else "; no checkpoint was saved before it: rerun to start again."
+        )
     )
 
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from dapo.atomic import write_text_atomic
 from dapo.config import Config
-from dapo.errors import TrainingError
+from dapo.errors import Interrupted, TrainingError
 from dapo.handover import ScoredGroup
 from dapo.health import HealthMonitor
 from dapo.metrics import MetricsLogger, plot_dashboard
@@ -134,7 +135,7 @@ def write_summary(
         return
     try:
         plot_dashboard(out)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # optional: never what stops a run
         log(f"dashboard not written: {exc}")
 
 
@@ -149,3 +150,34 @@ def check_output_dir(out: Path) -> None:
         raise TrainingError(
             f"`output_dir` = {str(out)!r} is not writable ({exc.strerror}); choose another directory"
         ) from exc
+
+
+def summarise(
+    trainer: Any, start: float, resumed_from: int | None, error: BaseException | None
+) -> None:
+    """summary.json and the dashboard (rank 0), also after an error or an interruption (its
+    ``interrupted`` entry, not an error)."""
+    t = trainer
+    trainable, total = t.learner.parameter_counts
+    t.summary.update(
+        {
+            "steps": t.step,
+            "samples_generated": t.rollouts.samples_generated,
+            "wall_seconds": round(time.time() - start, 1),
+            "preset": t.cfg.preset,
+            "resumed_from_step": resumed_from,
+            "trainable_parameters": trainable,
+            "parameters": total,
+            "failures": {"reward": t.rollouts.scorer.failures, "env": t.rollouts.env_failures},
+            "health": t.health.findings,
+        }
+    )
+    if not t.dist.is_main:
+        return
+    stopped_by = None if isinstance(error, Interrupted) else error
+    try:
+        write_summary(t.out, t.summary, t.log, stopped_by, t.cfg.logging.dashboard)
+    except Exception as exc:  # noqa: BLE001 - never hide the error the run stopped with
+        if error is None:
+            raise
+        t.log(f"summary.json not written: {exc}")

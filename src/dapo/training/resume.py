@@ -268,6 +268,7 @@ RULES: dict[str, Rule] = {
         "how ranks share the model; either checkpoint format loads into either mode"
     ),
     "logging.console": _LOG,
+    "logging.user_output_kb": _LOG,
     "logging.verbose": _LOG,
     "logging.tensorboard": _LOG,
     "logging.dashboard": _LOG,
@@ -279,6 +280,9 @@ RULES: dict[str, Rule] = {
     "checkpoint.save_every": _SAVE,
     "checkpoint.keep_last": _SAVE,
     "checkpoint.save_final_model": _SAVE,
+    "checkpoint.on_signal": _SAVE,
+    "checkpoint.signal_grace_s": _SAVE,
+    "checkpoint.stop_signals": _SAVE,
     "health.enabled": _HEALTH,
     "health.fatal": _HEALTH,
     "health.max_truncated": _HEALTH,
@@ -473,11 +477,15 @@ def nothing_to_train(state: dict[str, Any], cfg: Config) -> str | None:
     ``train.sample_budget``); None when there is something to do.
 
     ``train.steps=0`` (evaluate only) evaluates the checkpoint. A checkpoint at exactly
-    ``train.steps`` of a run that did not finish (no ``summary.json`` of that step without an
-    error: stopped during its final evaluation or export) still finishes it."""
+    ``train.steps`` (or the budget) of a run that did not finish (no ``summary.json`` of that
+    step without an error or an interruption: stopped during its final evaluation or export)
+    still finishes it."""
     step, t = int(state["step"]), cfg.train
+    finished = _summary_file(Path(cfg.output_dir))
+    stopped = finished is not None and finished.get("steps") == step
+    interrupted = stopped and "interrupted" in finished  # by a signal, before its final save
     budget = t.sample_budget
-    if budget and int(state.get("samples_generated", 0)) >= budget:
+    if budget and int(state.get("samples_generated", 0)) >= budget and not interrupted:
         n = int(state["samples_generated"])
         return (
             f"already generated {n} responses at step {step} (train.sample_budget={budget}): "
@@ -485,10 +493,7 @@ def nothing_to_train(state: dict[str, Any], cfg: Config) -> str | None:
         )
     if t.steps == 0 or step < t.steps:
         return None
-    finished = _summary_file(Path(cfg.output_dir))
-    if step == t.steps and (
-        finished is None or finished.get("steps") != step or "error" in finished
-    ):
+    if step == t.steps and (not stopped or "error" in finished or interrupted):
         return None
     return (
         f"already at step {step} (train.steps={t.steps}): nothing to train; raise train.steps "

@@ -73,7 +73,9 @@ class RunLock:
             return cls(path, None)
         previous = _read(fd)
         if previous.get("pid") and not _same_process(previous):
-            log(f"took over the lock of {path}, left by a run that has ended ({_describe(previous)})")
+            log(
+                f"took over the lock of {path}, left by a run that has ended ({_describe(previous)})"
+            )
         _write(fd, {"host": socket.gethostname(), "pid": os.getpid(), "started": _now()})
         return cls(path, fd)
 
@@ -131,9 +133,7 @@ def _write(fd: int, holder: dict[str, Any]) -> None:
 def _describe(holder: dict[str, Any]) -> str:
     if not holder:
         return "holder unknown"
-    return (
-        f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
-    )
+    return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
 
 
 def _same_process(holder: dict[str, Any]) -> bool:

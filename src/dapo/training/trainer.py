@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dapo.atomic import as_new_file, write_text_atomic
+from dapo.atomic import as_new_file, write_error, write_text_atomic
 from dapo.config import Config
 from dapo.environments import parse_hermes
 from dapo.errors import HealthError, TrainingError
@@ -43,7 +43,8 @@ from dapo.training.inputs import Callbacks
 from dapo.training.learner import Learner, NonFiniteUpdates
 from dapo.training.loading import load_spec_and_tokenizer
 from dapo.training.manifest import MANIFEST, write_manifest
-from dapo.training.record import RunRecord, check_output_dir, write_summary
+from dapo.training.preemption import StopNow, StopSignals, interrupt
+from dapo.training.record import RunRecord, check_output_dir, summarise
 from dapo.training.resume import check_before_loading, continue_state
 from dapo.training.run_lock import lock_run_dir
 from dapo.training.teacher import load_teacher
@@ -72,7 +73,8 @@ class Trainer:
         # resume: the newest checkpoint whose files match its manifest (the same on all ranks),
         # and what it cannot continue refused, before anything heavy loads
         self.resume_from = checkpoint_to_resume(self.out / "checkpoints") if cfg.resume else None
-        self._check_resume(self.resume_from)
+        if self.resume_from is not None:  # resume.py: refused keys, nothing left to train
+            check_before_loading(cfg, self.resume_from, self.dist.world_size, self.log)
         seed_everything(cfg.seed)
         # The episode spec and the tokenizer, checked against each other before any weights.
         self.spec, self.tokenizer, model_path = load_spec_and_tokenizer(cfg, inputs, self.log)
@@ -105,13 +107,9 @@ class Trainer:
         self.step = 0
         self.saved_step: int | None = None  # the step whose checkpoint holds this state
         self.summary: dict[str, Any] = {}
+        self.signals = StopSignals(cfg, self.log, self.out / "checkpoints")  # SIGTERM, Ctrl-C
+        self.unsaved: dict[str, Any] | None = None  # the state a step began with, if not saved
         self.advantages: list[list[float]] = []  # the last step's, per group (transcripts)
-
-    def _check_resume(self, checkpoint: Path | None) -> None:
-        """Refuse a config that ``checkpoint`` cannot continue, or stop with nothing to train,
-        from its trainer state alone (:func:`~dapo.training.resume.check_before_loading`)."""
-        if checkpoint is not None:
-            check_before_loading(self.cfg, checkpoint, self.dist.world_size, self.log)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -125,7 +123,8 @@ class Trainer:
         step = self.step
         t0 = time.perf_counter()
         if self.stream is None:
-            batch = self.rollouts.fill_batch(step)  # 1-3. sample, score, filter
+            with self.signals.generating(self):  # a stop signal abandons it (StopNow)
+                batch = self.rollouts.fill_batch(step)  # 1-3. sample, score, filter
         else:  # filled ahead by the producer, which goes on with the next ones meanwhile
             if not self.stream.running:
                 self.stream.start(step)
@@ -282,58 +281,76 @@ class Trainer:
             health=self.health,
         )
         before: dict[str, Any] | None = None  # the weights' accuracy, while no step ran
-        try:
-            if self.rollouts.eval_records and "accuracy_before" not in self.summary:
-                ev = before = self.evaluate()
-                self.summary["accuracy_before"] = ev["acc"] if ev["measured"] else None
-                record.evaluated(self.step, ev, "before training")
-                callbacks.on_evaluate(self.step, ev)
-            while self.step < cfg.train.steps and not self.budget_spent():
-                before = None
-                try:
-                    metrics, groups = self.train_step()
-                except NonFiniteUpdates as exc:
-                    raise self.stop_nonfinite(exc) from exc
-                every = cfg.logging.eval_every
-                last = self.step >= cfg.train.steps or self.budget_spent()  # evaluated below
-                if self.rollouts.eval_records and every and self.step % every == 0 and not last:
-                    ev = self.evaluate()
-                    metrics["val/acc"] = ev["acc"]
+        signals = self.signals
+        with signals.watching():
+            try:
+                if self.rollouts.eval_records and "accuracy_before" not in self.summary:
+                    ev = before = self.evaluate()
+                    self.summary["accuracy_before"] = ev["acc"] if ev["measured"] else None
+                    record.evaluated(self.step, ev, "before training")
                     callbacks.on_evaluate(self.step, ev)
-                try:  # the health checks, a few transcripts, the metrics
-                    record.step(self.step, metrics, groups, self.advantages, self.left_out)
-                except HealthError as exc:
-                    raise HealthError(f"{exc}; the state is saved in {self.save()}") from exc
-                if cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0:
-                    callbacks.on_save(self.step, self.save())
-                if callbacks.on_step(self.step, metrics):  # every rank stops together
-                    record.message(f"stopped: {callbacks.requested}")
-                    break
-            if self.rollouts.eval_records and before is not None:  # no step since: reuse it
-                self.summary["accuracy_after"] = self.summary["accuracy_before"]
-            elif self.rollouts.eval_records:
-                ev = self.evaluate()
-                self.summary["accuracy_after"] = ev["acc"] if ev["measured"] else None
-                record.evaluated(self.step, ev, "after training")
-                callbacks.on_evaluate(self.step, ev)
-            final = step_dir(self.out / "checkpoints", self.step)
-            existed = self.saved_step == self.step  # not a damaged one resuming skipped
-            if cfg.train.steps > 0:  # train.steps=0 trains nothing, so saves nothing
-                self._save_final()
-            if not existed and final.is_dir():
-                callbacks.on_save(self.step, final)
-            if callbacks.requested:  # not in the checkpoint: a resumed run goes on
-                self.summary["stopped_early"] = callbacks.requested
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            record.close()
-            self.close()
-            self._write_summary(start, resumed_from, error)
+                while self.step < cfg.train.steps and not self.budget_spent():
+                    if signals.should_stop():
+                        break
+                    before = None
+                    try:
+                        metrics, groups = self.train_step()
+                    except NonFiniteUpdates as exc:
+                        raise self.stop_nonfinite(exc) from exc
+                    except StopNow:  # abandoned while generating: its start state is saved
+                        break
+                    every = cfg.logging.eval_every
+                    last = self.step >= cfg.train.steps or self.budget_spent()  # evaluated below
+                    if self.rollouts.eval_records and every and self.step % every == 0 and not last:
+                        ev = self.evaluate()
+                        metrics["val/acc"] = ev["acc"]
+                        callbacks.on_evaluate(self.step, ev)
+                    try:  # the health checks, a few transcripts, the metrics
+                        record.step(self.step, metrics, groups, self.advantages, self.left_out)
+                    except HealthError as exc:
+                        raise HealthError(f"{exc}; the state is saved in {self.save()}") from exc
+                    if cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0:
+                        callbacks.on_save(self.step, self.save())
+                    if callbacks.on_step(self.step, metrics):  # every rank stops together
+                        record.message(f"stopped: {callbacks.requested}")
+                        break
+                if signals.should_stop():  # before the final evaluation and export
+                    raise interrupt(self)
+                try:
+                    self._finish(record, callbacks, before, signals)
+                except StopNow:
+                    raise interrupt(self) from None
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                record.close()
+                self.close()
+                summarise(self, start, resumed_from, error)
         D.barrier()
         callbacks.raise_error()  # after the clean stop, on every rank
         return self.summary
+
+    def _finish(
+        self, record: RunRecord, callbacks: Callbacks, before: dict | None, signals: StopSignals
+    ) -> None:
+        """The accuracy after training, the last checkpoint and the final model."""
+        if self.rollouts.eval_records and before is not None:  # no step since: reuse it
+            self.summary["accuracy_after"] = self.summary["accuracy_before"]
+        elif self.rollouts.eval_records:
+            with signals.abortable(self.dist.world_size == 1):  # a stop signal skips it
+                ev = self.evaluate()
+            self.summary["accuracy_after"] = ev["acc"] if ev["measured"] else None
+            record.evaluated(self.step, ev, "after training")
+            callbacks.on_evaluate(self.step, ev)
+        final = step_dir(self.out / "checkpoints", self.step)
+        existed = self.saved_step == self.step  # not a damaged one resuming skipped
+        if self.cfg.train.steps > 0:  # train.steps=0 trains nothing, so saves nothing
+            self._save_final()
+        if not existed and final.is_dir():
+            callbacks.on_save(self.step, final)
+        if callbacks.requested:  # not in the checkpoint: a resumed run goes on
+            self.summary["stopped_early"] = callbacks.requested
 
     def _resume_or_start(self) -> int | None:
         """Load the newest checkpoint (``resume=true``) or refuse to overwrite one; write the
@@ -342,10 +359,9 @@ class Trainer:
         ckpt = self.resume_from if self.cfg.resume else latest_checkpoint(root)
         resumed_from = None
         if self.cfg.resume and ckpt is None:
-            self.log(f"resume=true but no checkpoint in {self.out / 'checkpoints'}; starting fresh")
+            self.log(f"resume=true but no checkpoint in {root}; starting fresh")
         elif self.cfg.resume:
-            # Checked before anything loaded (_check_resume); held groups a change made
-            # unusable are dropped.
+            # checked in __init__; held groups a change made unusable are dropped
             state = load_checkpoint(ckpt, self.model, self.learner.optimizer)
             self.load_state_dict(continue_state(state, self.cfg.to_dict()))
             self.rollouts.sync.push(self.step)  # the resumed policy
@@ -370,38 +386,12 @@ class Trainer:
             weights = self.learner.pretrained_weights()  # all ranks gather with FSDP
             if self.dist.is_main:
                 final = self.out / "final_model"
-                (final / MANIFEST).unlink(missing_ok=True)  # an earlier save's, stale now
-                self.model.save_pretrained(final, state_dict=weights)
-                self.tokenizer.save_pretrained(final)
-                for weights_file in final.glob("*.safetensors"):  # written 0600
-                    as_new_file(weights_file)
-                write_manifest(final)
-
-    def _write_summary(
-        self, start: float, resumed_from: int | None, error: BaseException | None
-    ) -> None:
-        """summary.json and the dashboard (rank 0), also after an error."""
-        trainable, total = self.learner.parameter_counts
-        self.summary.update(
-            {
-                "steps": self.step,
-                "samples_generated": self.rollouts.samples_generated,
-                "wall_seconds": round(time.time() - start, 1),
-                "preset": self.cfg.preset,
-                "resumed_from_step": resumed_from,
-                "trainable_parameters": trainable,
-                "parameters": total,
-                "failures": {
-                    "reward": self.rollouts.scorer.failures,
-                    "env": self.rollouts.env_failures,
-                },
-                "health": self.health.findings,
-            }
-        )
-        if self.dist.is_main:
-            try:
-                write_summary(self.out, self.summary, self.log, error, self.cfg.logging.dashboard)
-            except Exception as exc:  # noqa: BLE001 - never hide the error the run stopped with
-                if error is None:
-                    raise
-                self.log(f"summary.json not written: {exc}")
+                try:  # the checkpoint above holds the same weights: a failure here loses none
+                    (final / MANIFEST).unlink(missing_ok=True)  # an earlier save's, stale now
+                    self.model.save_pretrained(final, state_dict=weights)
+                    self.tokenizer.save_pretrained(final)
+                    for weights_file in final.glob("*.safetensors"):  # written 0600
+                        as_new_file(weights_file)
+                    write_manifest(final)
+                except OSError as exc:
+                    raise write_error(final, exc, "it has no manifest until then") from exc
