@@ -51,6 +51,7 @@ class StopSignals:
         self.log = log
         self.requested: str | None = None  # the first signal's name
         self.stopping = False  # this rank, or another, got one: stop at this step boundary
+        self.stopped_by: str | None = None  # the signal that stops the run, on every rank
         self.checkpoints = checkpoints
         self._abortable = False
         self._deadline: threading.Timer | None = None
@@ -87,12 +88,12 @@ class StopSignals:
                 raise StopNow
             yield
         except StopNow:
-            self.stopping = True
+            self.stopping, self.stopped_by = True, self.requested
             raise
         except BaseException as exc:
             if self.requested is None:
                 raise
-            self.stopping = True
+            self.stopping, self.stopped_by = True, self.requested
             raise StopNow from exc
         finally:
             self._abortable = False
@@ -112,10 +113,11 @@ class StopSignals:
     def should_stop(self) -> bool:
         """Whether any rank got a stop signal (every rank calls this at a step boundary)."""
         if self.enabled and not self.stopping:
-            got = self.requested is not None
-            if D.current().world_size > 1:
-                got = D.all_reduce_max(int(got)) > 0
-            self.stopping = got
+            names = [self.requested]
+            if D.current().world_size > 1:  # one small gather a step: the same answer on all
+                names = D.all_gather_objects(self.requested)
+            self.stopped_by = next((n for n in names if n is not None), None)
+            self.stopping = self.stopped_by is not None
         return self.stopping
 
     def _handle(self, num: int, frame: Any) -> None:
@@ -153,7 +155,7 @@ def interrupt(trainer: Any) -> Interrupted:
     changed it: its start state, ``trainer.unsaved``, is saved); the error that ends the run,
     with the command that resumes it (also in ``summary.json``)."""
     t, root, signals = trainer, trainer.out / "checkpoints", trainer.signals
-    name = signals.requested or "a stop signal on another rank"
+    name = signals.stopped_by or signals.requested or "SIGTERM"
     unsaved, t.unsaved = t.unsaved, None
     if unsaved is not None and unsaved["step"] == t.step:  # a step was abandoned
         keep = t.cfg.checkpoint.keep_last
@@ -175,5 +177,5 @@ def interrupt(trainer: Any) -> Interrupted:
         signal=name,
         step=t.step,
         checkpoint=str(path),
-        exit_code=exit_code(signals.requested or "SIGTERM"),
+        exit_code=exit_code(name),
     )
