@@ -448,7 +448,9 @@ def test_gsm8k_rows_without_a_reward_get_the_gsm8k_scorer_named_at_start_up(
     rows = verl_rows(4) + verl_rows(2, source="math_dapo")
     for r in rows[4:]:
         r["prompt"][0]["content"] += " (dapo)"
-    cfg = load_config(overrides=[*SMALL, f"model.name_or_path={tool_model}", "output_dir=x"])
+    cfg = load_config(
+        overrides=[*SMALL, f"model.name_or_path={tool_model}", f"output_dir={tmp_path / 'x'}"]
+    )
     dapo.make_trainer(cfg, train_dataset=rows).close()
     said = capsys.readouterr().out
     gsm8k = "scoring data_source 'openai/gsm8k' with the built-in gsm8k scorer ('#### N'"
@@ -522,7 +524,13 @@ def test_a_prompt_only_dataset_needs_no_answer_when_no_reward_asks_for_one(
     from dapo.errors import DataError
 
     rows = [{"prompt": f"Write {i} words."} for i in range(6)]
-    cfg = load_config(overrides=[*SMALL, f"model.name_or_path={random_tiny_model}", "output_dir=x"])
+    cfg = load_config(
+        overrides=[
+            *SMALL,
+            f"model.name_or_path={random_tiny_model}",
+            f"output_dir={tmp_path / 'x'}",
+        ]
+    )
     trainer = dapo.make_trainer(cfg, train_dataset=rows, reward_funcs=length_reward)
     assert [r.ground_truth for r in trainer.rollouts.train_records] == [""] * 6
     trainer.close()
@@ -540,7 +548,13 @@ def test_a_dict_answer_goes_whole_to_the_rewards_that_take_it(random_tiny_model,
         {"prompt": f"Say {i}.", "reward_model": {"ground_truth": {"low": i, "high": 2 * i}}}
         for i in range(1, 5)
     ]
-    cfg = load_config(overrides=[*SMALL, f"model.name_or_path={random_tiny_model}", "output_dir=x"])
+    cfg = load_config(
+        overrides=[
+            *SMALL,
+            f"model.name_or_path={random_tiny_model}",
+            f"output_dir={tmp_path / 'x'}",
+        ]
+    )
     trainer = dapo.make_trainer(cfg, train_dataset=rows, reward_funcs=takes_dict)
     records = trainer.rollouts.train_records
     assert records[1].ground_truth == {"low": 2, "high": 4}

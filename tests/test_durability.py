@@ -184,6 +184,8 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_notice(tmp_path):
     said: list[str] = []
     lock = RunLock.acquire(tmp_path, log=said.append)
     assert lock.held
+    with pytest.raises(TrainingError, match="in use by another Trainer of this process, built"):
+        RunLock.acquire(tmp_path)  # a notebook cell run again, the first trainer not closed
     assert said == [
         f"took over the lock of {tmp_path / LOCK_FILE}, left by a run that has ended "
         f"(pid {holder.pid} on host {os.uname().nodename}, started {said[0].split('started ')[1]}"
@@ -217,8 +219,8 @@ def interrupt_and_check(
     proc.send_signal(sig)
     code = proc.wait(timeout=120)
     text = log.read_text(errors="replace")
-    if code == 0:
-        return None
+    if code == 0 or (code == -signal.SIGTERM and "== dapo run summary ==" in text):
+        return None  # the run had ended (a SIGTERM after it, while the process exits: no handler)
     name = signal.Signals(sig).name
     assert code == (130 if sig == signal.SIGINT else 143), text[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -463,3 +465,33 @@ def test_a_full_disk_at_a_log_write_stops_cleanly_and_resumes(
     assert summary["error"].startswith(f"OutputWriteError: could not write {out / name}")
     assert main(["train", *run_args, "resume=true"]) == 0
     assert metric_rows(out) == metric_rows(uninterrupted["out"])
+
+
+def test_a_failed_export_names_final_model_and_the_fix(tmp_path):
+    """A full disk while safetensors writes the final model (its error is not an OSError):
+    the run's one line names the directory, the free space and that resume exports again;
+    no manifest is left to vouch for the half-written files."""
+    from dapo.errors import OutputWriteError
+    from dapo.training.export import export_final_model
+    from dapo.training.manifest import MANIFEST
+
+    class SafetensorError(Exception):
+        pass
+
+    class Model:
+        def save_pretrained(self, path: Path, state_dict: dict) -> None:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "model.safetensors").write_bytes(b"half")
+            raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+
+    final = tmp_path / "final_model"
+    final.mkdir()
+    (final / MANIFEST).write_text("{}")  # an earlier export's
+    with pytest.raises(OutputWriteError) as caught:
+        export_final_model(final, Model(), tokenizer=None, weights={})
+    assert str(caught.value).startswith(f"could not write {final} (Error while serializing: ")
+    assert str(caught.value).endswith(
+        "Free disk space (or raise the quota), then continue with resume=true: it has no "
+        "manifest until an export ends (resume=true exports it again)"
+    )
+    assert not (final / MANIFEST).exists()

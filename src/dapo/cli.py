@@ -457,7 +457,8 @@ def _verify(argv: list[str]) -> int:
     for item in items:
         problems = verify_manifest(item)
         if problems is None:
-            print(f"UNVERIFIED {item}: no {MANIFEST} (written by an older dapo)")
+            unfinished = ", or an export that did not finish" if item.name == "final_model" else ""
+            print(f"UNVERIFIED {item}: no {MANIFEST} (written by an older dapo{unfinished})")
         elif problems:
             damaged = True
             print(f"DAMAGED    {item}: {'; '.join(problems)}")

@@ -35,10 +35,10 @@ if TYPE_CHECKING:
 # trainer's process id, the entry point ("module:function", called with the pipe and the
 # further arguments as ints). On Linux it first asks the kernel for SIGKILL when the
 # trainer dies (PR_SET_PDEATHSIG = 1), then checks that the trainer did not die before
-# that. A Ctrl-C or SIGTERM meant for the whole process group leaves it to the trainer, which
-# finishes (or abandons) the step and stops its workers itself; the kernel kills it with the
-# trainer. It takes the parent's sys.path first, so that it imports what the parent imports.
-# Its stdout is line-buffered: what a worker printed before a kill is in the capture.
+# that. A Ctrl-C, SIGTERM or early-warning signal (checkpoint.stop_signals) sent to the
+# whole process group or job leaves it to the trainer, which finishes (or abandons) the step
+# and stops its workers itself; the kernel kills it with the trainer. It takes the parent's
+# sys.path first, so that it imports what the parent imports. Its stdout is line-buffered: what a worker printed before a kill is in the capture.
 _BOOT = (
     "import os, sys\n"
     "if sys.platform.startswith('linux'):\n"
@@ -51,8 +51,8 @@ _BOOT = (
     "    os._exit(0)\n"
     "if sys.platform.startswith('linux'):\n"  # the trainer stops its workers on these
     "    import signal\n"
-    "    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-    "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "    for name in ('SIGINT', 'SIGTERM', 'SIGHUP', 'SIGUSR1', 'SIGUSR2'):\n"
+    "        signal.signal(getattr(signal, name), signal.SIG_IGN)\n"
     "for stream in (sys.stdout, sys.stderr):\n"
     "    try:\n"
     "        stream.reconfigure(line_buffering=True)\n"

@@ -88,14 +88,16 @@ class CheckpointConfig:
         "save",
         "On SIGTERM, Ctrl-C or one of checkpoint.stop_signals: save, stop at the next safe "
         "point (a rollout step still generating is abandoned, one updating is finished), "
-        "checkpoint, write summary.json marked interrupted, exit 143 (Ctrl-C: 130); exit: die "
-        "at once, as without a handler (the last periodic checkpoint stays).",
+        "checkpoint, write summary.json marked interrupted, exit 143 (Ctrl-C: 130); exit: no "
+        "handler, as in any Python program (SIGTERM ends the process at once, Ctrl-C raises "
+        "KeyboardInterrupt; the last periodic checkpoint stays).",
     )
     signal_grace_s: float = opt(
         25.0,
-        "Seconds from the signal to the end of that checkpoint; past them the process exits "
-        "without it (the last periodic one stays). Keep it below the scheduler's kill wait "
-        "(Slurm KillWait, Kubernetes terminationGracePeriodSeconds: 30 s by default).",
+        "Seconds from the signal to the end of the run (the checkpoint, the summary, the "
+        "workers stopped); past them the process exits anyway, saying what was saved (without "
+        "that checkpoint, the last periodic one stays). Keep it below the scheduler's kill "
+        "wait (Slurm KillWait, Kubernetes terminationGracePeriodSeconds: 30 s by default).",
         gt=0,
         hint="seconds",
     )

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +43,15 @@ def exit_code(name: str) -> int:
 class StopSignals:
     """The signals that stop a run with a checkpoint, and where the run may be cut short."""
 
-    def __init__(self, cfg: Config, log: Callable[[str], None], checkpoints: Path) -> None:
+    def __init__(self, cfg: Config, checkpoints: Path) -> None:
         c = cfg.checkpoint
         self.enabled = c.on_signal == "save"
         self.names = ["SIGINT", *[s for s in c.stop_signals if s != "SIGINT"]]
         self.grace_s = c.signal_grace_s
-        self.log = log
         self.requested: str | None = None  # the first signal's name
         self.stopping = False  # this rank, or another, got one: stop at this step boundary
         self.stopped_by: str | None = None  # the signal that stops the run, on every rank
+        self.saved: str | None = None  # the checkpoint saved on the way out
         self.checkpoints = checkpoints
         self._abortable = False
         self._deadline: threading.Timer | None = None
@@ -127,10 +127,13 @@ class StopSignals:
                 raise KeyboardInterrupt
             return
         self.requested = name
-        self.log(
-            f"{name}: stopping at the next safe point to save a checkpoint (within "
-            f"checkpoint.signal_grace_s={self.grace_s:g} s; Ctrl-C again to stop at once)"
-        )
+        if D.current().is_main:  # os.write: print() may be in the middle of a write
+            line = (
+                f"{name}: stopping at the next safe point to save a checkpoint (within "
+                f"checkpoint.signal_grace_s={self.grace_s:g} s; Ctrl-C again to stop at once)\n"
+            )
+            with contextlib.suppress(OSError):
+                os.write(sys.stderr.fileno(), line.encode())
         self._deadline = threading.Timer(self.grace_s, self._overdue, args=(name,))
         self._deadline.daemon = True
         self._deadline.start()
@@ -138,15 +141,21 @@ class StopSignals:
             raise StopNow
 
     def _overdue(self, name: str) -> None:
-        last = latest_checkpoint(self.checkpoints)
-        saved = f"last checkpoint: {last}" if last else "no checkpoint was saved"
-        print(
-            f"dapo: {name}: no checkpoint could be saved within checkpoint.signal_grace_s="
-            f"{self.grace_s:g} s; exiting without it ({saved}). Raise checkpoint.signal_grace_s "
-            "(below the scheduler's kill wait) or save more often (checkpoint.save_every)",
-            file=sys.stderr,
-            flush=True,
-        )
+        grace = f"checkpoint.signal_grace_s={self.grace_s:g} s"
+        if self.saved is not None:  # what is left is the clean-up (workers, summary)
+            line = (
+                f"dapo: {name}: saved in {self.saved}, but the run did not end within {grace}; "
+                "exiting now"
+            )
+        else:
+            last = latest_checkpoint(self.checkpoints)
+            saved = f"last checkpoint: {last}" if last else "no checkpoint was saved"
+            line = (
+                f"dapo: {name}: no checkpoint could be saved within {grace}; exiting without "
+                f"it ({saved}). Raise checkpoint.signal_grace_s (below the scheduler's kill "
+                "wait) or save more often (checkpoint.save_every)"
+            )
+        print(line, file=sys.stderr, flush=True)
         os._exit(exit_code(name))
 
 
@@ -163,9 +172,8 @@ def interrupt(trainer: Any) -> Interrupted:
         t.saved_step = t.step
     else:
         path = t.save() if t.saved_step != t.step else step_dir(root, t.step)
-    world = t.dist.world_size
-    launcher = f"torchrun --nproc_per_node {world} -m dapo" if world > 1 else "dapo"
-    command = f"{launcher} train {t.out / 'config.yaml'} resume=true"
+    signals.saved = str(path)
+    command = f"{_launcher(t.dist.world_size)} train {t.out / 'config.yaml'} resume=true"
     t.summary["interrupted"] = {
         "signal": name,
         "step": t.step,
@@ -179,3 +187,15 @@ def interrupt(trainer: Any) -> Interrupted:
         checkpoint=str(path),
         exit_code=exit_code(name),
     )
+
+
+def _launcher(world: int) -> str:
+    """How this run was started: ``dapo``, or torchrun with as many ranks per node and nodes
+    (a run across nodes also needs its rendezvous options again)."""
+    if world == 1:
+        return "dapo"
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node >= world:
+        return f"torchrun --nproc_per_node {world} -m dapo"
+    nodes = world // max(per_node, 1)
+    return f"torchrun --nnodes {nodes} --nproc_per_node {per_node} RENDEZVOUS_OPTIONS -m dapo"

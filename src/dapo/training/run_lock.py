@@ -8,7 +8,8 @@ the holder, and a lock file left by a process that has died is taken over with a
 
 On a local file system the lock is exact. On NFS (v4, or v3 with its lock manager) Linux
 turns ``flock`` into a POSIX lock that the server keeps, so runs on two hosts exclude each
-other too; a host that dies holds it until the server's lease expires (90 s by default). On
+other too; a host that dies holds it until the server's lease expires (NFSv4: 90 s by
+default) or, on NFSv3, until that host restarts or an administrator clears it. On
 file systems without locking (some FUSE mounts, NFS mounted ``nolock``) ``flock`` fails or
 succeeds everywhere: the former is said in a warning and the run goes on unguarded.
 """
@@ -58,6 +59,12 @@ class RunLock:
             holder = _read(fd)
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                if _same_process(holder):  # a Trainer built here and not run or closed
+                    raise TrainingError(
+                        f"`output_dir` = {str(out)!r} is in use by another Trainer of this "
+                        "process, built and not run or closed: call its close() (run() closes "
+                        "it too), or choose another output_dir"
+                    ) from exc
                 raise TrainingError(
                     f"`output_dir` = {str(out)!r} is in use by another run ({_describe(holder)})"
                     ": one run writes to a directory at a time. Wait for it to end or stop it, "

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dapo.atomic import as_new_file, write_error, write_text_atomic
+from dapo.atomic import write_text_atomic
 from dapo.config import Config
 from dapo.environments import parse_hermes
 from dapo.errors import HealthError, TrainingError
@@ -39,10 +39,10 @@ from dapo.training.checkpoint import (
     save_checkpoint,
     step_dir,
 )
+from dapo.training.export import export_final_model
 from dapo.training.inputs import Callbacks
 from dapo.training.learner import Learner, NonFiniteUpdates
 from dapo.training.loading import load_spec_and_tokenizer
-from dapo.training.manifest import MANIFEST, write_manifest
 from dapo.training.preemption import StopNow, StopSignals, interrupt
 from dapo.training.record import RunRecord, check_output_dir, summarise
 from dapo.training.resume import check_before_loading, continue_state
@@ -107,7 +107,7 @@ class Trainer:
         self.step = 0
         self.saved_step: int | None = None  # the step whose checkpoint holds this state
         self.summary: dict[str, Any] = {}
-        self.signals = StopSignals(cfg, self.log, self.out / "checkpoints")  # SIGTERM, Ctrl-C
+        self.signals = StopSignals(cfg, self.out / "checkpoints")  # SIGTERM, Ctrl-C
         self.unsaved: dict[str, Any] | None = None  # the state a step began with, if not saved
         self.advantages: list[list[float]] = []  # the last step's, per group (transcripts)
 
@@ -281,14 +281,15 @@ class Trainer:
             health=self.health,
         )
         before: dict[str, Any] | None = None  # the weights' accuracy, while no step ran
-        signals = self.signals
-        with signals.watching():
+        with (signals := self.signals).watching():
             try:
                 if self.rollouts.eval_records and "accuracy_before" not in self.summary:
-                    ev = before = self.evaluate()
-                    self.summary["accuracy_before"] = ev["acc"] if ev["measured"] else None
-                    record.evaluated(self.step, ev, "before training")
-                    callbacks.on_evaluate(self.step, ev)
+                    # a stop signal cuts it short (one process); the loop then stops at once
+                    with contextlib.suppress(StopNow), signals.abortable(self.dist.world_size == 1):
+                        ev = before = self.evaluate()
+                        self.summary["accuracy_before"] = ev["acc"] if ev["measured"] else None
+                        record.evaluated(self.step, ev, "before training")
+                        callbacks.on_evaluate(self.step, ev)
                 while self.step < cfg.train.steps and not self.budget_spent():
                     if signals.should_stop():
                         break
@@ -385,13 +386,4 @@ class Trainer:
         if self.cfg.checkpoint.save_final_model:
             weights = self.learner.pretrained_weights()  # all ranks gather with FSDP
             if self.dist.is_main:
-                final = self.out / "final_model"
-                try:  # the checkpoint above holds the same weights: a failure here loses none
-                    (final / MANIFEST).unlink(missing_ok=True)  # an earlier save's, stale now
-                    self.model.save_pretrained(final, state_dict=weights)
-                    self.tokenizer.save_pretrained(final)
-                    for weights_file in final.glob("*.safetensors"):  # written 0600
-                        as_new_file(weights_file)
-                    write_manifest(final)
-                except OSError as exc:
-                    raise write_error(final, exc, "it has no manifest until then") from exc
+                export_final_model(self.out / "final_model", self.model, self.tokenizer, weights)
