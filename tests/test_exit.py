@@ -166,3 +166,45 @@ def test_dapo_train_ends_although_its_reward_function_left_an_executor_open(
     assert seen and ended - seen[0] < 15, (seen, ended)
     assert "exiting anyway" not in err
     assert json.loads((Path(tmp_path) / "run" / "summary.json").read_text())["steps"] == 1
+
+
+_SWALLOWING_LIBRARY = """
+import os, signal, sys, time
+from dapo.process_exit import hold_interrupts, take_interrupt
+hold_interrupts()
+try:  # a library's bare except, which a KeyboardInterrupt raised here would not get past
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)
+except:  # noqa: E722
+    print("swallowed", flush=True)
+print("start-up done", flush=True)
+if sys.argv[1] == "twice":
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+    print("not reached", flush=True)
+try:
+    take_interrupt()
+except KeyboardInterrupt:
+    print("taken", flush=True)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("presses", ["once", "twice"])
+def test_ctrl_c_during_start_up_is_held_past_a_library_that_would_swallow_it(presses):
+    """Held, the interrupt cannot be lost in a library's start-up code: it is taken at the
+    next safe point; a second Ctrl-C ends the process at once with 130."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SWALLOWING_LIBRARY, presses],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 130, done.stderr
+    assert "swallowed" not in done.stdout and "start-up done" in done.stdout
+    assert "stopping once start-up reaches a safe point" in done.stderr
+    if presses == "once":
+        assert done.stdout.splitlines()[-1] == "taken"
+    else:
+        assert "not reached" not in done.stdout and "taken" not in done.stdout
+        assert done.stderr.splitlines()[-1] == "dapo: interrupted"

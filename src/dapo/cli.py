@@ -22,7 +22,7 @@ from dapo.config import (
     describe_presets,
     load_config,
 )
-from dapo.process_exit import exit_now
+from dapo.process_exit import exit_now, take_interrupt
 from dapo.worker_output import USER_OUTPUT_FILE
 
 _TRAIN_HELP = """\
@@ -76,6 +76,7 @@ def _train(argv: list[str]) -> int:
         from dapo.training.trainer import Trainer
 
         try:
+            take_interrupt(resume=False)  # held while the modules imported: Trainer takes it
             summary = Trainer(cfg).run()
         except NothingToTrain:  # resume=true at train.steps: the trainer said so, loaded nothing
             distributed.destroy()
@@ -520,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
+        if cmd != "train":  # Ctrl-C held while the modules imported (dapo.__main__)
+            take_interrupt()
         return commands[cmd](rest)
     except ConfigError as exc:
         print(f"dapo: config error: {exc}", file=sys.stderr)

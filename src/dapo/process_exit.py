@@ -3,6 +3,13 @@
 :func:`exit_now` runs what the process still owes (the interpreter's executor shutdown,
 non-daemon threads, atexit hooks, buffered output) and then ``os._exit``, skipping the slow
 teardown of torch and vLLM objects; a watchdog bounds the wait and names what it waited for.
+
+:func:`hold_interrupts`: Ctrl-C while the command starts up. Python raises
+``KeyboardInterrupt`` wherever the main thread happens to be, and during start-up that is
+often inside a library: a bare ``except`` there swallowed it (the run went on and exited 0),
+a lazy import turned it into an ``ImportError``, a C++ callback aborted the process. So the
+interrupt is held instead and taken at the command's next safe point
+(:func:`take_interrupt`); a second Ctrl-C ends the process at once.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -18,6 +26,42 @@ from typing import Any, NoReturn
 
 # How long a finished command may wait for threads and exit hooks before it ends anyway.
 EXIT_WAIT_S = 10.0
+
+
+_held: list[int] = []  # the interrupts held since hold_interrupts()
+
+
+def hold_interrupts() -> None:
+    """Hold Ctrl-C (SIGINT) until :func:`take_interrupt`; a second one exits with 130 at once.
+    Main thread only (elsewhere signal handlers cannot be set): a no-op there."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _hold)
+
+
+def _hold(signum: int, frame: Any) -> None:
+    if _held:
+        os.write(2, b"dapo: interrupted\n")
+        os._exit(130)
+    _held.append(signum)
+    os.write(2, b"dapo: Ctrl-C: stopping once start-up reaches a safe point (Ctrl-C again: now)\n")
+
+
+def take_interrupt(*, resume: bool = True) -> None:
+    """A safe point: raise the held ``KeyboardInterrupt``, if any. ``resume`` gives Ctrl-C its
+    usual effect again from here on (else it stays held: its owner installs its own)."""
+    main = threading.current_thread() is threading.main_thread()
+    if resume and main and signal.getsignal(signal.SIGINT) is _hold:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _held:
+        _held.clear()
+        raise KeyboardInterrupt
+
+
+def pop_interrupt() -> bool:
+    """Whether a Ctrl-C was held, which a handler installed since now takes over."""
+    held = bool(_held)
+    _held.clear()
+    return held
 
 
 def exit_now(status: int, wait_s: float = EXIT_WAIT_S) -> NoReturn:

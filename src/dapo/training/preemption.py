@@ -26,6 +26,7 @@ from typing import Any
 from dapo.config import Config
 from dapo.errors import Interrupted
 from dapo.parallel import distributed as D
+from dapo.process_exit import pop_interrupt
 from dapo.training.checkpoint import latest_checkpoint, save_checkpoint, step_dir
 
 
@@ -66,6 +67,8 @@ class StopSignals:
             for name in self.names:
                 num = getattr(signal, name)
                 self._previous[num] = signal.signal(num, self._handle)
+            if pop_interrupt():  # a Ctrl-C held since start-up (dapo.process_exit)
+                self._handle(signal.SIGINT, None)
         try:
             yield self
         finally:

@@ -27,6 +27,7 @@ from dapo.health import HealthMonitor
 from dapo.models.precision import precision_of
 from dapo.parallel import distributed as D
 from dapo.parallel import sharding
+from dapo.process_exit import take_interrupt
 from dapo.producer.rollouts import Rollouts
 from dapo.producer.stream import make_stream, staleness_metrics
 from dapo.run_inputs import RunInputs
@@ -281,6 +282,7 @@ class Trainer:
             health=self.health,
         )
         before: dict[str, Any] | None = None  # the weights' accuracy, while no step ran
+        take_interrupt(resume=False)  # a Ctrl-C held through start-up stops here: nothing saved
         with (signals := self.signals).watching():
             try:
                 if self.rollouts.eval_records and "accuracy_before" not in self.summary:
