@@ -202,6 +202,7 @@ def train_variant(args: argparse.Namespace, variant: str, seed: int) -> Path:
             f"model.name_or_path={args.model}",
             f"train.steps={args.steps}",
             "logging.console=false",
+            "rollout.eval_top_p=1.0",  # the protocol of the figures in docs/benchmarks.md
             "logging.tensorboard=false",
             "checkpoint.save_every=0",
             "checkpoint.save_final_model=false",

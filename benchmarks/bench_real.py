@@ -66,6 +66,7 @@ def train_run(name: str, seed: int, args: argparse.Namespace) -> Path:
         f"output_dir={out}",
         f"train.steps={args.steps}",
         f"data.max_eval_prompts={args.eval_prompts}",
+        "rollout.eval_top_p=1.0",  # the protocol of the figures in docs/benchmarks.md
         "logging.console=false",
         "logging.tensorboard=false",
         "checkpoint.save_every=0",

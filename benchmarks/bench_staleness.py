@@ -119,6 +119,7 @@ def train_run(
         f"logging.eval_every={args.eval_every}",
         f"data.max_eval_prompts={args.eval_prompts}",
         f"rollout.eval_num_generations={args.eval_k}",
+        "rollout.eval_top_p=1.0",  # the protocol of the figures in docs/benchmarks.md
         "logging.console=false",
         "logging.tensorboard=false",
         "checkpoint.save_every=0",

@@ -312,7 +312,10 @@ def test_invalid_yaml_syntax(tmp_path):
 
 def test_config_default_is_valid_and_matches_load_config():
     validate(Config())
-    assert load_config() == Config()
+    default = Config()
+    assert default.algorithm.overlong_buffer is None  # tied to L_max: load_config resolves it
+    default.algorithm.overlong_buffer = round(0.2 * default.rollout.max_completion_length)
+    assert load_config() == default
 
 
 # --------------------------------------------------------------------------------------
@@ -871,9 +874,9 @@ def test_help_config_says_mini_batch_size_follows(capsys):
 
 
 def test_a_rule_refusing_an_unset_value_names_its_source():
-    msg = raises_config_error(["rollout.max_completion_length=10"])
-    assert msg.startswith("`algorithm.overlong_buffer` = 16 is invalid")
-    assert "you did not set `algorithm.overlong_buffer`: its value is the default" in msg
+    msg = raises_config_error(["algorithm.clip_cov_low=6"])
+    assert msg.startswith("`algorithm.clip_cov_high` = 5.0 is invalid")
+    assert "you did not set `algorithm.clip_cov_high`: its value is the default" in msg
     msg = raises_config_error(["preset=gspo", "algorithm.loss_agg=token-mean"])
     assert "`algorithm.loss_agg` = 'token-mean' is invalid" in msg and "did not set" not in msg
     msg = raises_config_error(["algorithm.policy_loss=gspo"])

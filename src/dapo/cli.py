@@ -166,9 +166,11 @@ _PACKAGE = Path(__file__).resolve().parent
 def _print_summary(summary: dict, out: Path, dashboard: bool = True) -> None:
     print("\n== dapo run summary ==")
     before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
+    protocol = f" ({summary['eval_protocol']})" if summary.get("eval_protocol") else ""
     if before is not None and after is not None:
         print(
-            f"held-out accuracy: {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points)"
+            f"held-out accuracy{protocol}: {before:.1%} -> {after:.1%} "
+            f"({(after - before) * 100:+.1f} points)"
         )
     elif "accuracy_before" in summary:
         print("held-out accuracy: not measured (every reward call failed: see the warnings)")

@@ -23,6 +23,18 @@ from dapo.choices import (
 )
 from dapo.config.fields import opt
 
+PAPER_BUFFER_SHARE = 0.2  # the paper's L_cache / L_max: 4096 / 20480
+
+
+def overlong_buffer_for(max_len: int) -> int:
+    """The overlong buffer the paper's ratio ties to ``max_len`` (L_max): 20%, rounded."""
+    return round(PAPER_BUFFER_SHARE * max_len)
+
+
+def overlong_buffer(buffer: int | None, max_len: int) -> int:
+    """``algorithm.overlong_buffer`` as set, or (null) the paper's share of ``max_len``."""
+    return overlong_buffer_for(max_len) if buffer is None else buffer
+
 
 @dataclass
 class AlgorithmConfig:
@@ -106,6 +118,14 @@ class AlgorithmConfig:
         "returns only -1, 0 and 1, or a dict with an acc field), else the reward functions' "
         "score before the length shaping.",
     )
+    keep_surplus: bool = opt(
+        True,
+        "Dynamic sampling: carry the groups with a learning signal beyond the batch over to "
+        "the next rollout step (no qualifying rollout wasted; they were sampled by the "
+        "policy one step older). false discards them, as the paper and its reference recipe "
+        "do (preset dapo_paper).",
+        paper="false",
+    )
     max_gen_rounds: int = opt(
         8,
         "Generation rounds dynamic sampling may take in one rollout step to fill the batch; "
@@ -161,11 +181,13 @@ class AlgorithmConfig:
         "L_max - L_cache tokens, then a linear ramp down to -1 at L_max.",
         paper="true",
     )
-    overlong_buffer: int = opt(
-        16,
+    overlong_buffer: int | None = opt(
+        None,
         "L_cache, the soft overlong punishment ramp in tokens (the buffer before L_max = "
-        "rollout.max_completion_length); DAPO uses 4096 with L_max 20480. Must be below L_max.",
+        "rollout.max_completion_length); DAPO uses 4096 with L_max 20480. Must be below L_max. "
+        "null: 20% of L_max, the paper's ratio (13 at the default 64, 4096 at 20480).",
         ge=0,
+        hint="e.g. 4096; null: 20% of rollout.max_completion_length",
         paper="4096",
     )
     overlong_penalty_factor: float = opt(

@@ -6,6 +6,7 @@ import dataclasses
 import textwrap
 from typing import Any, get_args, get_origin
 
+from dapo.config.algorithm import overlong_buffer
 from dapo.config.fields import choices_of, hints, is_optional
 from dapo.config.schema import Config
 
@@ -91,3 +92,25 @@ def describe_config(width: int = 92) -> str:
     )
     out = [*textwrap.wrap(intro, width), "", "top level"]
     return "\n".join(out + _section(Config, "", width))
+
+
+def run_plan(cfg: Config) -> str:
+    """The start-up line of what one rollout step does: its batch, its optimizer updates
+    (prompts per step / mini-batch x epochs) and the soft overlong punishment's window."""
+    t, r, a = cfg.train, cfg.rollout, cfg.algorithm
+    updates = -(-t.prompts_per_step // t.mini_batch_size) * t.epochs
+    plan = (
+        f"per rollout step: {t.prompts_per_step} prompts x {r.num_generations} responses, "
+        f"{updates} optimizer update{'' if updates == 1 else 's'} (train.prompts_per_step "
+        f"{t.prompts_per_step} / train.mini_batch_size {t.mini_batch_size} x train.epochs "
+        f"{t.epochs})"
+    )
+    max_len = r.max_completion_length
+    if not a.overlong_penalty:
+        return f"{plan}; soft overlong punishment off (L_max {max_len})"
+    buffer = overlong_buffer(a.overlong_buffer, max_len)
+    return (
+        f"{plan}; overlong window: responses over {max_len - buffer} tokens penalised, down to "
+        f"-{a.overlong_penalty_factor:g} at {max_len} (algorithm.overlong_buffer {buffer}, "
+        f"rollout.max_completion_length {max_len})"
+    )

@@ -21,6 +21,7 @@ from typing import Any, get_args, get_origin
 import yaml
 
 from dapo.config import foreign
+from dapo.config.algorithm import overlong_buffer_for
 from dapo.config.fields import check_choice, choices_of, hints
 from dapo.config.presets import PRESETS
 from dapo.config.rules import validate
@@ -439,6 +440,8 @@ def load_config(
         cfg = _build(Config, data)
     finally:
         _UNKNOWN.reset(token)
+    if cfg.algorithm.overlong_buffer is None:  # the paper ties it to L_max: shown resolved
+        cfg.algorithm.overlong_buffer = overlong_buffer_for(cfg.rollout.max_completion_length)
     _refuse_names(refused, unknown)
     try:
         validate(cfg, objects)

@@ -29,10 +29,40 @@ _LADDER: list[tuple[str, str, dict[str, Any]]] = [
     ("grpo+token_loss", "+ token-level loss", {"algorithm.loss_agg": "token-mean"}),
     (
         "dapo",
-        "+ dynamic sampling = DAPO (the paper's settings)",
+        "+ dynamic sampling = DAPO (its surplus groups carried to the next step; dapo_paper "
+        "discards them as the paper does)",
         {"algorithm.dynamic_sampling": True},
     ),
 ]
+
+# Every value of the paper's main run (the *paper* column of the configuration reference,
+# tests/test_presets.py keeps the two equal), on top of the `dapo` rung: Qwen2.5-32B's
+# optimiser, batch and lengths, and the surplus of dynamic sampling discarded.
+_PAPER: dict[str, Any] = {
+    "algorithm.clip_low": 0.2,
+    "algorithm.clip_high": 0.28,
+    "algorithm.loss_agg": "token-mean",
+    "algorithm.beta": 0.0,
+    "algorithm.dynamic_sampling": True,
+    "algorithm.keep_surplus": False,
+    "algorithm.overlong_penalty": True,
+    "algorithm.overlong_buffer": 4096,
+    "algorithm.overlong_penalty_factor": 1.0,
+    "rollout.num_generations": 16,
+    "rollout.temperature": 1.0,
+    "rollout.top_p": 1.0,
+    "rollout.max_completion_length": 20480,
+    "rollout.eval_temperature": 1.0,
+    "rollout.eval_top_p": 0.7,
+    "rollout.eval_num_generations": 32,
+    "train.prompts_per_step": 512,
+    "train.mini_batch_size": 32,
+    "train.lr": 1e-6,
+    "train.lr_schedule": "constant",
+    "train.warmup_steps": 20,
+    "train.weight_decay": 0.1,
+    "train.max_grad_norm": 1.0,
+}
 
 
 def _build_presets() -> dict[str, tuple[str, dict[str, Any]]]:
@@ -50,6 +80,11 @@ def _build_presets() -> dict[str, tuple[str, dict[str, Any]]]:
         },
     )
     dapo = presets["dapo"][1]
+    presets["dapo_paper"] = (
+        "every value of the paper's main run: 512 prompts x 16 responses, 16 updates per "
+        "step, L_max 20480 with a 4096 buffer, lr 1e-6, surplus discarded, avg@32 at top-p 0.7",
+        {**dapo, **_PAPER},
+    )
     for name, text, delta in _VARIANTS:
         presets[name] = (text, {**dapo, **delta})
     return presets

@@ -185,18 +185,20 @@ class RolloutConfig:
         paper="1.0",
     )
     eval_top_p: float = opt(
-        1.0,
-        "Nucleus sampling of the held-out evaluation, in (0, 1]. The DAPO paper evaluates "
-        "with 0.7 (the default of `dapo eval`).",
+        0.7,
+        "Nucleus sampling of the held-out evaluation, in (0, 1]: the DAPO paper's 0.7 (as "
+        "`dapo eval`), whatever the preset, so that every rung of a ladder is measured alike.",
         gt=0,
         le=1,
         paper="0.7",
     )
-    eval_num_generations: int = opt(
-        1,
-        "Responses per held-out prompt; the reported accuracy is avg@k over them (the DAPO "
-        "paper reports avg@32 on AIME 2024).",
+    eval_num_generations: int | None = opt(
+        None,
+        "Responses per held-out problem; the reported accuracy is avg@k over them (the DAPO "
+        "paper reports avg@32 on AIME 2024). null: as `dapo eval`, the number of times the "
+        "data repeats each problem (32 for the DAPO AIME file, 30 problems x 32 rows), else 1.",
         ge=1,
+        hint="e.g. 32; null: the data's repeat count",
         paper="32",
     )
     vllm_sync_every: int = opt(

@@ -166,7 +166,7 @@ def _check_algorithm(cfg: Config) -> None:
     )
     max_len = cfg.rollout.max_completion_length
     require(
-        a.overlong_buffer < max_len,
+        a.overlong_buffer is None or a.overlong_buffer < max_len,
         "algorithm.overlong_buffer",
         a.overlong_buffer,
         f"the overlong buffer must be shorter than rollout.max_completion_length ({max_len}); "

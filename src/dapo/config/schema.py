@@ -308,6 +308,7 @@ class TrainConfig:
         "AdamW weight decay, on matrices only (not biases or norms); the DAPO reference "
         "scripts use 0.1.",
         ge=0,
+        paper="0.1",
     )
     adam_beta1: float = opt(
         0.9, "AdamW beta1, the decay of the gradient's running mean.", ge=0, lt=1
@@ -321,6 +322,7 @@ class TrainConfig:
         "reference scripts use 1.0.",
         ge=0,
         hint="0: no clipping",
+        paper="1.0",
     )
     precision: Precision = opt(
         "auto",

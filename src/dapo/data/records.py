@@ -43,6 +43,7 @@ class LoadStats:
 
     rows: int = 0  # rows read
     duplicates: int = 0  # rows dropped as duplicate prompts
+    repeats: list[int] = field(default_factory=list, compare=False)  # rows per distinct prompt
     too_long: int = 0  # dropped by the prompt-length filter (filled by encode_prompts)
     kept: int = 0
     origins: list[Row] = field(default_factory=list, compare=False, repr=False)  # per record
@@ -347,6 +348,7 @@ def build_records(
     stats = LoadStats()
     records: list[PromptRecord] = []
     uids: dict[Any, tuple[str, Row]] = {}  # dedupe key -> uid, its first row
+    first: dict[Any, int] = {}  # dedupe key -> its position in stats.repeats
     for where, index, row in located:
         if max_rows is not None and stats.rows >= max_rows:
             break
@@ -368,12 +370,16 @@ def build_records(
         if seen is None:
             uid = _uid(_canonical(prompt), where, index, prompt_key)
             uids[key] = (uid, (where, index))
+            first[key] = len(stats.repeats)
+            stats.repeats.append(1)
         elif dedupe:
+            stats.repeats[first[key]] += 1
             stats.duplicates += 1
             if len(stats.duplicate_rows) < NAMED_ROWS:
                 stats.duplicate_rows.append(((where, index), seen[1]))
             continue
         else:
+            stats.repeats[first[key]] += 1
             uid = seen[0]
 
         raw_source = _to_plain(_get_field(row, data_source_key))

@@ -142,9 +142,15 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric("sampling/carried_over", "Surplus groups kept for the next step."),
     Metric(
+        "sampling/surplus_discarded",
+        "Groups with a learning signal beyond the batch thrown away "
+        "(algorithm.keep_surplus=false, as the paper does).",
+    ),
+    Metric(
         "sampling/wasted_frac",
-        "Share of generated groups dropped (neither trained nor carried over); 0 with dynamic "
-        "sampling off, where uniform groups train with zero advantage.",
+        "Share of generated groups dropped (neither trained nor carried over: uniform, or a "
+        "discarded surplus); 0 with dynamic sampling off, where uniform groups train with zero "
+        "advantage.",
     ),
     Metric(
         "sampling/short_batch",

@@ -3,8 +3,9 @@
 A group whose responses all score the same (all correct or all wrong) has zero advantage
 everywhere and contributes no gradient. DAPO keeps sampling until the batch holds the
 wanted number of groups with ``0 < correct < G``. Unlike the reference recipe, qualifying
-groups beyond the batch size are carried over to the next rollout step instead of being
-thrown away, so no qualifying rollout is wasted.
+groups beyond the batch size are by default carried over to the next rollout step instead of
+being thrown away, so no qualifying rollout is wasted; ``keep_surplus=False`` throws them away
+as the paper does, so that every trained group was sampled at the step that trains it.
 
 When ``max_rounds`` generation rounds do not fill the batch, ``round_cap="train"`` (the
 default) trains on the qualifying groups found (a short batch, or no update at all when
@@ -65,6 +66,7 @@ class FillStats:
     kept: int = 0
     carried_in: int = 0  # groups taken from the previous step's surplus
     carried_out: int = 0  # surplus kept for the next step
+    discarded: int = 0  # surplus thrown away (keep_surplus=False)
     dropped: int = 0  # generated groups neither trained nor kept for a later step
     short: bool = False  # the round cap cut the batch short (round_cap="train")
     note: str = ""  # what happened at the round cap, for the caller to warn with
@@ -84,7 +86,7 @@ class FillStats:
                 # Only dropped groups are waste: with dynamic sampling off every generated
                 # group trains (uniform ones too, with zero advantage), and carried-over ones
                 # train later.
-                "sampling/wasted_frac": self.dropped / gen,
+                "sampling/wasted_frac": (self.dropped + self.discarded) / gen,
             }
         return {
             "sampling/gen_rounds": float(self.rounds),
@@ -92,6 +94,7 @@ class FillStats:
             **shares,
             "sampling/carried_in": float(self.carried_in),
             "sampling/carried_over": float(self.carried_out),
+            "sampling/surplus_discarded": float(self.discarded),
             "sampling/short_batch": float(self.short),
             "sampling/trained_groups": float(self.kept),
         }
@@ -102,7 +105,7 @@ class DynamicSampler:
 
     ``produce(k)`` must generate and score ``k`` new prompts' groups. With ``enabled=False``
     one round of exactly ``target`` prompts is produced and every group is kept (GRPO).
-    ``round_cap`` and ``max_empty_steps``: see the module docstring.
+    ``round_cap``, ``max_empty_steps`` and ``keep_surplus``: see the module docstring.
     """
 
     def __init__(
@@ -115,6 +118,7 @@ class DynamicSampler:
         max_prompts_per_round: int | None = None,
         round_cap: RoundCap = "train",
         max_empty_steps: int = 3,
+        keep_surplus: bool = True,
     ) -> None:
         self.target = target
         self.enabled = enabled
@@ -126,6 +130,7 @@ class DynamicSampler:
         self.round_cap = round_cap
         self.max_empty_steps = max_empty_steps
         self.empty_in_a_row = 0  # steps in a row without any qualifying group
+        self.keep_surplus = keep_surplus
 
     def fill(
         self,
@@ -165,7 +170,11 @@ class DynamicSampler:
             if groups:
                 rate = kept_now / len(groups)
                 self.keep_rate = 0.5 * self.keep_rate + 0.5 * rate
-        self.carry = batch[self.target :] + self.carry
+        surplus = batch[self.target :]
+        if self.keep_surplus:
+            self.carry = surplus + self.carry
+        else:
+            stats.discarded = len(surplus)
         batch = batch[: self.target]
         stats.kept = len(batch)
         stats.carried_out = len(self.carry)

@@ -37,6 +37,7 @@ from dapo.errors import (
     VLLMEngineError,
     VLLMUnavailableError,
 )
+from dapo.evaluation.protocol import EvalProtocol, common_repeats, samples_per_problem
 from dapo.evaluation.run import engine_accuracy
 from dapo.handover import RolloutBatch, ScoredGroup
 from dapo.health import diagnose_groups
@@ -118,6 +119,7 @@ class Rollouts:
                 max_rounds=a.max_gen_rounds,
                 round_cap=a.round_cap,
                 max_empty_steps=a.max_empty_steps,
+                keep_surplus=a.keep_surplus,
             )
             self.prompts = PromptSelector(cfg, self.train_records)  # skipping and curriculum
         except BaseException:
@@ -196,6 +198,7 @@ class Rollouts:
             for line in self.scorer.rewards.describe([r.data_source for r in self.train_records]):
                 log(line)
         self.eval_records, self.eval_ids = [], []
+        self.eval_protocol: EvalProtocol | None = None
         if self.cfg.evaluate and (d.eval is not None or inputs.eval_dataset is not None):
             stats = LoadStats()
             self.eval_records, self.eval_ids, _ = encode_prompts(
@@ -205,8 +208,16 @@ class Rollouts:
                 stats=stats,
                 text_of=opening,
             )
+            # Repeated problems are avg@k's samples (as in `dapo eval`), not dropped prompts.
+            repeats, stats.duplicates = stats.repeats, 0
             for line in dropped_lines(stats, "held-out", d.max_prompt_length):
                 log(line)
+            r = self.cfg.rollout
+            k = samples_per_problem(r.eval_num_generations, repeats)
+            self.eval_protocol = EvalProtocol(
+                k, r.eval_temperature, r.eval_top_p, len(self.eval_records)
+            )
+            log(f"held-out evaluation: {self.eval_protocol}{_repeats_note(repeats, k, r)}")
         elif self.cfg.evaluate:
             log(
                 "no held-out evaluation: data.eval is null (left unset, it is null when "
@@ -437,11 +448,12 @@ class Rollouts:
         """Held-out accuracy (avg@``rollout.eval_num_generations``) over all ranks (every
         rank calls it); ``measured`` is false when every reward call failed (the accuracy
         means nothing then) and ``error`` is the first failure's."""
-        r = self.cfg.rollout
+        r, protocol = self.cfg.rollout, self.eval_protocol
+        assert protocol is not None, "evaluate() without held-out prompts"
         params = SamplingParams(
-            n=r.eval_num_generations,
-            temperature=r.eval_temperature,
-            top_p=r.eval_top_p,
+            n=protocol.k,
+            temperature=protocol.temperature,
+            top_p=protocol.top_p,
             top_k=0,
             max_tokens=r.max_completion_length,
             seed=stream_seed(self.cfg.seed, Stream.EVALUATION),
@@ -467,6 +479,7 @@ class Rollouts:
             **ev,
             "acc": correct / max(n, 1.0),
             "n": int(n),
+            "protocol": str(protocol),
             "measured": not all_failed and claims,
             "error": rewards.first_error,
             **(
@@ -521,6 +534,19 @@ class Rollouts:
             self.agents.close()
         if self.engine is not None:
             close_engine(self.engine)
+
+
+def _repeats_note(repeats: list[int], k: int, r: Any) -> str:
+    """Where k came from, when the data repeats its problems."""
+    if not repeats or max(repeats) == 1:
+        return ""
+    if common_repeats(repeats) is None:
+        held = f"the data repeats its problems unevenly ({min(repeats)} to {max(repeats)} times)"
+    else:
+        held = f"the data holds each problem {repeats[0]} times"
+    if r.eval_num_generations is None:
+        return f" ({held}; rollout.eval_num_generations sets k)"
+    return f" ({held}; k from rollout.eval_num_generations={k})"
 
 
 def _left_out_reason(group: ScoredGroup) -> str:

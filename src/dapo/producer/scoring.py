@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dapo.config import Config
+from dapo.config.algorithm import overlong_buffer
 from dapo.data.records import PromptRecord
 from dapo.handover import ScoredGroup
 from dapo.rewards import RewardScorer, ScoreRequest, ScoreResult, soft_overlong_punishment
@@ -44,7 +45,8 @@ class GroupScorer:
         self.tokenizer = tokenizer
         a = cfg.algorithm
         self.penalty_factor = a.overlong_penalty_factor if a.overlong_penalty else 0.0
-        self.max_len, self.buffer = cfg.rollout.max_completion_length, a.overlong_buffer
+        self.max_len = cfg.rollout.max_completion_length
+        self.buffer = overlong_buffer(a.overlong_buffer, self.max_len)
         self.failures = 0  # reward calls that raised or timed out, over the run
         self.unscorable = 0  # responses every function called "not applicable", over the run
         self.last: ScoreResult | None = None  # the last batch's result (its info, claims)

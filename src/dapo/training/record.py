@@ -102,7 +102,10 @@ class RunRecord:
     def evaluated(self, step: int, ev: dict[str, Any], when: str) -> None:
         """An evaluation's line and its ``val/acc`` (``when``: "before training", ...)."""
         if ev.get("measured", True):
-            self.logger.message(f"held-out accuracy {when}: {ev['acc']:.1%} ({ev['n']} samples)")
+            how = f"{ev['protocol']}: " if ev.get("protocol") else ""
+            self.logger.message(
+                f"held-out accuracy {when}: {ev['acc']:.1%} ({how}{ev['n']} samples)"
+            )
             self.logger.log(step, {"val/acc": ev["acc"]})
         else:
             why = ev.get("unmeasured") or (
@@ -165,6 +168,9 @@ def summarise(
             "samples_generated": t.rollouts.samples_generated,
             "wall_seconds": round(time.time() - start, 1),
             "preset": t.cfg.preset,
+            "eval_protocol": None
+            if t.rollouts.eval_protocol is None
+            else str(t.rollouts.eval_protocol),
             "resumed_from_step": resumed_from,
             "trainable_parameters": trainable,
             "parameters": total,

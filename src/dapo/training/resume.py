@@ -196,6 +196,11 @@ RULES: dict[str, Rule] = {
         "the carry-over is dynamic sampling's surplus: it is dropped, its prompts not trained on",
         CARRY,
     ),
+    "algorithm.keep_surplus": _free(
+        "whether surplus groups are carried over from here on; the carry-over is dropped, its "
+        "prompts not trained on",
+        CARRY,
+    ),
     "algorithm.dynamic_sampling_metric": _free("which groups dynamic sampling keeps from here on"),
     "algorithm.max_gen_rounds": _LIMIT,
     "algorithm.round_cap": _LIMIT,

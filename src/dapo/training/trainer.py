@@ -20,6 +20,7 @@ import torch
 
 from dapo.atomic import write_text_atomic
 from dapo.config import Config
+from dapo.config.describe import run_plan
 from dapo.environments import parse_hermes
 from dapo.errors import HealthError, TrainingError
 from dapo.handover import ScoredGroup
@@ -77,6 +78,7 @@ class Trainer:
         if self.resume_from is not None:  # resume.py: refused keys, nothing left to train
             check_before_loading(cfg, self.resume_from, self.dist.world_size, self.log)
         seed_everything(cfg.seed)
+        self.log(run_plan(cfg))  # the updates per step and the overlong window, said once
         # The episode spec and the tokenizer, checked against each other before any weights.
         self.spec, self.tokenizer, model_path = load_spec_and_tokenizer(cfg, inputs, self.log)
         # The prompts and the reward scorer first: a bad data file or reward spec is refused
