@@ -352,6 +352,28 @@ def test_builtin_scorer_in_pool_reuses_workers() -> None:
         scorer.score(batch)
 
 
+def test_start_up_lines_name_the_reference_or_the_lenient_scorer() -> None:
+    """A run says whether its rewards follow the DAPO reference's rules or the lenient ones."""
+    reference = "dapo_math scorer (the last 'Answer: ...' line, compared as text by the DAPO "
+    lenient = (
+        "dapo_math_lenient scorer (the last 'Answer: ...' line, compared as text after a lenient"
+    )
+    mapping = {"math_dapo": "dapo_math"}
+    with RewardScorer(
+        source_scorers=mapping, default_scorer="dapo_math_lenient", num_workers=0
+    ) as s:
+        said = s.describe(["mine", "math_dapo"])
+    assert said[0].startswith(f"scoring data_source 'math_dapo' with the built-in {reference}")
+    assert said[1].startswith(f"scoring data_source 'mine' with the built-in {lenient}")
+    with RewardScorer([("dapo_math", 1.0), ("dapo_math_lenient", 0.5)], num_workers=0) as s:
+        (line,) = s.describe(["mine"])
+    assert "dapo_math (built-in: the last 'Answer: ...' line, compared as text by the DAPO" in line
+    assert (
+        "dapo_math_lenient (built-in: the last 'Answer: ...' line, compared as text after" in line
+    )
+    assert "weight 0.5)" in line
+
+
 def test_per_data_source_scorer_selection() -> None:
     batch = [
         req("Answer: 0.5", "\\frac{1}{2}", "aime"),  # math_verify: equivalent

@@ -455,11 +455,13 @@ SOURCE_SCORERS: dict[str, str] = {
     },
 }
 
+# What each built-in scorer reads and how it compares: the start-up lines name the scorer
+# and say this.
 SCORER_FORMS = {
-    "dapo_math": "the last 'Answer: ...' line, compared as text by the DAPO reference's rules "
-    "(verl's math_dapo)",
+    "dapo_math": "the last 'Answer: ...' line, compared as text by the DAPO reference's rules, "
+    "verl's math_dapo",
     "dapo_math_lenient": "the last 'Answer: ...' line, compared as text after a lenient "
-    "normalisation (units, °, %, \\dfrac, a final period)",
+    "normalisation that forgives units, °, %, \\dfrac and a final period",
     "math_verify": "an 'Answer:' line or a \\boxed{}, compared symbolically by math_verify",
     "gsm8k": "'#### N' (or \\boxed{N}, 'Answer: N'), compared as a number",
 }

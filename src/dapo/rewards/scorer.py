@@ -303,12 +303,10 @@ class RewardScorer:
                     f"({SCORER_FORMS[name]}): +1 correct, -1 not"
                 )
             return lines
-        parts = [
-            f"{n} ({'built-in' if s in SCORERS else self._plan.forms[i] + ' form'}, weight {w:g})"
-            for i, (n, s, w) in enumerate(
-                zip(self._plan.names, self._plan.sources, self._plan.weights, strict=True)
-            )
-        ]
+        plan, parts = self._plan, []
+        for n, s, w, form in zip(plan.names, plan.sources, plan.weights, plan.forms, strict=True):
+            kind = f"built-in: {SCORER_FORMS[s]};" if s in SCORERS else f"{form} form,"
+            parts.append(f"{n} ({kind} weight {w:g})")
         return [
             "reward: " + " + ".join(parts) + "; 'acc' counts a response correct by a "
             "built-in scorer's +1, a dict's acc field, or reward > 0 while every function "
