@@ -94,26 +94,41 @@ def _dapo_normalize(text: str) -> str:
 
 
 def dapo_math_score(response: str, ground_truth: str) -> float:
-    """+1.0 when the response's answer equals the ground truth by the DAPO reference's rules,
+    r"""+1.0 when the response's answer equals the ground truth by the DAPO reference's rules,
     else -1.0: verl's ``math_dapo.compute_score`` (default path, no strict box) reproduced,
     quirks included, so that rewards match the paper's.
 
     1. Only the last 300 characters of ``response`` are read.
-    2. The answer is the text of the last match of ``Answer\\s*:\\s*([^\\n]+)``, case
-       ignored (``\\s*`` may cross a line break: ``Answer:\\n42`` gives ``42``); with no
-       match it is the string ``[INVALID]``.
-    3. The answer and ``str(ground_truth)`` are normalised alike: the text after the last
-       ``=``; the plain rewrites and deletions of :data:`_DAPO_REWRITES` and
-       :data:`_DAPO_DELETIONS` in order, as substrings anywhere (every space goes, so do
-       ``a ``/``an ``, unit words, ``^\\circ``, ``{,}``); the text between a line's first
-       two ``$``; ``\\text{}``, ``\\textbf{}``, ``\\overline{}`` and ``\\boxed{}``
-       unwrapped; ``frac12`` and ``sqrt2`` braced; every ``$`` dropped; commas dropped when
-       only digits (``str.isdigit``) remain without them; surrounding whitespace stripped.
+    2. The answer is the text of the last match of ``Answer\s*:\s*([^\n]+)``, case ignored
+       (``\s*`` may cross a line break: ``Answer:\n42`` gives ``42``); with no match it is
+       the string ``[INVALID]``.
+    3. The answer and ``str(ground_truth)`` are normalised alike, in this order, every
+       replacement a plain substring replacement wherever it occurs:
+
+       - keep the text after the last ``=``;
+       - remove ``an `` and ``a `` (``banana 5`` becomes ``banan5``), turn ``.$`` into
+         ``$``, remove ``\$``, ``\ `` and every space, turn ``mbox`` into ``text``,
+         ``,\text{and}`` and ``\text{and}`` into ``,`` and ``\text{m}`` into ``\text{}``;
+       - delete the words square, ways, integers, dollars, mph, inches, hours, km, units,
+         sue, points, feet, minutes, digits, cents, degrees, cm, gm, pounds, meters, meals,
+         edges, students, childrentickets, multiples (``issue`` becomes ``is``) and the TeX
+         pieces ``\ldots``, ``\text{s}``, ``\text{.}``, ``\text{}^2``, ``\text{}^3``,
+         ``\text{}``, ``\mathrm{th}``, ``^\circ``, ``^{\circ}``, ``\;``, ``,\!``, ``{,}``,
+         ``"``, ``\dots``, and ``\text{s}`` and ``\text{}`` with a line break after the
+         ``{`` (the exact order: ``_DAPO_DELETIONS``);
+       - on a line holding two ``$``, keep only the text between its first two;
+       - unwrap ``\text{x}``, ``\textbf{x}``, ``\overline{x}`` (up to the first ``}``) and
+         ``\boxed{x}`` (up to the line's last ``}``);
+       - brace shorthand: ``frac12`` becomes ``frac{1}{2}`` (inside ``\dfrac`` too),
+         ``sqrt2`` becomes ``sqrt{2}``;
+       - drop every ``$``; drop the commas when only digits remain without them
+         (``str.isdigit``: ``1,2`` becomes ``12``, ``-1,000`` stays); strip whitespace.
+
     4. +1.0 when the two normal forms are equal strings, whatever they are (two empty
        forms, or ``[INVALID]`` against a ground truth of ``[INVALID]``, are equal too).
 
-    So ``12.``, ``90°``, ``50%``, ``\\dfrac{1}{2}`` and a U+2212 minus miss ``12``, ``90``,
-    ``50``, ``\\frac{1}{2}`` and ``-``, while ``1,2`` and ``a 12`` match ``12``; use
+    So ``12.``, ``90°``, ``50%``, ``\dfrac{1}{2}`` and a U+2212 minus miss ``12``, ``90``,
+    ``50``, ``\frac{1}{2}`` and ``-``, while ``1,2`` and ``a 12`` match ``12``; use
     ``dapo_math_lenient`` (:func:`dapo_math_lenient_score`) for the forgiving rules.
     """
     found = _DAPO_ANSWER_RE.findall(response[-_DAPO_WINDOW:])
@@ -131,7 +146,8 @@ _ANSWER_RE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
 
 def extract_answer(response: str) -> str | None:
     """Return the text of the last ``Answer: ...`` line in the last 300 characters, stripped,
-    or None (the lenient scorer's reading; the reference's differs only in the stripping)."""
+    or None: the lenient scorer's reading (the reference takes the same match unstripped,
+    and the string ``[INVALID]`` where this gives None)."""
     last = None
     for last in _ANSWER_RE.finditer(response[-_ANSWER_TAIL_CHARS:]):  # noqa: B007
         pass
