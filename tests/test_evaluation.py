@@ -400,3 +400,127 @@ def test_cli_eval_unavailable_engine_exit_2(
     err = capsys.readouterr().err
     assert "--engine vllm" in err and "pip install 'dapo[vllm]'" in err
     assert not (tmp_path / "x.json").exists()
+
+
+# --------------------------------------------------------------------------- the scorer of dapo eval
+
+# Every response says "Answer: 5." to problems whose answer is 5: the DAPO reference's rules
+# (dapo_math) reject the final period, the lenient ones and GSM8K's number reading accept it.
+SCORED_PROBLEMS = [("src_a", "What is 2+3?", "5"), ("openai/gsm8k", "What is 10-5?", "5")]
+
+
+class _Says:
+    """An engine that answers every prompt with the same text (scripted, not sampled)."""
+
+    def __init__(self, tokenizer, text: str) -> None:
+        self.ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Group]:
+        n = params.n
+        return [
+            Group(p, [list(self.ids)] * n, [[0.0] * len(self.ids)] * n, [False] * n)
+            for p in prompts
+        ]
+
+
+@pytest.fixture
+def says_five(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dapo.evaluation import run as eval_run
+
+    monkeypatch.setattr(
+        eval_run, "_make_engine", lambda _name, _model, tok, *_: _Says(tok, "Answer: 5.")
+    )
+
+
+def _eval_scored(
+    random_model: Path, tmp_path: Path, *extra: str
+) -> tuple[int, dict[str, float], dict[str, str]]:
+    """``dapo eval`` on SCORED_PROBLEMS: exit code, avg@2 per source, scorer per source."""
+    data = _write_reference_parquet(tmp_path / "scored.parquet", SCORED_PROBLEMS, [2, 2])
+    out = tmp_path / "scored.json"
+    args = ["eval", str(random_model), "--data", str(data), "--max-tokens", "4"]
+    code = main([*args, "--output", str(out), *extra])
+    if code != 0:
+        return code, {}, {}
+    report = json.loads(out.read_text())
+    avg = {source: entry["avg@2"] for source, entry in report["by_source"].items()}
+    return code, avg, report["scorers"]
+
+
+def test_cli_eval_names_the_scorer_of_each_data_source(
+    random_model: Path, tmp_path: Path, says_five: None, capsys
+) -> None:
+    code, avg, scorers = _eval_scored(random_model, tmp_path)
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "scoring data_source 'src_a' with the built-in dapo_math scorer" in printed
+    assert "scoring data_source 'openai/gsm8k' with the built-in gsm8k scorer" in printed
+    assert scorers == {"openai/gsm8k": "gsm8k", "src_a": "dapo_math"}
+    assert avg == {"openai/gsm8k": 1.0, "src_a": 0.0}  # "5." is not "5" by the reference
+
+
+def test_cli_eval_scorer_overrides_every_data_source(
+    random_model: Path, tmp_path: Path, says_five: None, capsys
+) -> None:
+    code, avg, scorers = _eval_scored(random_model, tmp_path, "--scorer", "dapo_math_lenient")
+    assert code == 0
+    printed = capsys.readouterr().out
+    for source in ("src_a", "openai/gsm8k"):
+        assert f"scoring data_source {source!r} with the built-in dapo_math_lenient" in printed
+        assert scorers[source] == "dapo_math_lenient"
+    assert avg == {"openai/gsm8k": 1.0, "src_a": 1.0}  # the lenient rules drop the period
+
+    code, avg, scorers = _eval_scored(random_model, tmp_path, "--scorer", "dapo_math")
+    assert code == 0
+    assert avg == {"openai/gsm8k": 0.0, "src_a": 0.0}
+    assert set(scorers.values()) == {"dapo_math"}
+
+
+def test_cli_eval_scorer_takes_a_module_function(
+    random_model: Path, tmp_path: Path, says_five: None, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    module = tmp_path / "dapo_eval_test_scorer.py"
+    module.write_text(
+        "def first_digit(response, ground_truth):\n"
+        "    digits = [c for c in response if c.isdigit()]\n"
+        "    return 1.0 if digits[:1] == [str(ground_truth)[0]] else -1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = "dapo_eval_test_scorer:first_digit"
+    code, avg, scorers = _eval_scored(random_model, tmp_path, "--scorer", spec)
+    assert code == 0
+    assert f"scoring data_source 'src_a' with {spec}, as --scorer says" in capsys.readouterr().out
+    assert scorers == {"openai/gsm8k": spec, "src_a": spec}
+    assert avg == {"openai/gsm8k": 1.0, "src_a": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (
+            "dapo_maths",
+            "--scorer name 'dapo_maths' is neither a built-in scorer "
+            "(dapo_math, dapo_math_lenient, gsm8k, math_verify) nor a spec",
+        ),
+        ("no_such_module_xyz:fn", "--scorer: reward function spec 'no_such_module_xyz:fn'"),
+        ("dapo.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
+    ],
+)
+def test_cli_eval_bad_scorer_exits_2_before_loading_anything(
+    random_model: Path,
+    eval_parquet: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys,
+    value: str,
+    said: str,
+) -> None:
+    from dapo.evaluation import run as eval_run
+
+    def no_model(*_: object) -> None:
+        raise AssertionError("the model was loaded for a bad --scorer")
+
+    monkeypatch.setattr(eval_run, "_load_model", no_model)
+    assert main(["eval", str(random_model), "--data", str(eval_parquet), "--scorer", value]) == 2
+    err = capsys.readouterr().err
+    assert said in err
+    assert "Traceback" not in err

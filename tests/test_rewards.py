@@ -21,6 +21,7 @@ from dapo.rewards import (
     RewardFunctionWarning,
     RewardScorer,
     ScoreRequest,
+    dapo_math_lenient_score,
     dapo_math_score,
     extract_answer,
     load_reward_function,
@@ -44,10 +45,10 @@ def req(response: str, ground_truth: str = "7", data_source: str = "math_dapo") 
 
 
 # ---------------------------------------------------------------------------
-# dapo_math_score
+# dapo_math_lenient_score (dapo_math_score, the reference's rules: test_dapo_math_corpus.py)
 # ---------------------------------------------------------------------------
 
-DAPO_CASES = [
+LENIENT_CASES = [
     # (response, ground truth, expected)
     ("Let me compute.\nAnswer: 42", "42", 1.0),
     ("The result is 42.", "42", -1.0),  # no Answer line
@@ -93,9 +94,19 @@ DAPO_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("response", "truth", "expected"), DAPO_CASES)
-def test_dapo_math_score(response: str, truth: str, expected: float) -> None:
-    assert dapo_math_score(response, truth) == expected
+@pytest.mark.parametrize(("response", "truth", "expected"), LENIENT_CASES)
+def test_dapo_math_lenient_score(response: str, truth: str, expected: float) -> None:
+    assert dapo_math_lenient_score(response, truth) == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "truth"),
+    [("Answer: 12.", "12"), ("Answer: 50%", "50"), ("Answer: \\dfrac{1}{2}", "\\frac{1}{2}")],
+)
+def test_the_lenient_scorer_forgives_what_the_reference_does_not(response: str, truth: str) -> None:
+    assert (dapo_math_lenient_score(response, truth), dapo_math_score(response, truth)) == (1, -1)
+    assert SCORERS["dapo_math_lenient"] is dapo_math_lenient_score
+    assert SCORERS["dapo_math"] is dapo_math_score
 
 
 @pytest.mark.parametrize(
@@ -134,8 +145,10 @@ def test_normalize_final_answer(raw: str, expected: str) -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.integers(min_value=-(10**12), max_value=10**12))
 def test_thousands_separators_match_plain_integers(n: int) -> None:
-    assert dapo_math_score(f"work...\nAnswer: {n:,}", str(n)) == 1.0
-    assert dapo_math_score(f"work...\nAnswer: {n + 1}", f"{n:,}") == -1.0
+    assert dapo_math_lenient_score(f"work...\nAnswer: {n:,}", str(n)) == 1.0
+    assert dapo_math_lenient_score(f"work...\nAnswer: {n + 1}", f"{n:,}") == -1.0
+    # The reference drops commas only when digits alone remain: a minus sign keeps them.
+    assert dapo_math_score(f"work...\nAnswer: {n:,}", str(n)) == (1.0 if n > -1000 else -1.0)
 
 
 @settings(max_examples=60, deadline=None)
@@ -202,12 +215,14 @@ def test_math_verify_score_works_outside_the_main_thread() -> None:
 
 
 def test_scorers_registry_and_source_mapping() -> None:
-    assert {"dapo_math", "math_verify"} <= set(SCORERS)
+    assert {"dapo_math", "dapo_math_lenient", "math_verify"} <= set(SCORERS)
     mapping = {"aime": "math_verify"}
     assert scorer_for_source("aime", mapping) == "math_verify"
     assert scorer_for_source("math_dapo", mapping) == "dapo_math"
     assert scorer_for_source("x", None, default="math_verify") == "math_verify"
-    with pytest.raises(ValueError, match=r"'sympy_magic'.*dapo_math, gsm8k, math_verify"):
+    with pytest.raises(
+        ValueError, match=r"'sympy_magic'.*dapo_math, dapo_math_lenient, gsm8k, math_verify"
+    ):
         scorer_for_source("aime", {"aime": "sympy_magic"})
     with pytest.raises(ValueError, match=r"'nope'.*reward.default_scorer"):
         scorer_for_source("x", None, default="nope")
@@ -335,6 +350,28 @@ def test_builtin_scorer_in_pool_reuses_workers() -> None:
     assert all(not _alive(pid) for pid in pids)  # close() stopped them
     with pytest.raises(RuntimeError, match="closed"):
         scorer.score(batch)
+
+
+def test_start_up_lines_name_the_reference_or_the_lenient_scorer() -> None:
+    """A run says whether its rewards follow the DAPO reference's rules or the lenient ones."""
+    reference = "dapo_math scorer (the last 'Answer: ...' line, compared as text by the DAPO "
+    lenient = (
+        "dapo_math_lenient scorer (the last 'Answer: ...' line, compared as text after a lenient"
+    )
+    mapping = {"math_dapo": "dapo_math"}
+    with RewardScorer(
+        source_scorers=mapping, default_scorer="dapo_math_lenient", num_workers=0
+    ) as s:
+        said = s.describe(["mine", "math_dapo"])
+    assert said[0].startswith(f"scoring data_source 'math_dapo' with the built-in {reference}")
+    assert said[1].startswith(f"scoring data_source 'mine' with the built-in {lenient}")
+    with RewardScorer([("dapo_math", 1.0), ("dapo_math_lenient", 0.5)], num_workers=0) as s:
+        (line,) = s.describe(["mine"])
+    assert "dapo_math (built-in: the last 'Answer: ...' line, compared as text by the DAPO" in line
+    assert (
+        "dapo_math_lenient (built-in: the last 'Answer: ...' line, compared as text after" in line
+    )
+    assert "weight 0.5)" in line
 
 
 def test_per_data_source_scorer_selection() -> None:
@@ -476,7 +513,8 @@ def test_works_from_python_dash_c() -> None:
     [
         (
             {"functions": [("nonsense", 1.0)]},
-            r"'nonsense' is neither a built-in scorer \(dapo_math, gsm8k, math_verify\)",
+            r"'nonsense' is neither a built-in scorer \(dapo_math, dapo_math_lenient, gsm8k, "
+            r"math_verify\)",
         ),
         ({"functions": [("dapo_math", float("nan"))]}, r"weight must be a finite number"),
         ({"functions": [("no_such_pkg_xyz:f", 1.0)]}, r"module 'no_such_pkg_xyz' not found"),

@@ -201,7 +201,8 @@ pass@k (unbiased estimator 1 - C(n-c,k)/C(n,k)) and maj@k (majority vote over th
 extracted, normalised `Answer:` values; responses without one do not vote; ties go to
 the answer seen first), per data_source and overall. A data set that repeats each
 problem r times (e.g. AIME 2024: 30 problems x 32 rows) is scored as 30 problems with
-k samples each; k defaults to r. Writes a JSON report.
+k samples each; k defaults to r. Responses are scored by each data source's scorer,
+named at start (--scorer picks one for all). Writes a JSON report.
 """
 
 
@@ -255,6 +256,14 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--split", default="train", help="split of a datasets directory or name")
     parser.add_argument("--prompt-key", default="prompt")
     parser.add_argument("--answer-key", default="reward_model.ground_truth")
+    parser.add_argument(
+        "--scorer",
+        default=None,
+        help="score every data source with this built-in scorer (dapo_math: the DAPO "
+        "reference's rules; dapo_math_lenient; math_verify; gsm8k) or module:function "
+        "(default: per data source, as training's default: gsm8k for GSM8K, math_verify "
+        "for MATH and Numina sources, else dapo_math)",
+    )
     parser.add_argument(
         "--output", default=None, help="JSON report path (default ./<model-name>-eval.json)"
     )

@@ -189,7 +189,8 @@ class RewardFunctionConfig:
 
     name: str = opt(
         "dapo_math",
-        "A built-in scorer (dapo_math, math_verify, gsm8k) or module:function: "
+        "A built-in scorer (dapo_math: the DAPO reference's rules; dapo_math_lenient; "
+        "math_verify; gsm8k) or module:function: "
         "fn(response, ground_truth[, data_source=...]), TRL's fn(completions, **kwargs) "
         "-> list or verl's compute_score(data_source, solution_str, ground_truth, "
         "extra_info), returning a number (or a dict with score).",
@@ -213,10 +214,12 @@ class RewardConfig:
     )
     default_scorer: str = opt(
         "dapo_math",
-        "Built-in scorer (dapo_math, math_verify, gsm8k) for data sources neither in "
-        "reward.source_scorers nor known (openai/gsm8k, lighteval/MATH, ...). dapo_math "
-        "is the DAPO reference: +1 if the last `Answer:` line matches the ground truth "
-        "after normalisation, -1 otherwise.",
+        "Built-in scorer (dapo_math, dapo_math_lenient, math_verify, gsm8k) for data sources "
+        "neither in reward.source_scorers nor known (openai/gsm8k, lighteval/MATH, ...). "
+        "dapo_math is the DAPO reference (verl's math_dapo): +1 if the last `Answer:` line "
+        "equals the ground truth after its normalisation, -1 otherwise, so `12.`, `90°`, "
+        "`50%` and `\\dfrac` miss `12`, `90`, `50` and `\\frac`; dapo_math_lenient forgives "
+        "those.",
     )
     source_scorers: dict[str, str] = opt(
         help="data_source -> built-in scorer name, e.g. {math_dapo: dapo_math}.", factory=dict

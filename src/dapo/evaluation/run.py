@@ -25,7 +25,10 @@ The metric math is in pure functions (:func:`pass_at_k`, :func:`majority_correct
 
 Each metric is averaged over problems, per ``data_source`` and overall. Correctness of a
 response (avg@k, pass@k) comes from :class:`~dapo.rewards.RewardScorer` with the
-per-source scorer (the built-in ``dapo_math`` by default): reward > 0 is correct.
+per-source scorer as training picks it (the built-in ``dapo_math``, the DAPO reference's
+rules, unless the source is a GSM8K, MATH or Numina one), or the one ``--scorer`` names for
+every source: reward > 0 is correct. The scorer of each source is said at start and kept in
+the report (``scorers``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,14 @@ from dapo.data import PromptRecord, encode_prompts, group_repeats, load_records
 from dapo.data.tasks import TASKS, is_builtin, load_task
 from dapo.errors import EvalError, VLLMEngineError, VLLMUnavailableError
 from dapo.evaluation.stats import mean_or_nan, summarize
-from dapo.rewards import RewardScorer, ScoreRequest, extract_answer, normalize_final_answer
+from dapo.rewards import (
+    RewardScorer,
+    ScoreRequest,
+    extract_answer,
+    normalize_final_answer,
+    scorer_for_source,
+)
+from dapo.rewards.math import SCORER_FORMS, SCORERS
 from dapo.rollout import (
     ENGINES,
     Group,
@@ -151,6 +161,38 @@ def engine_accuracy(
         "response_length": sum(samples.lengths) / n,
         "truncated": sum(t for row in samples.truncated for t in row) / n,
     }
+
+
+def make_scorer(name: str | None) -> RewardScorer:
+    """The scorer of ``dapo eval``: each data source's own built-in scorer (``name`` None),
+    else ``name`` for all, a built-in scorer or ``module:function`` resolved as training
+    resolves ``reward.functions`` (:class:`~dapo.rewards.RewardScorer`)."""
+    if name is None:
+        return RewardScorer()
+    try:
+        return RewardScorer([(name, 1.0)], origins=["--scorer"])
+    except ValueError as exc:
+        said = str(exc)
+        if not said.startswith("--scorer"):
+            said = f"--scorer: {said}"  # the spec names the value
+        raise EvalError(said) from exc
+
+
+def scorer_names(sources: Sequence[str], name: str | None) -> dict[str, str]:
+    """The scorer each data source gets: ``name`` (``--scorer``), else the source's own."""
+    return {s: name or scorer_for_source(s) for s in sorted(set(sources))}
+
+
+def describe_scoring(rewards: RewardScorer, sources: Sequence[str], name: str | None) -> list[str]:
+    """Start-up lines, one per data source: the scorer it gets (training's lines) or, with
+    ``--scorer``, the one named there."""
+    if name is None:
+        return rewards.describe(sources)
+    what = f"the built-in {name} scorer ({SCORER_FORMS[name]})" if name in SCORERS else name
+    return [
+        f"scoring data_source {source!r} with {what}, as --scorer says: reward > 0 is correct"
+        for source in sorted(set(sources))
+    ]
 
 
 # --------------------------------------------------------------------------- data
@@ -395,13 +437,13 @@ def _generate_and_score(
     prompt_ids: list[list[int]],
     params: SamplingParams,
     batch_size: int,
+    scorer: RewardScorer,
     start: float,
     log: Callable[[str], None],
 ) -> _Samples:
     """Sample ``params.n`` responses per problem with ``engine``, a chunk at a time; score them."""
     longest = max(map(len, prompt_ids))
     rollout = _make_engine(engine, policy, tokenizer, batch_size, longest, params.max_tokens)
-    scorer = RewardScorer()
     k = params.n
     chunk = max(1, batch_size // k)  # problems per engine call: about batch_size sequences
     samples = _Samples()
@@ -425,7 +467,6 @@ def _generate_and_score(
                 f"avg@{k} so far {samples.accuracy():.1%} ({took:.0f} s)"
             )
     finally:
-        scorer.close()
         close_engine(rollout)  # vLLM holds memory and a process group until closed
     return samples
 
@@ -440,6 +481,7 @@ def _build_report(
     records: list[PromptRecord],
     dropped: int,
     samples: _Samples,
+    scorers: dict[str, str],
     start: float,
 ) -> dict[str, Any]:
     """The JSON report: the settings, the data's shape and the metrics."""
@@ -464,6 +506,7 @@ def _build_report(
         "mean_response_length": mean_or_nan(samples.lengths),
         "overall": {key: v for key, v in summary["overall"].items() if key != "problems"},
         "by_source": summary["by_source"],
+        "scorers": scorers,
         "seconds": round(time.time() - start, 1),
     }
 
@@ -493,6 +536,7 @@ def run_evaluation(
     split: str = "train",
     prompt_key: str = "prompt",
     answer_key: str = "reward_model.ground_truth",
+    scorer: str | None = None,
     output: str | Path | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -501,22 +545,42 @@ def run_evaluation(
     ``k`` defaults to the number of times every problem repeats in the data (1 when the
     repeats are uneven or absent). ``max_tokens`` defaults to 1024, at most half the
     model's context; ``max_prompt_length`` to the context minus ``max_tokens``. Longer
-    prompts are dropped (never truncated) and counted in ``dropped_too_long``.
+    prompts are dropped (never truncated) and counted in ``dropped_too_long``. ``scorer``
+    (a built-in scorer or ``module:function``) scores every data source in place of each
+    source's own (:func:`make_scorer`).
     """
     start = time.time()
     _check_options(k, temperature, top_p, max_tokens, batch_size, max_prompt_length, engine)
-    problems, k = _load_problems(data, k, max_problems, split, prompt_key, answer_key, log)
-    policy, tokenizer, ctx = _load_model(model, log)
-    max_tokens, max_prompt_length = _resolve_lengths(ctx, max_tokens, max_prompt_length, log)
-    records, ids, dropped = _tokenize_prompts(problems.records, tokenizer, max_prompt_length, log)
-    params = SamplingParams(
-        n=k, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_tokens, seed=seed
-    )
-    samples = _generate_and_score(
-        engine, policy, tokenizer, records, ids, params, batch_size, start, log
-    )
+    rewards = make_scorer(scorer)  # a bad --scorer fails before anything is loaded
+    try:
+        problems, k = _load_problems(data, k, max_problems, split, prompt_key, answer_key, log)
+        for line in describe_scoring(rewards, [r.data_source for r in problems.records], scorer):
+            log(line)
+        policy, tokenizer, ctx = _load_model(model, log)
+        max_tokens, max_prompt_length = _resolve_lengths(ctx, max_tokens, max_prompt_length, log)
+        records, ids, dropped = _tokenize_prompts(
+            problems.records, tokenizer, max_prompt_length, log
+        )
+        params = SamplingParams(
+            n=k, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_tokens, seed=seed
+        )
+        samples = _generate_and_score(
+            engine, policy, tokenizer, records, ids, params, batch_size, rewards, start, log
+        )
+    finally:
+        rewards.close()
     report = _build_report(
-        model, data, params, max_prompt_length, engine, problems, records, dropped, samples, start
+        model,
+        data,
+        params,
+        max_prompt_length,
+        engine,
+        problems,
+        records,
+        dropped,
+        samples,
+        scorer_names([r.data_source for r in records], scorer),
+        start,
     )
     return _write_report(report, output, model)
 

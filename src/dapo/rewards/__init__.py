@@ -1,7 +1,7 @@
 """Rewards: answer scorers, overlong shaping, user reward functions and the timed scoring pool.
 
-- ``math``: extract and normalise final answers; the built-in scorers ``dapo_math`` and
-  ``math_verify``.
+- ``math``: extract and normalise final answers; the built-in scorers ``dapo_math`` (the
+  DAPO reference's rules), ``dapo_math_lenient``, ``math_verify`` and ``gsm8k``.
 - ``shaping``: the soft overlong punishment and the overlong filter mask.
 - ``user``: reward functions given as ``module:function`` specs or Python callables, and
   running them on one sample.
@@ -16,6 +16,7 @@ The package imports neither torch nor the trainer: scoring workers import only i
 from dapo.errors import RewardFunctionWarning
 from dapo.rewards.math import (
     SCORERS,
+    dapo_math_lenient_score,
     dapo_math_score,
     extract_answer,
     math_verify_score,
@@ -32,6 +33,7 @@ __all__ = [
     "RewardScorer",
     "ScoreRequest",
     "ScoreResult",
+    "dapo_math_lenient_score",
     "dapo_math_score",
     "extract_answer",
     "load_reward_function",

@@ -2,9 +2,14 @@
 
 Built-in scorers take ``(response, ground_truth)`` and return +1.0 (correct) or -1.0:
 
-- ``dapo_math``: the DAPO answer format. The answer is the last ``Answer: ...`` line in
-  the final 300 characters of the response; it and the ground truth are normalised
-  (:func:`normalize_final_answer`) and compared as strings.
+- ``dapo_math``: the DAPO paper's scorer, verl's ``math_dapo.compute_score`` rule for rule
+  (:func:`dapo_math_score`). The answer is the last ``Answer: ...`` line in the final 300
+  characters of the response; it and the ground truth are normalised by the reference's
+  plain text rules and compared as strings, so ``12.``, ``90°``, ``50%`` and ``\\dfrac``
+  miss where the ground truth says ``12``, ``90``, ``50`` and ``\\frac``.
+- ``dapo_math_lenient``: the same answer format with a forgiving normaliser
+  (:func:`normalize_final_answer`: units, degree and percent signs, ``\\dfrac``, a trailing
+  period, Unicode minus), for data whose answers the reference's rules miss.
 - ``math_verify``: symbolic comparison with the ``math_verify`` library, so ``0.5``
   matches ``\\frac{1}{2}``.
 - ``gsm8k``: GSM8K's numeric answers, the last ``#### N`` (else ``\\boxed{N}``, else
@@ -26,7 +31,113 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------
-# Answer extraction and normalisation (DAPO / Minerva style)
+# dapo_math: the DAPO reference scorer, rule for rule
+# ---------------------------------------------------------------------------
+
+_DAPO_WINDOW = 300  # the reference reads the last 300 characters of a response
+_DAPO_ANSWER_RE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
+_DAPO_NO_ANSWER = "[INVALID]"  # what the reference compares when no Answer line is found
+
+# Plain substring rewrites, applied in this order with str.replace: "a " and "an " go
+# wherever they occur ("banana 5" -> "banan5"), then every space.
+_DAPO_REWRITES: tuple[tuple[str, str], ...] = (
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
+# Plain substrings deleted next, in this order, wherever they occur ("issue" -> "is").
+_DAPO_DELETIONS: tuple[str, ...] = (
+    *("square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units"),
+    *("\\ldots", "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm"),
+    *("gm", "pounds", "meters", "meals", "edges", "students", "childrentickets", "multiples"),
+    *("\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}"),
+    *("\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots"),
+)
+# Then these substitutions, in order; none crosses a line break ([^\n], the reference's ".").
+_DAPO_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+    # a line holding two $: the text between its first two, kept as $...$, the rest dropped
+    (re.compile(r"[^\n]*?\$([^\n]*?)\$[^\n]*"), r"$\1$"),
+    # \text{x}, \textbf{x}, \overline{x} -> x, up to the first }
+    (re.compile(r"\\text\{([^\n]*?)\}"), r"\1"),
+    (re.compile(r"\\textbf\{([^\n]*?)\}"), r"\1"),
+    (re.compile(r"\\overline\{([^\n]*?)\}"), r"\1"),
+    # \boxed{x} -> x, up to the last } of the line
+    (re.compile(r"\\boxed\{([^\n]*)\}"), r"\1"),
+    # frac12 -> frac{1}{2} (also inside dfrac; the first character may be a line break)
+    (re.compile(r"frac([^{])([^\n])"), r"frac{\1}{\2}"),
+    # sqrt2 -> sqrt{2}
+    (re.compile(r"sqrt([^{])"), r"sqrt{\1}"),
+)
+
+
+def _dapo_normalize(text: str) -> str:
+    """The reference's normal form of an answer or a ground truth (see :func:`dapo_math_score`)."""
+    text = text.split("=")[-1]
+    for before, after in _DAPO_REWRITES:
+        text = text.replace(before, after)
+    for gone in _DAPO_DELETIONS:
+        text = text.replace(gone, "")
+    for pattern, replacement in _DAPO_PATTERNS:
+        text = pattern.sub(replacement, text)
+    text = text.replace("$", "")
+    digits = text.replace(",", "")
+    if digits.isdigit():  # str.isdigit: Unicode digits and superscripts count too
+        text = digits
+    return text.strip()
+
+
+def dapo_math_score(response: str, ground_truth: str) -> float:
+    r"""+1.0 when the response's answer equals the ground truth by the DAPO reference's rules,
+    else -1.0: verl's ``math_dapo.compute_score`` (default path, no strict box) reproduced,
+    quirks included, so that rewards match the paper's.
+
+    1. Only the last 300 characters of ``response`` are read.
+    2. The answer is the text of the last match of ``Answer\s*:\s*([^\n]+)``, case ignored
+       (``\s*`` may cross a line break: ``Answer:\n42`` gives ``42``); with no match it is
+       the string ``[INVALID]``.
+    3. The answer and ``str(ground_truth)`` are normalised alike, in this order, every
+       replacement a plain substring replacement wherever it occurs:
+
+       - keep the text after the last ``=``;
+       - remove ``an `` and ``a `` (``banana 5`` becomes ``banan5``), turn ``.$`` into
+         ``$``, remove ``\$``, ``\ `` and every space, turn ``mbox`` into ``text``,
+         ``,\text{and}`` and ``\text{and}`` into ``,`` and ``\text{m}`` into ``\text{}``;
+       - delete the words square, ways, integers, dollars, mph, inches, hours, km, units,
+         sue, points, feet, minutes, digits, cents, degrees, cm, gm, pounds, meters, meals,
+         edges, students, childrentickets, multiples (``issue`` becomes ``is``) and the TeX
+         pieces ``\ldots``, ``\text{s}``, ``\text{.}``, ``\text{}^2``, ``\text{}^3``,
+         ``\text{}``, ``\mathrm{th}``, ``^\circ``, ``^{\circ}``, ``\;``, ``,\!``, ``{,}``,
+         ``"``, ``\dots``, and ``\text{s}`` and ``\text{}`` with a line break after the
+         ``{`` (the exact order: ``_DAPO_DELETIONS``);
+       - on a line holding two ``$``, keep only the text between its first two;
+       - unwrap ``\text{x}``, ``\textbf{x}``, ``\overline{x}`` (up to the first ``}``) and
+         ``\boxed{x}`` (up to the line's last ``}``);
+       - brace shorthand: ``frac12`` becomes ``frac{1}{2}`` (inside ``\dfrac`` too),
+         ``sqrt2`` becomes ``sqrt{2}``;
+       - drop every ``$``; drop the commas when only digits remain without them
+         (``str.isdigit``: ``1,2`` becomes ``12``, ``-1,000`` stays); strip whitespace.
+
+    4. +1.0 when the two normal forms are equal strings, whatever they are (two empty
+       forms, or ``[INVALID]`` against a ground truth of ``[INVALID]``, are equal too).
+
+    So ``12.``, ``90°``, ``50%``, ``\dfrac{1}{2}`` and a U+2212 minus miss ``12``, ``90``,
+    ``50``, ``\frac{1}{2}`` and ``-``, while ``1,2`` and ``a 12`` match ``12``; use
+    ``dapo_math_lenient`` (:func:`dapo_math_lenient_score`) for the forgiving rules.
+    """
+    found = _DAPO_ANSWER_RE.findall(response[-_DAPO_WINDOW:])
+    answer = found[-1] if found else _DAPO_NO_ANSWER
+    return 1.0 if _dapo_normalize(answer) == _dapo_normalize(str(ground_truth)) else -1.0
+
+
+# ---------------------------------------------------------------------------
+# dapo_math_lenient: the same answer line, a forgiving normaliser
 # ---------------------------------------------------------------------------
 
 _ANSWER_TAIL_CHARS = 300
@@ -34,7 +145,9 @@ _ANSWER_RE = re.compile(r"Answer\s*:\s*([^\n]+)", re.IGNORECASE)
 
 
 def extract_answer(response: str) -> str | None:
-    """Return the text of the last ``Answer: ...`` line in the last 300 characters, or None."""
+    """Return the text of the last ``Answer: ...`` line in the last 300 characters, stripped,
+    or None: the lenient scorer's reading (the reference takes the same match unstripped,
+    and the string ``[INVALID]`` where this gives None)."""
     last = None
     for last in _ANSWER_RE.finditer(response[-_ANSWER_TAIL_CHARS:]):  # noqa: B007
         pass
@@ -201,12 +314,14 @@ def _brace_shorthand(s: str) -> str:
 
 
 def normalize_final_answer(answer: str) -> str:
-    """Normalise a final answer for exact string comparison (DAPO/Minerva style).
+    """Normalise a final answer for string comparison, leniently (``dapo_math_lenient``).
 
     Unwraps ``\\boxed{}``/``\\text{}``-like wrappers, keeps the text after the last
     ``=``, strips ``$``, spacing commands, ``\\left``/``\\right``, degree and percent
     signs, unit words and a trailing period, braces ``\\frac12``/``\\sqrt2`` shorthand,
-    maps ``\\dfrac``/``\\tfrac`` to ``\\frac`` and drops thousands separators.
+    maps ``\\dfrac``/``\\tfrac`` to ``\\frac``, a U+2212 minus to ``-`` and drops thousands
+    separators (a digit group of three after each comma: ``1,2`` stays a list). More
+    forgiving than the DAPO reference (:func:`dapo_math_score`).
     """
     return _normalize(str(answer))
 
@@ -227,8 +342,9 @@ def _normalize(s: str) -> str:
     return s.rstrip(".")
 
 
-def dapo_math_score(response: str, ground_truth: str) -> float:
-    """+1.0 when the normalised ``Answer:`` equals the normalised ground truth, else -1.0."""
+def dapo_math_lenient_score(response: str, ground_truth: str) -> float:
+    """+1.0 when the ``Answer:`` line (:func:`extract_answer`) and the ground truth agree
+    after :func:`normalize_final_answer`, else -1.0; an empty answer never matches."""
     predicted = extract_answer(response)
     if predicted is None:
         return -1.0
@@ -328,6 +444,7 @@ def gsm8k_score(response: str, ground_truth: str) -> float:
 
 SCORERS: dict[str, Callable[[str, str], float]] = {
     "dapo_math": dapo_math_score,
+    "dapo_math_lenient": dapo_math_lenient_score,
     "math_verify": math_verify_score,
     "gsm8k": gsm8k_score,
 }
@@ -354,8 +471,13 @@ SOURCE_SCORERS: dict[str, str] = {
     },
 }
 
+# What each built-in scorer reads and how it compares: the start-up lines name the scorer
+# and say this.
 SCORER_FORMS = {
-    "dapo_math": "the last 'Answer: ...' line, compared as normalised text",
+    "dapo_math": "the last 'Answer: ...' line, compared as text by the DAPO reference's rules, "
+    "verl's math_dapo",
+    "dapo_math_lenient": "the last 'Answer: ...' line, compared as text after a lenient "
+    "normalisation that forgives units, °, %, \\dfrac and a final period",
     "math_verify": "an 'Answer:' line or a \\boxed{}, compared symbolically by math_verify",
     "gsm8k": "'#### N' (or \\boxed{N}, 'Answer: N'), compared as a number",
 }

@@ -178,7 +178,10 @@ class RewardScorer:
         timeout_s: float = 5.0,
         num_workers: int = 1,
         output: UserOutput | None = None,
+        origins: Sequence[str] | None = None,
     ) -> None:
+        """``origins``: what errors call each function, where it was given (default
+        ``reward.functions[i]``; ``dapo eval`` says ``--scorer``)."""
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(
                 "timeout_s (reward.timeout_s) must be a positive number of seconds, "
@@ -193,6 +196,7 @@ class RewardScorer:
         self.num_workers = num_workers
         self._source_scorers = dict(source_scorers or {})
         self._default_scorer = default_scorer
+        self._origins = list(origins or ())
         self._plan = self._make_plan(functions)
         self._in_process = self._plan.in_process
         self._source_ids: dict[str, int] = {}
@@ -238,7 +242,7 @@ class RewardScorer:
                 raise ValueError(
                     f"reward.functions[{i}] weight must be a finite number, got {weight!r}"
                 )
-            where = f"reward.functions[{i}]"
+            where = self._origins[i] if i < len(self._origins) else f"reward.functions[{i}]"
             if callable(function):  # from Python: dapo.train checked it (reward_funcs[i])
                 name, source = callable_name(function), self._callable_source(function)
                 entry = RewardFn.of(name, function)
@@ -303,12 +307,10 @@ class RewardScorer:
                     f"({SCORER_FORMS[name]}): +1 correct, -1 not"
                 )
             return lines
-        parts = [
-            f"{n} ({'built-in' if s in SCORERS else self._plan.forms[i] + ' form'}, weight {w:g})"
-            for i, (n, s, w) in enumerate(
-                zip(self._plan.names, self._plan.sources, self._plan.weights, strict=True)
-            )
-        ]
+        plan, parts = self._plan, []
+        for n, s, w, form in zip(plan.names, plan.sources, plan.weights, plan.forms, strict=True):
+            kind = f"built-in: {SCORER_FORMS[s]};" if s in SCORERS else f"{form} form,"
+            parts.append(f"{n} ({kind} weight {w:g})")
         return [
             "reward: " + " + ".join(parts) + "; 'acc' counts a response correct by a "
             "built-in scorer's +1, a dict's acc field, or reward > 0 while every function "
