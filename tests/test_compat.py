@@ -4,6 +4,7 @@ rewards on any scale under the default preset, their data layouts, plain reward 
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -700,6 +701,178 @@ def test_a_trl_grpo_config_object_trains_with_its_values_and_reward_weights(
     trainer.close()
     with pytest.raises(ConfigError, match="needs one weight per reward function"):
         dapo.make_trainer(args, model=str(random_tiny_model), reward_funcs=[length_reward])
+
+
+def _grpo_config_switches() -> list[str]:
+    """Every true/false option of TRL's GRPOConfig, its own and TrainingArguments'."""
+    import dataclasses
+    import typing
+
+    from trl import GRPOConfig
+
+    hints = typing.get_type_hints(GRPOConfig)
+    return [
+        f.name
+        for f in dataclasses.fields(GRPOConfig)
+        if hints[f.name] is bool or bool in typing.get_args(hints[f.name])
+    ]
+
+
+# Switches whose effect shows only beside another setting: that setting, for the walk.
+_BESIDE = {
+    "vllm_importance_sampling_correction": {"use_vllm": True},  # TRL corrects vLLM's samples
+    "use_bias_correction_kl": {"beta": 0.04},  # it weighs the KL term
+}
+
+
+def _from_grpo_config(name: str, value: bool, out: Path) -> tuple[object, dict, str]:
+    """A GRPOConfig with ``name`` = ``value``, as dapo reads it: the config (or the error),
+    the names taken from it, and the translation table."""
+    from trl import GRPOConfig
+
+    from dapo.config import foreign
+
+    args = GRPOConfig(output_dir=str(out), use_cpu=True)
+    for key, v in {**_BESIDE.get(name, {}), name: value}.items():
+        setattr(args, key, v)  # as given to the constructor, past TRL's own checks
+    taken = foreign.trl_names(args)
+    told: list[str] = []
+    try:
+        cfg: object = load_config(taken, log=told.append)
+    except ConfigError as exc:
+        cfg = exc
+    return cfg, taken, "\n".join(told)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_every_grpo_config_switch_is_translated_refused_or_ignored_at_both_values(tmp_path):
+    """Each true/false option of GRPOConfig, set true and then false: translated to a dapo
+    key that follows it, refused at the value dapo has no equivalent for (named, with the
+    reason), or ignored with the reason in the table; a switch dapo translates or checks is
+    taken at TRL's default too. From a mapping (a YAML file), each value is in the table or
+    the error."""
+    from dapo.config import foreign
+
+    switches = _grpo_config_switches()
+    assert "mask_truncated_completions" in switches and len(switches) > 40
+    for name in switches:
+        rule = foreign.TRL.get(name)
+        assert rule is not None, f"GRPOConfig's `{name}` is in no rule of foreign.TRL"
+        assert not rule.why, f"`{name}` is refused at both values; one of them is dapo's"
+        got = {v: _from_grpo_config(name, v, tmp_path) for v in (True, False)}
+        for v in (True, False):  # a mapping's names always reach the table or the error
+            told: list[str] = []
+            try:
+                load_config(overrides={**_BESIDE.get(name, {}), name: v}, log=told.append)
+            except ConfigError as exc:
+                assert f"`{name}`" in str(exc), (name, v, str(exc))
+            else:
+                assert re.search(rf"\b{name}\b", "\n".join(told)), (name, v, told)
+        if rule.ignore:
+            for v, (cfg, taken, table) in got.items():
+                assert not isinstance(cfg, ConfigError), (name, v, cfg)
+                if name in taken:  # set away from TRL's default: the table says why
+                    assert f"ignored: {rule.ignore}" in table, (name, v, table)
+            continue
+        if name == "bf16":  # TRL's default (bf16 unless fp16) is auto's choice on CUDA
+            (on, taken_on, _), (off, taken_off, _) = got[True], got[False]
+            assert "bf16" not in taken_on and on.train.precision == "auto"
+            assert taken_off["bf16"] is False and off.train.precision == "fp32"
+            continue
+        for v, (_, taken, _) in got.items():
+            assert taken.get(name) is v, f"`{name}` = {v} was not taken"
+        refused = [v for v, (cfg, _, _) in got.items() if isinstance(cfg, ConfigError)]
+        if refused:  # checked: one value is what dapo does, the other is refused
+            (v,) = refused
+            assert f"`{name}` = {v!r}: " in str(got[v][0]), (name, str(got[v][0]))
+            assert not isinstance(got[not v][0], ConfigError)
+        else:  # translated: the config follows the switch
+            on, off = got[True][0].to_dict(), got[False][0].to_dict()
+            assert on != off, f"`{name}`: true and false give the same config"
+
+
+def test_trl_mask_truncated_completions_decides_the_overlong_filter_both_ways(tmp_path, capsys):
+    """TRL's default (false) turns the DAPO preset's overlong filter off; true turns it on;
+    the table says which value was TRL's default."""
+    from trl import GRPOConfig
+
+    import dapo
+
+    for given in ({}, {"mask_truncated_completions": False}):
+        cfg = dapo.make_config(GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **given))
+        assert cfg.preset == "dapo" and cfg.algorithm.overlong_filter is False
+        assert cfg.algorithm.overlong_penalty is True  # TRL has no such setting: the preset's
+    table = capsys.readouterr().out
+    assert "mask_truncated_completions" in table
+    assert "-> algorithm.overlong_filter = False  (TRL's default)" in table
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, mask_truncated_completions=True)
+    assert dapo.make_config(args).algorithm.overlong_filter is True
+    line = next(x for x in capsys.readouterr().out.splitlines() if "overlong_filter" in x)
+    assert line.endswith("-> algorithm.overlong_filter = True")
+    assert (
+        load_config(overrides={"mask_truncated_completions": False}).algorithm.overlong_filter
+        is False
+    )
+
+
+def test_verl_switches_are_translated_refused_or_ignored_at_both_values():
+    """verl's true/false keys (its ppo_trainer.yaml and the DAPO recipe): each value is
+    translated to a dapo key that follows it, refused with the key named, or ignored in the
+    table. verl has no overlong filter (its overlong shaping is overlong_buffer)."""
+    keys = [
+        "data.shuffle",
+        "data.filter_overlong_prompts",
+        "data.return_raw_chat",
+        "actor_rollout_ref.hybrid_engine",
+        "actor_rollout_ref.model.enable_gradient_checkpointing",
+        "actor_rollout_ref.model.use_remove_padding",
+        "actor_rollout_ref.model.use_liger",
+        "actor_rollout_ref.actor.use_dynamic_bsz",
+        "actor_rollout_ref.actor.use_kl_loss",
+        "actor_rollout_ref.actor.use_torch_compile",
+        "actor_rollout_ref.actor.fsdp_config.param_offload",
+        "actor_rollout_ref.rollout.enforce_eager",
+        "actor_rollout_ref.rollout.free_cache_engine",
+        "reward_model.enable",
+        "reward_model.overlong_buffer.enable",
+        "algorithm.norm_adv_by_std_in_grpo",
+        "algorithm.use_kl_in_reward",
+        "algorithm.filter_groups.enable",
+        "trainer.balance_batch",
+        "trainer.val_before_train",
+    ]
+    translated = {}
+    for key in keys:
+        got = {}
+        for v in (True, False):
+            told: list[str] = []
+            try:
+                got[v] = load_config(overrides={key: v}, log=told.append).to_dict()
+            except ConfigError as exc:
+                assert f"`{key}`" in str(exc) and "did you mean" not in str(exc), str(exc)
+                continue
+            dapo_key = key in {"data.shuffle"}  # dapo's own key of the same name
+            assert dapo_key or re.search(rf"\b{key}\b", "\n".join(told)), (key, v, told)
+        if len(got) == 2 and got[True] != got[False]:
+            translated[key] = got
+    assert set(translated) == {
+        "data.shuffle",
+        "actor_rollout_ref.model.enable_gradient_checkpointing",
+        "actor_rollout_ref.actor.use_kl_loss",
+        "reward_model.overlong_buffer.enable",
+        "algorithm.norm_adv_by_std_in_grpo",
+        "algorithm.filter_groups.enable",
+        "trainer.val_before_train",
+    }
+    # use_kl_loss alone is verl's KL loss at its default coefficient; false is none
+    kl = translated["actor_rollout_ref.actor.use_kl_loss"]
+    assert (kl[True]["algorithm"]["beta"], kl[False]["algorithm"]["beta"]) == (0.001, 0.0)
+    adv = translated["algorithm.norm_adv_by_std_in_grpo"]
+    assert adv[False]["algorithm"]["advantage_scale"] == "none"  # Dr. GRPO's
+    both = load_config(
+        overrides={"algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": False}
+    )
+    assert both.algorithm.advantage_scale == "none"
 
 
 def test_a_trl_reward_returning_the_wrong_number_of_values_costs_its_group():

@@ -184,3 +184,124 @@ def test_the_logger_shows_transcripts_in_tensorboard_and_a_wandb_table(tmp_path,
     (event,) = acc.Tensors("rollouts/text_summary")
     text = event.tensor_proto.string_val[0].decode()
     assert event.step == 1 and "tool call add" in text and json.dumps({"numbers": [1, 2]}) in text
+
+
+def labelled_group(g: int, uid: str, n: int = 4) -> ScoredGroup:
+    """A group of ``n`` whose every response names its group and sample ("g3 s1")."""
+    responses = [ids(f"g{g} s{i}") + [EOS] for i in range(n)]
+    return ScoredGroup(
+        prompt_ids=ids(f"{g}+0=?"),
+        response_ids=responses,
+        sample_logprobs=[[0.0] * len(r) for r in responses],
+        truncated=[False] * n,
+        rewards=[-1.0] * n,
+        correct=[False] * n,
+        record=PromptRecord(f"{g}+0=?", str(g), "addition", uid),
+        step=1,
+        penalty=[0.0] * n,
+    )
+
+
+def test_left_out_groups_are_labelled_with_their_own_group_and_sample(tmp_path):
+    """Transcripts of the groups left out of training name each its own group (numbered on
+    after the trained ones, in generation order) and the sample shown, one group each."""
+    from dapo.config import load_config
+    from dapo.health import HealthMonitor
+    from dapo.training.record import RunRecord
+
+    cfg = load_config(
+        overrides=[
+            f"output_dir={tmp_path}",
+            "logging.transcripts_per_step=5",
+            "logging.console=false",
+            "logging.tensorboard=false",
+        ]
+    )
+    record = RunRecord(
+        cfg,
+        tmp_path,
+        resumed_from=None,
+        is_main=True,
+        tokenizer=TOK,
+        parser=lambda _: [],
+        health=HealthMonitor(cfg, warn=False),
+    )
+    trained = [labelled_group(0, "t0", n=1)]
+    left_out = [(labelled_group(1 + j, f"x{j}"), f"reason {j}") for j in range(6)]
+    record.step(1, {}, trained, [[0.0]], left_out)
+    record.close()
+    recs = read_transcripts(tmp_path)
+    shown = [r for r in recs if r.get("left_out")]
+    assert len(recs) == 5 and len(shown) == 4  # one trained sample, then the left-out
+    pairs = [(r["group"], r["sample"]) for r in shown]
+    assert len({g for g, _ in pairs}) == 4  # four different groups, none labelled alike
+    assert len({s for _, s in pairs}) > 1  # not every group's same sample
+    for r in shown:
+        j = r["group"] - len(trained)
+        assert 0 <= j < len(left_out)
+        assert r["uid"] == f"x{j}" and r["left_out"] == f"reason {j}"
+        assert r["turns"][0]["text"] == f"g{1 + j} s{r['sample']}"  # that very sample
+        assert "NOT TRAINED" in format_transcript(r)
+        assert f"group {r['group']}  sample {r['sample']}" in format_transcript(r)
+    (kept,) = [r for r in recs if not r.get("left_out")]
+    assert kept["group"] == 0 and kept["uid"] == "t0"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_step_that_leaves_out_every_group_labels_each_by_its_real_indices(
+    random_tiny_model, tmp_path, monkeypatch
+):
+    """A run's step whose groups are all left out (every response wrong): its transcripts'
+    (group, sample) pairs are distinct and name the group the producer left out at that
+    index, and the response shown is that sample's."""
+    import warnings
+    from pathlib import Path
+
+    from dapo.config import load_config
+    from dapo.training.record import RunRecord
+    from dapo.training.trainer import Trainer
+
+    rewards = Path(__file__).with_name("trainer_rewards.py")
+    seen: dict[int, list[tuple[str, list[str]]]] = {}
+    step = RunRecord.step
+
+    def watch(self, n, metrics, groups, advantages, left_out=()):
+        assert not groups  # every group all wrong: none trained
+        seen[n] = [(g.record.uid, [TOK.decode(r) for r in g.response_ids]) for g, _ in left_out]
+        return step(self, n, metrics, groups, advantages, left_out)
+
+    monkeypatch.setattr(RunRecord, "step", watch)
+    cfg = load_config(
+        overrides=[
+            f"model.name_or_path={random_tiny_model}",
+            f"output_dir={tmp_path}",
+            "train.steps=1",
+            "train.prompts_per_step=4",
+            "rollout.num_generations=4",
+            "rollout.max_completion_length=8",
+            "algorithm.overlong_buffer=4",
+            "algorithm.max_gen_rounds=2",
+            "logging.transcripts_per_step=6",
+            "evaluate=false",
+            "logging.console=false",
+            "logging.tensorboard=false",
+            "logging.dashboard=false",
+            "checkpoint.save_every=0",
+            "checkpoint.save_final_model=false",
+            "reward.num_workers=0",
+            f"reward.functions=[{{name: '{rewards}:always_wrong'}}]",
+        ]
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Trainer(cfg, log=lambda _: None).run()
+    recs = read_transcripts(tmp_path)
+    groups = seen[1]
+    assert len(groups) >= 8 and len(recs) == 6  # two rounds of 4 prompts or more, all left out
+    assert len({(r["group"], r["sample"]) for r in recs}) == 6
+    assert len({r["group"] for r in recs}) == 6  # from six different groups
+    for r in recs:
+        uid, responses = groups[r["group"]]
+        assert r["uid"] == uid and r["left_out"].startswith("filtered out by dynamic sampling")
+        text = "".join(t["text"] for t in r["turns"])
+        assert responses[r["sample"]].startswith(text)  # shown without its EOS

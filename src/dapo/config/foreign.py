@@ -6,12 +6,17 @@ when dapo has the same setting (units converted: TRL counts completions where da
 prompts), refused with the reason when it has none or another meaning, or ignored with the
 reason when it changes nothing a dapo run does (logging to the hub, dataloader workers).
 :func:`translate` returns dapo's dotted keys, the table it prints, and what it refused;
-:mod:`dapo.config.loading` raises every refused and unknown name in one error.
+:mod:`dapo.config.loading` raises every refused and unknown name in one error. Of a
+``GRPOConfig`` object, which records no "set by its user", :func:`trl_names` takes the run's
+defining numbers and every switch dapo translates or checks at any value, TRL's defaults
+included, and any other option where it differs from TRL's default.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,14 +131,77 @@ def _never_is_zero(key: str) -> Rule:
 
 
 def _false_only(why: str) -> Rule:
-    """A switch dapo has no equivalent for when on."""
+    """A switch dapo has no equivalent for when on (off is what dapo does)."""
 
     def convert(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
         if value:
             raise ValueError(why)
         return {}
 
-    return Rule(convert=convert, note="false only")
+    return Rule(convert=convert, note="false only: what dapo does")
+
+
+def _true_only(why: str) -> Rule:
+    """A switch dapo has no equivalent for when off (on is what dapo does)."""
+
+    def convert(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
+        if not value:
+            raise ValueError(why)
+        return {}
+
+    return Rule(convert=convert, note="true only: what dapo does")
+
+
+# TRL's vllm_importance_sampling_mode: (algorithm.is_level, algorithm.is_mode).
+_IS_MODES = {
+    "token_truncate": ("token", "truncate"),
+    "token_mask": ("token", "mask"),
+    "sequence_truncate": ("sequence", "truncate"),
+    "sequence_mask": ("sequence", "mask"),
+}
+
+
+def _vllm_is(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """TRL's correction of vLLM's samples (its five names read together, at TRL's defaults
+    where not given): on only with ``use_vllm``, as in TRL, else ``algorithm.is_cap`` null."""
+    if not given.get("vllm_importance_sampling_correction", True) or not given.get("use_vllm"):
+        return {"algorithm.is_cap": None}
+    if given.get("vllm_importance_sampling_clip_min") is not None:
+        raise ValueError(
+            "a lower bound on the ratio has no equivalent here (dapo bounds it from above, "
+            "algorithm.is_cap): leave vllm_importance_sampling_clip_min unset"
+        )
+    mode = given.get("vllm_importance_sampling_mode", "sequence_mask")
+    if mode not in _IS_MODES:
+        known = ", ".join(_IS_MODES)
+        raise ValueError(f"vllm_importance_sampling_mode = {mode!r} is none of {known}")
+    cap = given.get("vllm_importance_sampling_clip_max")
+    if cap is None:
+        cap = given.get("vllm_importance_sampling_cap")
+    level, how = _IS_MODES[mode]
+    return {
+        "algorithm.is_cap": float(3.0 if cap is None else cap),  # TRL's default cap
+        "algorithm.is_level": level,
+        "algorithm.is_mode": how,
+    }
+
+
+_VLLM_IS = Rule(
+    convert=_vllm_is,
+    note="with use_vllm only, as TRL; sequence_mask -> is_level=sequence, is_mode=mask",
+)
+
+
+def _kl_weighting(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    beta = float(given.get("beta") or 0.0)
+    if value and beta > 0:
+        raise ValueError(
+            f"with beta = {beta:g}, TRL weighs each token's KL by its importance ratio (its "
+            "default), which changes the KL gradient; dapo's KL term is not weighed: set "
+            "use_bias_correction_kl=False to train with the unweighted estimator "
+            "(algorithm.kl_estimator=k3)"
+        )
+    return {}
 
 
 TRL: dict[str, Rule] = {
@@ -182,7 +250,11 @@ TRL: dict[str, Rule] = {
     "log_completions": ignore("dapo writes transcripts every step (logging.transcripts_per_step)"),
     "num_completions_to_print": ignore("dapo show RUN prints transcripts"),
     "shuffle_dataset": same("data.shuffle"),
-    "disable_dropout": ignore("dapo's models train without dropout"),
+    "disable_dropout": _false_only(
+        "dapo trains with the model's own dropout (0 in most LLM checkpoints, where this "
+        "changes nothing): leave it false, and for a checkpoint with dropout set its config's "
+        "dropout probabilities to 0"
+    ),
     "ds3_gather_for_generation": ignore("no DeepSpeed here (FSDP2: train.data_parallel)"),
     "multi_objective_aggregation": mapped(
         "algorithm.advantage_scale",
@@ -194,14 +266,30 @@ TRL: dict[str, Rule] = {
         "algorithm.clip_c (another bound)"
     ),
     "top_entropy_quantile": refuse("no entropy-quantile token masking here"),
-    "sync_ref_model": refuse("dapo's reference (algorithm.beta > 0) is the initial policy"),
-    "vllm_importance_sampling_correction": _bool_to("algorithm.is_cap", 3.0, None),
-    "vllm_importance_sampling_mode": refuse(
-        "its values (token_truncate, sequence_mask, ...) are two dapo settings: "
-        "algorithm.is_level (token|sequence) and algorithm.is_mode (truncate|mask)"
+    "sync_ref_model": _false_only("dapo's reference (algorithm.beta > 0) is the initial policy"),
+    "vllm_importance_sampling_correction": _VLLM_IS,
+    "vllm_importance_sampling_mode": _VLLM_IS,
+    "vllm_importance_sampling_clip_max": _VLLM_IS,
+    "vllm_importance_sampling_cap": _VLLM_IS,
+    "vllm_importance_sampling_clip_min": _VLLM_IS,
+    "use_bias_correction_kl": Rule(convert=_kl_weighting, note="false, or any with beta = 0"),
+    "use_adaptive_entropy": _false_only(
+        "no adaptive entropy coefficient here: algorithm.entropy_coef is fixed"
     ),
-    "vllm_importance_sampling_clip_max": same("algorithm.is_cap"),
-    "vllm_importance_sampling_cap": same("algorithm.is_cap"),
+    "cast_lm_head_to_fp32": ignore(
+        "dapo's output layer sums in float32 in every precision (its logits are never "
+        "rounded to bf16)"
+    ),
+    "use_transformers_continuous_batching": ignore(
+        "dapo's hf engine decodes with its own static KV cache (rollout.engine=hf)"
+    ),
+    "use_transformers_paged": ignore(
+        "dapo's hf engine decodes with its own static KV cache (rollout.engine=hf)"
+    ),
+    "log_multimodal": ignore("dapo writes transcripts every step (logging.transcripts_per_step)"),
+    "log_unique_prompts": ignore(
+        "dapo writes transcripts every step (logging.transcripts_per_step)"
+    ),
     "max_tool_calling_iterations": same("rollout.max_turns"),
     # TrainingArguments' names
     "output_dir": same("output_dir"),
@@ -220,8 +308,52 @@ TRL: dict[str, Rule] = {
     "adam_beta2": same("train.adam_beta2"),
     "max_grad_norm": same("train.max_grad_norm"),
     "bf16": _bool_to("train.precision", "bf16-mixed", "fp32"),
-    "fp16": refuse("fp16 is not supported: train.precision=bf16-mixed or fp32"),
+    "fp16": _false_only("fp16 is not supported: train.precision=bf16-mixed or fp32"),
+    "tf32": ignore(
+        "dapo leaves TF32 at PyTorch's default; train.precision=bf16-mixed is its fast mode"
+    ),
     "gradient_checkpointing": same("model.gradient_checkpointing"),
+    "torch_compile": ignore(
+        "dapo compiles no training forward; its hf engine replays decoding from CUDA graphs "
+        "(rollout.cuda_graphs)"
+    ),
+    "use_liger_kernel": ignore(
+        "dapo computes log-probs chunk by chunk (train.logits_chunk_size): the memory "
+        "Liger's fused loss saves"
+    ),
+    "use_cache": ignore("the rollout engine keeps its own KV cache; the training forward none"),
+    "auto_find_batch_size": ignore(
+        "dapo packs micro-batches by tokens (train.micro_batch_tokens); it does not retry "
+        "with smaller ones on out-of-memory"
+    ),
+    "average_tokens_across_devices": _true_only(
+        "dapo's token-mean loss divides by the tokens of every rank, as true does"
+    ),
+    "full_determinism": _false_only(
+        "dapo seeds every draw (seed) but does not switch PyTorch to deterministic "
+        "kernels: leave it false"
+    ),
+    "load_best_model_at_end": _false_only(
+        "dapo keeps the last checkpoints (checkpoint.keep_last) and exports the final "
+        "model; it picks no best one"
+    ),
+    "greater_is_better": ignore("read with load_best_model_at_end"),
+    "ignore_data_skip": _false_only(
+        "a resumed dapo run goes on with the prompts where its checkpoint stopped"
+    ),
+    "save_only_model": ignore(
+        "dapo's checkpoints keep the optimizer state for an exact resume; the final model "
+        "is exported alone (checkpoint.save_final_model)"
+    ),
+    "enable_jit_checkpoint": ignore(
+        "dapo saves a checkpoint on SIGTERM and Ctrl-C (checkpoint.on_signal)"
+    ),
+    "restore_callback_states_from_checkpoint": ignore(
+        "dapo's callbacks are the Python objects given to dapo.train; they keep their own state"
+    ),
+    "eval_on_start": ignore(
+        "dapo measures held-out accuracy before and after training (evaluate=false: neither)"
+    ),
     "save_steps": same("checkpoint.save_every"),
     "save_total_limit": same("checkpoint.keep_last"),
     "eval_steps": same("logging.eval_every"),
@@ -230,31 +362,64 @@ TRL: dict[str, Rule] = {
     "resume_from_checkpoint": _bool_to("resume", True, False),
 }
 
-# TrainingArguments' names that change nothing a dapo run does.
-_TRL_HARMLESS = frozenset(
-    {
+# TrainingArguments' names that change nothing a dapo run does, by why.
+_TRL_HARMLESS: dict[str, tuple[str, ...]] = {
+    "dapo's logging is its own (logging.*)": (
         "logging_steps",
         "logging_dir",
         "logging_strategy",
         "logging_first_step",
-        "save_strategy",
-        "eval_strategy",
-        "per_device_eval_batch_size",
-        "dataloader_num_workers",
-        "dataloader_pin_memory",
-        "remove_unused_columns",
-        "push_to_hub",
-        "hub_model_id",
-        "overwrite_output_dir",
+        "log_on_each_node",
+        "logging_nan_inf_filter",
+        "include_num_input_tokens_seen",
+        "skip_memory_metrics",
         "disable_tqdm",
         "log_level",
+    ),
+    "dapo does not push to the Hugging Face Hub": (
+        "push_to_hub",
+        "hub_model_id",
+        "hub_private_repo",
+        "hub_always_push",
+    ),
+    "dapo reads its prompts without a torch DataLoader": (
+        "dataloader_num_workers",
+        "dataloader_pin_memory",
+        "dataloader_drop_last",
+        "dataloader_persistent_workers",
+        "dataloader_in_order",
+        "remove_unused_columns",
+    ),
+    "dapo shards with FSDP2 (train.data_parallel), not DDP": (
+        "ddp_find_unused_parameters",
+        "ddp_broadcast_buffers",
+        "ddp_static_graph",
+    ),
+    "dapo's evaluation samples answers and scores them (evaluate, logging.eval_every) in the "
+    "training precision; the Trainer's eval loop is not used": (
+        "eval_strategy",
+        "per_device_eval_batch_size",
+        "prediction_loss_only",
+        "eval_do_concat_batches",
+        "eval_use_gather_object",
+        "batch_eval_metrics",
+        "bf16_full_eval",
+        "fp16_full_eval",
+    ),
+    "no effect in a dapo run": (
+        "save_strategy",
+        "save_on_each_node",
+        "overwrite_output_dir",
         "do_train",
         "do_eval",
-        "use_cpu",
-    }
-)
-for _name in _TRL_HARMLESS:
-    TRL.setdefault(_name, ignore("no effect in a dapo run"))
+        "do_predict",
+    ),
+    "dapo trains on CUDA when there is a GPU (CUDA_VISIBLE_DEVICES= hides it), on the CPU "
+    "otherwise": ("use_cpu",),
+}
+for _why, _names in _TRL_HARMLESS.items():
+    for _name in _names:
+        TRL.setdefault(_name, ignore(_why))
 
 # --- verl -------------------------------------------------------------------------------------
 
@@ -265,6 +430,34 @@ def _custom_reward(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     path = given.get("custom_reward_function.path")
     name = given.get("custom_reward_function.name") or "compute_score"
     return {"reward.functions": [{"name": f"{path}:{name}"}]} if path else {}
+
+
+def _kl_loss(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """verl's KL loss: on with use_kl_loss (default off), its coefficient kl_loss_coef."""
+    if not given.get(_A + "use_kl_loss", False):
+        return {"algorithm.beta": 0.0}
+    return {"algorithm.beta": float(given.get(_A + "kl_loss_coef", 0.001))}  # verl's default
+
+
+_KL_LOSS = Rule(
+    convert=_kl_loss, note="kl_loss_coef (verl's default 0.001) when use_kl_loss, else 0"
+)
+
+
+def _grpo_advantage(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """verl's GRPO advantage: divided by the group's std unless norm_adv_by_std_in_grpo is
+    false (Dr. GRPO)."""
+    estimator = given.get("algorithm.adv_estimator", "grpo")
+    if estimator != "grpo":
+        raise ValueError(
+            f"algorithm.adv_estimator = {estimator!r} has no equivalent here (dapo takes 'grpo')"
+        )
+    if given.get("algorithm.norm_adv_by_std_in_grpo", True):
+        return {"algorithm.advantage_scale": "group"}
+    return {"algorithm.advantage_scale": "none"}
+
+
+_GRPO_ADVANTAGE = Rule(convert=_grpo_advantage, note="norm_adv_by_std_in_grpo false -> none")
 
 
 def _engine_name(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
@@ -315,11 +508,8 @@ VERL: dict[str, Rule] = {
         "algorithm.policy_loss", {"vanilla": "ppo", "gspo": "gspo", "cispo": "cispo"}
     ),
     _A + "entropy_coeff": same("algorithm.entropy_coef"),
-    _A + "use_kl_loss": ignore("read with kl_loss_coef: algorithm.beta > 0 is the KL loss"),
-    _A + "kl_loss_coef": Rule(
-        convert=lambda v, g: {"algorithm.beta": float(v) if g.get(_A + "use_kl_loss") else 0.0},
-        note="algorithm.beta when use_kl_loss, else 0",
-    ),
+    _A + "use_kl_loss": _KL_LOSS,
+    _A + "kl_loss_coef": _KL_LOSS,
     _A + "kl_loss_type": mapped(
         "algorithm.kl_estimator", {"low_var_kl": "k3", "k3": "k3", "kl": "k1", "k1": "k1"}
     ),
@@ -336,7 +526,8 @@ VERL: dict[str, Rule] = {
     _R + "tensor_model_parallel_size": refuse("one engine per rank here; no tensor parallelism"),
     _R + "log_prob_micro_batch_size_per_gpu": ignore("log-probs are packed by tokens"),
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ignore("packed by tokens"),
-    "algorithm.adv_estimator": mapped("algorithm.advantage_scale", {"grpo": "group"}),
+    "algorithm.adv_estimator": _GRPO_ADVANTAGE,
+    "algorithm.norm_adv_by_std_in_grpo": _GRPO_ADVANTAGE,
     "algorithm.use_kl_in_reward": _false_only(
         "a KL penalty in the reward has no equivalent: dapo's KL is a loss term (algorithm.beta)"
     ),
@@ -416,17 +607,23 @@ class Translation:
     keys: dict[str, Any] = field(default_factory=dict)  # dapo's dotted keys and values
     rows: list[tuple[str, str, Any, str]] = field(default_factory=list)  # theirs, ours, value, note
     refused: list[str] = field(default_factory=list)  # one line per name
+    # read and accepted with nothing to set (a switch at the value dapo has): "name=value"
+    unchanged: list[str] = field(default_factory=list)
     reward_weights: list[float] | None = None
 
     def table(self) -> str:
-        """The translation as lines: their name, our key, the value, the note."""
-        if not self.rows:
+        """The translation as lines: their name, our key, the value, the note; then the
+        names read that change nothing, on one wrapped line."""
+        if not self.rows and not self.unchanged:
             return ""
-        width = max(len(r[0]) for r in self.rows)
+        width = max((len(r[0]) for r in self.rows), default=0)
         lines = ["translated from TRL / verl names:"]
         for theirs, ours, value, note in self.rows:
             tail = f"  ({note})" if note else ""
             lines.append(f"  {theirs:<{width}} -> {ours} = {value!r}{tail}")
+        if self.unchanged:
+            text = "read, nothing to change: " + ", ".join(self.unchanged)
+            lines += textwrap.wrap(text, 96, initial_indent="  ", subsequent_indent="    ")
         return "\n".join(lines)
 
 
@@ -451,9 +648,15 @@ def translate(names: Mapping[str, Any]) -> Translation:
         if rule.ignore:
             out.rows.append((name, "-", value, f"ignored: {rule.ignore}"))
             continue
+        # A TRL name at TRL's default says so (a GRPOConfig's defaults are taken too), unless
+        # its rule reads several names (the batch sizes), whose result no one name decides.
+        alone = sum(r is rule for r in TRL.values()) == 1
+        at_default = name in TRL and alone and _is_trl_default(name, value)
+        default = "TRL's default" if at_default else ""
+        note = "; ".join(n for n in (rule.note, default) if n)
         if rule.key is not None:
             out.keys[rule.key] = value
-            out.rows.append((name, rule.key, value, rule.note))
+            out.rows.append((name, rule.key, value, note))
             continue
         assert rule.convert is not None
         if id(rule) in converted:
@@ -464,13 +667,39 @@ def translate(names: Mapping[str, Any]) -> Translation:
         except (ValueError, TypeError) as e:
             out.refused.append(f"`{name}` = {value!r}: {e}")
             continue
+        if not keys:  # a value dapo's behaviour is: said, not dropped unseen
+            out.unchanged.append(f"{name}={value!r}")
         for key, v in keys.items():
             out.keys[key] = v
-            out.rows.append((name, key, v, rule.note))
+            out.rows.append((name, key, v, note))
     return out
 
 
-# The GRPOConfig names whose TRL defaults a translated config keeps (where dapo's differ).
+@functools.cache
+def trl_defaults() -> dict[str, Any]:
+    """Every ``GRPOConfig`` option's default as its dataclass declares it (``{}`` without
+    TRL); ``bf16``'s is None, TRL's "bf16 unless fp16"."""
+    try:
+        from trl import GRPOConfig
+    except Exception:
+        return {}
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(GRPOConfig):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def _is_trl_default(name: str, value: Any) -> bool:
+    defaults = trl_defaults()
+    return name in defaults and defaults[name] is not None and not _differs(value, defaults[name])
+
+
+# The GRPOConfig names whose TRL defaults a translated config keeps (where dapo's differ):
+# the numbers that define a GRPO run. Every switch with a dapo equivalent is kept too
+# (:func:`taken_at_default`).
 TRL_RUN_DEFAULTS = frozenset(
     {
         "learning_rate",
@@ -490,30 +719,55 @@ TRL_RUN_DEFAULTS = frozenset(
 )
 
 
+def taken_at_default(name: str, value: Any) -> bool:
+    """Whether a GRPOConfig's ``name`` is taken at ``value`` even when that is TRL's default:
+    a setting that defines a GRPO run (:data:`TRL_RUN_DEFAULTS`), or a switch (true/false)
+    that the rule table translates or checks. Its default is part of TRL's algorithm as much
+    as a number is: ``mask_truncated_completions=False`` turns the preset's overlong filter
+    off. ``bf16`` is the exception (:func:`trl_names`)."""
+    if name in TRL_RUN_DEFAULTS:
+        return True
+    rule = TRL.get(name)
+    return (
+        isinstance(value, bool)
+        and name != "bf16"
+        and rule is not None
+        and (rule.key is not None or rule.convert is not None)
+    )
+
+
 def trl_names(args: Any) -> dict[str, Any]:
-    """The names of a TRL ``GRPOConfig`` (or any ``TrainingArguments``) that matter: the run's
-    defining settings at TRL's values (:data:`TRL_RUN_DEFAULTS`, defaults included) and any
-    other whose value differs from a fresh config's (what its user set); None values (TRL's
-    "not set") are left out."""
+    """The names of a TRL ``GRPOConfig`` (or any ``TrainingArguments``) that are taken: those
+    :func:`taken_at_default` names at any value, and any other whose value differs from a
+    fresh config's (what its user set); None values (TRL's "not set") are left out.
+
+    ``bf16`` is taken only when set away from TRL's default (true unless ``fp16``): that
+    default is a choice for the machine, which ``train.precision=auto`` makes too (bf16-mixed
+    on CUDA), where bf16=True would force it onto a CPU without native bf16 (~100x slower)."""
     same_machine = {
         k: getattr(args, k) for k in ("output_dir", "bf16", "fp16", "use_cpu") if hasattr(args, k)
     }
-    try:  # built as the user's was on this machine: fields its __post_init__ derives agree
-        fresh = type(args)(**same_machine)
-    except Exception:  # a subclass that needs more: compare with the field defaults
-        fresh = None
+    fresh = None  # built as the user's was: fields its __post_init__ derives agree
+    # bf16 is compared apart (below), so a machine that refuses it may build one without
+    for machine in (same_machine, {**same_machine, "bf16": False}):
+        try:
+            fresh = type(args)(**machine)
+            break
+        except Exception:  # a subclass that needs more: compare with the field defaults
+            continue
     out = {}
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
-        if fresh is not None:
+        if f.name == "bf16":
+            declared = f.default if f.default is not dataclasses.MISSING else None
+            default = (not getattr(args, "fp16", False)) if declared is None else declared
+        elif fresh is not None:
             default = getattr(fresh, f.name)
         elif f.default is not dataclasses.MISSING:
             default = f.default
         else:
             default = object()
-        # TRL's defaults of the settings that define a GRPO run count too: they are what
-        # the user's TRL run would use (learning_rate 1e-6, num_generations 8, ...).
-        if f.name in TRL_RUN_DEFAULTS or _differs(value, default):
+        if taken_at_default(f.name, value) or _differs(value, default):
             out[f.name] = value
     if out.get("epsilon_high") is None and "epsilon" in out:  # TRL: symmetric clipping
         out["epsilon_high"] = out["epsilon"]

@@ -411,8 +411,8 @@ def load_config(
     dotted = {**dotted, **moved[1].keys}
     refused = moved[0].refused + moved[1].refused
     for translation in moved:
-        if translation.rows:
-            (log or _print)(translation.table())
+        if table := translation.table():
+            (log or _print)(table)
     file_data = _nest(raw)
     cli_data = _nest(dotted)
     preset = cli_data.get("preset", file_data.get("preset", "dapo"))

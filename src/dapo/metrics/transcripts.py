@@ -3,8 +3,10 @@
 :func:`transcript_records` picks ``k`` samples of a step's scored groups (seeded: the same
 step and seed pick the same samples) and describes each as a plain dict:
 
-- ``step``, ``group``, ``sample`` (indices in the step's batch), ``generated_step`` (the
-  step that generated the group: carried-over groups are older), ``uid``,
+- ``step``, ``group``, ``sample`` (the group's index in the step's batch, the sample's in
+  its group; the groups left out of training are numbered on after the trained ones, in
+  the order they were generated), ``generated_step`` (the step that generated the group:
+  carried-over groups are older), ``uid``,
   ``data_source``, ``ground_truth``;
 - ``prompt``: the prompt ids decoded with their special tokens, as the model saw them
   (chat template, tool schemas and the environment's opening included);
@@ -57,6 +59,7 @@ def transcript_records(
     k: int,
     seed: int,
     parser: Callable[[str], list[Any]] = parse_hermes,
+    first_group: int = 0,
 ) -> list[dict[str, Any]]:
     """``k`` transcripts of one rollout step's scored groups (``ScoredGroup``), as dicts
     (see the module's docstring), ordered by group and sample.
@@ -64,7 +67,9 @@ def transcript_records(
     The samples come from ``k`` different groups while there are enough (one each, then a
     second round), chosen with ``seed`` and ``step``: deterministic. ``advantages``: one
     list per group, each sample's advantage (``None``: not known, written as null).
-    ``parser``: reads tool calls from assistant turns (``rollout.tool_parser``'s)."""
+    ``parser``: reads tool calls from assistant turns (``rollout.tool_parser``'s).
+    ``first_group``: the step's index of ``groups[0]`` (the groups left out of training
+    are numbered after the trained ones)."""
     if k <= 0 or not groups:
         return []
     if advantages is not None and len(advantages) != len(groups):
@@ -83,7 +88,7 @@ def transcript_records(
     out = []
     for g, i in sorted(picked):
         adv = None if advantages is None else float(advantages[g][i])
-        out.append(_record(step, g, i, groups[g], adv, tokenizer, parser))
+        out.append(_record(step, first_group + g, i, groups[g], adv, tokenizer, parser))
     return out
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -79,7 +78,7 @@ class RunRecord:
                 step, groups, advantages, self.tokenizer, k=k, seed=seed, parser=self.parser
             )
             if left_out and len(records) < k:  # too few trained: show what was left out, and why
-                records += self._left_out(step, left_out, k - len(records), seed)
+                records += self._left_out(step, len(groups), left_out, k - len(records), seed)
             self.transcripts.write(records)
             self.logger.log_transcripts(step, records)
         self.logger.log(step, metrics)
@@ -87,17 +86,29 @@ class RunRecord:
             raise self.health.fatal
 
     def _left_out(
-        self, step: int, left_out: Sequence[tuple[ScoredGroup, str]], k: int, seed: int
+        self,
+        step: int,
+        trained: int,
+        left_out: Sequence[tuple[ScoredGroup, str]],
+        k: int,
+        seed: int,
     ) -> list[dict[str, Any]]:
-        rng = random.Random(f"left-out:{seed}:{step}")
-        picked = rng.sample(list(left_out), min(k, len(left_out)))
-        records = []
-        for group, reason in picked:
-            for r in transcript_records(
-                step, [group], None, self.tokenizer, k=1, seed=seed, parser=self.parser
-            ):
-                records.append({**r, "trained": False, "left_out": reason})
-        return records
+        """``k`` transcripts of the groups left out (from ``k`` different groups while there
+        are enough), each labelled with its group's index (numbered on after the
+        ``trained`` groups, in generation order), its sample's and the reason."""
+        records = transcript_records(
+            step,
+            [group for group, _ in left_out],
+            None,
+            self.tokenizer,
+            k=k,
+            seed=seed,
+            parser=self.parser,
+            first_group=trained,
+        )
+        return [
+            {**r, "trained": False, "left_out": left_out[r["group"] - trained][1]} for r in records
+        ]
 
     def evaluated(self, step: int, ev: dict[str, Any], when: str) -> None:
         """An evaluation's line and its ``val/acc`` (``when``: "before training", ...)."""
