@@ -25,7 +25,7 @@ from dapo.config.loading import aliases  # noqa: E402
 from dapo.config.schema import Config  # noqa: E402
 from dapo.metrics.registry import METRICS  # noqa: E402
 
-CLI_COMMANDS = ("train", "eval", "presets", "plot", "show", "verify", "vllm-serve")
+CLI_COMMANDS = ("train", "eval", "presets", "plot", "compare", "show", "verify", "vllm-serve")
 
 
 def _cell(text: str) -> str:

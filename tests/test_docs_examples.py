@@ -6,7 +6,7 @@ The convention (docs/development.md, "Code blocks in the docs"): a fenced block 
   small: a few rollout steps);
 - ```` ```bash ````: every command checked: ``dapo train ...`` (also under ``torchrun -m
   dapo`` and ``make train ARGS=...``) resolves its config with ``--print-config``; ``dapo
-  eval / plot / show / verify / vllm-serve`` parse their options; ``dapo presets`` runs;
+  eval / plot / compare / show / verify / vllm-serve`` parse their options; ``dapo presets`` runs;
   ``make T`` names a Makefile target; ``python examples/X.py`` names an example (run below);
 - ```` ```yaml ````: a config file, resolved as ``dapo train FILE --print-config`` would;
 - any language with ``title="illustrative: REASON"``: shown, not run (needs a GPU, a hub
@@ -171,7 +171,7 @@ def _check(words: list[str], where: str, monkeypatch: pytest.MonkeyPatch) -> Non
         with contextlib.redirect_stdout(io.StringIO()):
             assert cli.main(["presets"]) == 0
     else:
-        assert command in ("eval", "plot", "show", "verify", "vllm-serve"), (
+        assert command in ("eval", "plot", "compare", "show", "verify", "vllm-serve"), (
             f"{where}: dapo {command}"
         )
         _parse_only(command, argv, monkeypatch)

@@ -106,7 +106,16 @@ def test_the_metrics_reference_lists_the_registry_and_the_cli_reference_every_co
     # Every command `dapo --help` lists has its section (a new command added to the CLI
     # without its reference page fails here).
     usage = cli_page.split("usage: dapo {", 1)[1].split("}", 1)[0]
-    assert ref.CLI_COMMANDS == ("train", "eval", "presets", "plot", "show", "verify", "vllm-serve")
+    assert ref.CLI_COMMANDS == (
+        "train",
+        "eval",
+        "presets",
+        "plot",
+        "compare",
+        "show",
+        "verify",
+        "vllm-serve",
+    )
     assert set(usage.split(",")) == set(ref.CLI_COMMANDS)
     assert "usage: dapo show" in cli_page and "--last" in cli_page
     for command in ref.CLI_COMMANDS:

@@ -411,7 +411,7 @@ def test_dapo_show_numbers_steps_as_the_console_and_shows_what_was_left_out(
     assert done.returncode != 0 and "holds no rollouts" in done.stderr
 
 
-def test_the_dashboard_draws_shares_on_a_fixed_axis_and_marks_health_warnings():
+def test_the_dashboard_draws_shares_near_1_from_0_and_marks_health_warnings():
     from dapo.metrics.dashboard import _build_figure, health_marks
 
     records = [

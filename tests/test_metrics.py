@@ -786,3 +786,105 @@ def test_plot_dashboard_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no metric records"):
         plot_dashboard(tmp_path)
     assert not (tmp_path / "dashboard.png").exists()
+
+
+def _several_updates_run(steps: int = 40) -> list[dict]:
+    """Records as a run with four updates per rollout step logs them: clip fractions of
+    0.02-0.3%, a PPO KL estimate of +-1e-4, throughput in the tens of thousands, a carried
+    surplus."""
+    records = []
+    for step in range(1, steps + 1):
+        rec = {
+            **_synthetic_record(step),
+            "step": step,
+            "actor/clip_frac_low": 0.0002 + 0.0001 * (step % 3),
+            "actor/clip_frac_high": 0.001 + 0.002 * (step % 2),
+            "actor/ppo_kl": 1e-4 * math.sin(step),
+            "perf/rollout_tokens_per_s": 17000.0 + 50 * step,
+            "perf/train_tokens_per_s": 19000.0,
+            "sampling/carried_in": float((step - 1) % 4),
+            "sampling/carried_over": float(step % 4),
+        }
+        records.append(rec)
+    return records
+
+
+def _panel_lines(fig: Any, title: str) -> dict[str, Any]:
+    """The labelled lines of the panel titled ``title``, its twin axis included."""
+    (ax,) = [
+        a for a in fig.axes if a.get_legend() and a.get_legend().get_title().get_text() == title
+    ]
+    return {
+        line.get_label(): line
+        for a in fig.axes
+        if a.get_position().bounds == ax.get_position().bounds
+        for line in a.lines
+        if not line.get_label().startswith("_")
+    }
+
+
+def test_share_axes_fit_small_fractions_from_zero() -> None:
+    """Clip fractions of at most 0.3% fill their panel instead of lying on a 0-1 axis's
+    zero line; shares near 1 still start from 0 (a rise from 0.9955 is no trend)."""
+    records = _several_updates_run()
+    fig = dashboard._build_figure(records, "t")
+    lines = _panel_lines(fig, "Clip fractions")
+    high = lines["clipped high"]
+    assert list(high.get_ydata()) == [r["actor/clip_frac_high"] for r in records]
+    low, top = high.axes.get_ylim()
+    assert low <= 0 < 0.003 < top < 0.01
+    assert max(lines["clipped low"].get_ydata()) > 0.1 * top  # not flattened onto zero
+    fig = dashboard._build_figure([{**r, "sampling/all_wrong_frac": 0.9955} for r in records], "t")
+    assert _panel_lines(fig, "Dynamic sampling")["all-wrong groups"].axes.get_ylim()[0] <= 0
+
+
+def _drawn_tick_labels(ax: Any) -> list[Any]:
+    """The tick labels the axes draws (the locator also places ticks outside the view)."""
+    (x0, x1), (y0, y1) = sorted(ax.get_xlim()), sorted(ax.get_ylim())
+    xs = [t for t in ax.get_xticklabels() if x0 <= t.get_position()[0] <= x1]
+    ys = [t for t in ax.get_yticklabels() if y0 <= t.get_position()[1] <= y1]
+    return [t for t in xs + ys if t.get_visible() and t.get_text()]
+
+
+def test_no_axis_label_or_title_overlaps_a_tick_label() -> None:
+    """Rendered, no axis label, title, legend (the panel titles) or ``1e-4`` offset
+    overlaps a tick label, of its own panel or the next: a PPO KL of +-1e-4 had tick labels
+    (-0.000125) wide enough to push the "ppo kl" label onto the throughput panel's ticks."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = dashboard._build_figure(_several_updates_run(), "t")
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    ticks = [
+        (t.get_text(), t.get_window_extent(renderer))
+        for ax in fig.axes
+        for t in _drawn_tick_labels(ax)
+    ]
+    assert len(ticks) > 100
+    labels: list[Any] = []
+    for ax in fig.axes:
+        texts = [ax.xaxis.label, ax.yaxis.label, ax.title]
+        texts += [ax.xaxis.get_offset_text(), ax.yaxis.get_offset_text()]
+        labels += [t for t in texts if t.get_visible() and t.get_text()]
+        if ax.get_legend():
+            labels.append(ax.get_legend())
+    names = [getattr(t, "get_text", lambda: "")() for t in labels]
+    assert "ppo kl" in names and "tokens / s" in names
+    overlaps = [
+        (name, text)
+        for label, name in zip(labels, names, strict=True)
+        for text, box in ticks
+        if label.get_window_extent(renderer).overlaps(box)
+    ]
+    assert not overlaps
+
+
+def test_dynamic_sampling_panel_draws_the_carried_surplus() -> None:
+    """The groups kept beyond a step's batch (sampling/carried_over) are a line of the
+    dynamic-sampling panel."""
+    records = _several_updates_run(8)
+    lines = _panel_lines(dashboard._build_figure(records, "t"), "Dynamic sampling")
+    xs, ys = lines["carried to next step"].get_data()
+    assert list(xs) == list(range(1, 9))
+    assert list(ys) == [r["sampling/carried_over"] for r in records]

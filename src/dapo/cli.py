@@ -1,5 +1,5 @@
-"""Command line: ``dapo train``, ``dapo eval``, ``dapo presets``, ``dapo plot``, ``dapo show``,
-``dapo verify``, ``dapo vllm-serve``."""
+"""Command line: ``dapo train``, ``dapo eval``, ``dapo presets``, ``dapo plot``,
+``dapo compare``, ``dapo show``, ``dapo verify``, ``dapo vllm-serve``."""
 
 from __future__ import annotations
 
@@ -490,13 +490,56 @@ def _plot(argv: list[str]) -> int:
     return 0
 
 
+_COMPARE_DESCRIPTION = """\
+Overlay the paper's signals of several runs in one PNG, one line per run: accuracy (train)
+and held-out accuracy, reward, response length, entropy, generation probability, and the
+low and high clip fractions, over the rollout step. A run that did not log a signal is left
+out of its panel. Prints a table of each run's final figures (the last value logged;
+held-out accuracy: the last evaluation) and where the figure was written.
+"""
+
+
+def _compare(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dapo compare",
+        description=_COMPARE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "runs", nargs="+", metavar="RUN", help="a run's output_dir (or its metrics.jsonl)"
+    )
+    parser.add_argument("--out", default=None, help="PNG path (default ./compare.png)")
+    parser.add_argument(
+        "--labels",
+        nargs="+",
+        default=None,
+        metavar="LABEL",
+        help="one name per RUN, in order (default: the run directories' names, with their "
+        "parents' where the names alone repeat)",
+    )
+    args = parser.parse_args(argv)
+    if args.labels is not None and len(args.labels) != len(args.runs):
+        parser.error(f"--labels: {len(args.labels)} labels for {len(args.runs)} runs")
+    from dapo.metrics.compare import NotARunError, compare_runs
+
+    try:
+        result = compare_runs(args.runs, out=args.out, labels=args.labels)
+    except NotARunError as exc:
+        print(f"dapo compare: {exc}", file=sys.stderr)
+        return 2
+    print(result.table)
+    print(f"figure: {result.figure}")
+    return 0
+
+
 _MAIN_HELP = """\
-usage: dapo {train,eval,presets,plot,show,verify,vllm-serve} ...
+usage: dapo {train,eval,presets,plot,compare,show,verify,vllm-serve} ...
 
   train       train a policy (no arguments: the built-in default run)
   eval        avg@k / pass@k / maj@k of a model on an evaluation set
   presets     list the named algorithm presets
   plot        draw the dashboard PNG of a run directory
+  compare     overlay several runs' signals in one PNG and tabulate their final figures
   show        print the rollouts a run wrote (prompts, turns, rewards), readably
   verify      check a run's checkpoints and final model against their manifests
   vllm-serve  serve a model with vLLM for rollout.engine=vllm-server
@@ -513,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": _train,
         "eval": _eval,
         "plot": _plot,
+        "compare": _compare,
         "show": _show,
         "verify": _verify,
         "vllm-serve": _vllm_serve,
@@ -526,8 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cmd not in commands:
         print(
-            f"dapo: unknown command {cmd!r}; use train, eval, presets, plot, show, verify or "
-            "vllm-serve",
+            f"dapo: unknown command {cmd!r}; use train, eval, presets, plot, compare, show, "
+            "verify or vllm-serve",
             file=sys.stderr,
         )
         return 2

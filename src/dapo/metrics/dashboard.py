@@ -33,7 +33,7 @@ class _Panel:
     left_label: str
     right: tuple[_Series, ...] = ()
     right_label: str = ""
-    # Shares are drawn on a fixed 0-1 axis: autoscaled, 0.9955 -> 0.998 looks like a trend.
+    # Shares are drawn from 0 (fit_share_axis): autoscaled, 0.9955 -> 0.998 looks like a trend.
     left_share: bool = False
     right_share: bool = False
 
@@ -82,8 +82,12 @@ _PANELS = (
             _Series("sampling/wasted_frac", "wasted share", "C7"),
         ),
         "share",
-        (_Series("sampling/gen_rounds", "generation rounds", "C0", style="--", marker="."),),
-        "rounds",
+        (
+            _Series("sampling/gen_rounds", "generation rounds", "C0", style="--", marker="."),
+            # The surplus: qualifying groups beyond the batch, trained at the next step.
+            _Series("sampling/carried_over", "carried to next step", "C1", style=":", marker="."),
+        ),
+        "rounds / groups",
         left_share=True,
     ),
     _Panel(
@@ -146,7 +150,8 @@ def panels_for(records: list[dict]) -> tuple[_Panel, ...]:
 _TITLE_FONT = {"size": 11, "weight": "bold"}
 
 
-def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+def metric_series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """The steps and finite values of ``key`` in ``records`` (those lacking it are left out)."""
     xs, ys = [], []
     for rec in records:
         value = rec.get(key)
@@ -156,6 +161,25 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
             xs.append(rec["step"])
             ys.append(float(value))
     return xs, ys
+
+
+def fit_share_axis(ax: Any) -> None:
+    """Fit the y axis of shares (values in 0..1) to the lines drawn, from 0 up.
+
+    A fixed 0-1 axis flattens clip fractions of 0.1% into the zero line; an axis that leaves
+    0 out makes 0.9955 -> 0.998 look like a trend. An axis with nothing above 0 stays 0-1.
+    """
+    peak = max((max(line.get_ydata(), default=0.0) for line in ax.lines), default=0.0)
+    top = min(1.0, 1.1 * float(peak)) if peak > 0 else 1.0
+    ax.set_ylim(-0.03 * top, 1.03 * top)
+
+
+def compact_ticks(ax: Any) -> None:
+    """Short y tick labels: values below 1e-3 or from 1e5 as mantissas under a ``1e-4``
+    above the axis. A label like ``0.000225`` was wide enough to push the axis label of a
+    panel's right axis into the next panel's tick labels."""
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 5))
+    ax.yaxis.get_offset_text().set_fontsize(8)
 
 
 def _draw_panel(ax: Any, panel: _Panel, records: list[dict]) -> bool:
@@ -169,7 +193,7 @@ def _draw_panel(ax: Any, panel: _Panel, records: list[dict]) -> bool:
 
     def draw(target: Any, series: tuple[_Series, ...]) -> None:
         for s in series:
-            xs, ys = _series(records, s.key)
+            xs, ys = metric_series(records, s.key)
             if not xs:
                 continue
             marker = s.marker or ("o" if len(xs) == 1 else None)
@@ -178,7 +202,7 @@ def _draw_panel(ax: Any, panel: _Panel, records: list[dict]) -> bool:
             )
             handles.append(line)
             if s.band:
-                bx, by = _series(records, s.band)
+                bx, by = metric_series(records, s.band)
                 std = dict(zip(bx, by, strict=True))
                 pts = [(x, y, std[x]) for x, y in zip(xs, ys, strict=True) if x in std]
                 if pts:
@@ -194,14 +218,16 @@ def _draw_panel(ax: Any, panel: _Panel, records: list[dict]) -> bool:
 
     draw(ax, panel.left)
     n_left = len(handles)
+    compact_ticks(ax)
     if panel.left_share:
-        ax.set_ylim(-0.03, 1.03)
+        fit_share_axis(ax)
     top = ax
-    if panel.right and any(_series(records, s.key)[0] for s in panel.right):
+    if panel.right and any(metric_series(records, s.key)[0] for s in panel.right):
         top = ax.twinx()
         draw(top, panel.right)
+        compact_ticks(top)
         if panel.right_share:
-            top.set_ylim(-0.03, 1.03)
+            fit_share_axis(top)
         top.set_ylabel(panel.right_label, color=panel.right[0].color, fontsize=9)
         top.tick_params(axis="y", labelsize=8, colors=panel.right[0].color)
     if not handles:
