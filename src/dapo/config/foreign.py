@@ -17,48 +17,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-Convert = Callable[[Any, Mapping[str, Any]], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What one foreign name becomes: ``key`` (same meaning and value), or ``convert``
-    (value and all given names -> dapo keys), or refused (``why``) / ignored (``ignore``)."""
-
-    key: str | None = None
-    convert: Convert | None = None
-    why: str = ""  # refused: the reason and what to set instead
-    ignore: str = ""  # accepted and dropped: why it changes nothing here
-    note: str = ""  # what the table says of a conversion
-
-
-def same(key: str) -> Rule:
-    return Rule(key=key)
-
-
-def refuse(why: str) -> Rule:
-    return Rule(why=why)
-
-
-def ignore(why: str) -> Rule:
-    return Rule(ignore=why)
-
-
-def mapped(key: str, values: Mapping[Any, Any], note: str = "") -> Rule:
-    """A setting whose values have other names here; an unmapped value is refused."""
-
-    def convert(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
-        if value not in values:
-            known = ", ".join(repr(v) for v in values)
-            raise ValueError(f"its value {value!r} has no equivalent here (dapo takes {known})")
-        return {key: values[value]}
-
-    return Rule(convert=convert, note=note)
-
+from dapo.config.foreign_rules import (
+    Rule,
+    bool_to,
+    false_only,
+    ignore,
+    mapped,
+    positive_steps,
+    refuse,
+    report_to,
+    same,
+    true_only,
+)
+from dapo.config.foreign_verl import VERL, VERL_ROOTS
 
 # --- TRL --------------------------------------------------------------------------------------
 
@@ -100,59 +75,6 @@ def _server_url(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     return {"rollout.server_url": value} if value else {}
 
 
-def _report_to(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
-    names = [value] if isinstance(value, str) else list(value or [])
-    out = {"logging.wandb": "wandb" in names, "logging.tensorboard": "tensorboard" in names}
-    if "all" in names:
-        out = {"logging.wandb": True, "logging.tensorboard": True}
-    return out
-
-
-def _positive_steps(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
-    if int(value) <= 0:
-        return {}  # TRL's "not set": num_train_epochs decides, refused below
-    return {"train.steps": int(value)}
-
-
-def _bool_to(key: str, true: Any, false: Any) -> Rule:
-    """A true/false setting that is one value of a dapo key."""
-
-    def convert(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
-        if not isinstance(value, bool):
-            raise ValueError(f"it is true or false here; did you mean `{key}`?")
-        return {key: true if value else false}
-
-    return Rule(convert=convert, note=f"true: {true}, false: {false}")
-
-
-def _never_is_zero(key: str) -> Rule:
-    """verl's every-N-steps settings, where -1 is never; dapo's never is 0."""
-    return Rule(convert=lambda v, _: {key: max(int(v), 0)}, note="-1 (never) -> 0")
-
-
-def _false_only(why: str) -> Rule:
-    """A switch dapo has no equivalent for when on (off is what dapo does)."""
-
-    def convert(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
-        if value:
-            raise ValueError(why)
-        return {}
-
-    return Rule(convert=convert, note="false only: what dapo does")
-
-
-def _true_only(why: str) -> Rule:
-    """A switch dapo has no equivalent for when off (on is what dapo does)."""
-
-    def convert(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
-        if not value:
-            raise ValueError(why)
-        return {}
-
-    return Rule(convert=convert, note="true only: what dapo does")
-
-
-# TRL's vllm_importance_sampling_mode: (algorithm.is_level, algorithm.is_mode).
 _IS_MODES = {
     "token_truncate": ("token", "truncate"),
     "token_mask": ("token", "mask"),
@@ -250,7 +172,7 @@ TRL: dict[str, Rule] = {
     "log_completions": ignore("dapo writes transcripts every step (logging.transcripts_per_step)"),
     "num_completions_to_print": ignore("dapo show RUN prints transcripts"),
     "shuffle_dataset": same("data.shuffle"),
-    "disable_dropout": _false_only(
+    "disable_dropout": false_only(
         "dapo trains with the model's own dropout (0 in most LLM checkpoints, where this "
         "changes nothing): leave it false, and for a checkpoint with dropout set its config's "
         "dropout probabilities to 0"
@@ -266,14 +188,14 @@ TRL: dict[str, Rule] = {
         "algorithm.clip_c (another bound)"
     ),
     "top_entropy_quantile": refuse("no entropy-quantile token masking here"),
-    "sync_ref_model": _false_only("dapo's reference (algorithm.beta > 0) is the initial policy"),
+    "sync_ref_model": false_only("dapo's reference (algorithm.beta > 0) is the initial policy"),
     "vllm_importance_sampling_correction": _VLLM_IS,
     "vllm_importance_sampling_mode": _VLLM_IS,
     "vllm_importance_sampling_clip_max": _VLLM_IS,
     "vllm_importance_sampling_cap": _VLLM_IS,
     "vllm_importance_sampling_clip_min": _VLLM_IS,
     "use_bias_correction_kl": Rule(convert=_kl_weighting, note="false, or any with beta = 0"),
-    "use_adaptive_entropy": _false_only(
+    "use_adaptive_entropy": false_only(
         "no adaptive entropy coefficient here: algorithm.entropy_coef is fixed"
     ),
     "cast_lm_head_to_fp32": ignore(
@@ -295,7 +217,7 @@ TRL: dict[str, Rule] = {
     "output_dir": same("output_dir"),
     "seed": same("seed"),
     "learning_rate": same("train.lr"),
-    "max_steps": Rule(convert=_positive_steps, note="rollout steps (-1: not set)"),
+    "max_steps": Rule(convert=positive_steps, note="rollout steps (-1: not set)"),
     "num_train_epochs": refuse(
         "dapo counts rollout steps, not passes over the data: set train.steps (an epoch is "
         "len(dataset) / train.prompts_per_step steps)"
@@ -307,8 +229,8 @@ TRL: dict[str, Rule] = {
     "adam_beta1": same("train.adam_beta1"),
     "adam_beta2": same("train.adam_beta2"),
     "max_grad_norm": same("train.max_grad_norm"),
-    "bf16": _bool_to("train.precision", "bf16-mixed", "fp32"),
-    "fp16": _false_only("fp16 is not supported: train.precision=bf16-mixed or fp32"),
+    "bf16": bool_to("train.precision", "bf16-mixed", "fp32"),
+    "fp16": false_only("fp16 is not supported: train.precision=bf16-mixed or fp32"),
     "tf32": ignore(
         "dapo leaves TF32 at PyTorch's default; train.precision=bf16-mixed is its fast mode"
     ),
@@ -326,19 +248,19 @@ TRL: dict[str, Rule] = {
         "dapo packs micro-batches by tokens (train.micro_batch_tokens); it does not retry "
         "with smaller ones on out-of-memory"
     ),
-    "average_tokens_across_devices": _true_only(
+    "average_tokens_across_devices": true_only(
         "dapo's token-mean loss divides by the tokens of every rank, as true does"
     ),
-    "full_determinism": _false_only(
+    "full_determinism": false_only(
         "dapo seeds every draw (seed) but does not switch PyTorch to deterministic "
         "kernels: leave it false"
     ),
-    "load_best_model_at_end": _false_only(
+    "load_best_model_at_end": false_only(
         "dapo keeps the last checkpoints (checkpoint.keep_last) and exports the final "
         "model; it picks no best one"
     ),
     "greater_is_better": ignore("read with load_best_model_at_end"),
-    "ignore_data_skip": _false_only(
+    "ignore_data_skip": false_only(
         "a resumed dapo run goes on with the prompts where its checkpoint stopped"
     ),
     "save_only_model": ignore(
@@ -357,9 +279,9 @@ TRL: dict[str, Rule] = {
     "save_steps": same("checkpoint.save_every"),
     "save_total_limit": same("checkpoint.keep_last"),
     "eval_steps": same("logging.eval_every"),
-    "report_to": Rule(convert=_report_to, note="wandb / tensorboard"),
+    "report_to": Rule(convert=report_to, note="wandb / tensorboard"),
     "run_name": same("logging.run_name"),
-    "resume_from_checkpoint": _bool_to("resume", True, False),
+    "resume_from_checkpoint": bool_to("resume", True, False),
 }
 
 # TrainingArguments' names that change nothing a dapo run does, by why.
@@ -420,156 +342,6 @@ _TRL_HARMLESS: dict[str, tuple[str, ...]] = {
 for _why, _names in _TRL_HARMLESS.items():
     for _name in _names:
         TRL.setdefault(_name, ignore(_why))
-
-# --- verl -------------------------------------------------------------------------------------
-
-_A, _R = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
-
-
-def _custom_reward(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
-    path = given.get("custom_reward_function.path")
-    name = given.get("custom_reward_function.name") or "compute_score"
-    return {"reward.functions": [{"name": f"{path}:{name}"}]} if path else {}
-
-
-def _kl_loss(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
-    """verl's KL loss: on with use_kl_loss (default off), its coefficient kl_loss_coef."""
-    if not given.get(_A + "use_kl_loss", False):
-        return {"algorithm.beta": 0.0}
-    return {"algorithm.beta": float(given.get(_A + "kl_loss_coef", 0.001))}  # verl's default
-
-
-_KL_LOSS = Rule(
-    convert=_kl_loss, note="kl_loss_coef (verl's default 0.001) when use_kl_loss, else 0"
-)
-
-
-def _grpo_advantage(value: Any, given: Mapping[str, Any]) -> dict[str, Any]:
-    """verl's GRPO advantage: divided by the group's std unless norm_adv_by_std_in_grpo is
-    false (Dr. GRPO)."""
-    estimator = given.get("algorithm.adv_estimator", "grpo")
-    if estimator != "grpo":
-        raise ValueError(
-            f"algorithm.adv_estimator = {estimator!r} has no equivalent here (dapo takes 'grpo')"
-        )
-    if given.get("algorithm.norm_adv_by_std_in_grpo", True):
-        return {"algorithm.advantage_scale": "group"}
-    return {"algorithm.advantage_scale": "none"}
-
-
-_GRPO_ADVANTAGE = Rule(convert=_grpo_advantage, note="norm_adv_by_std_in_grpo false -> none")
-
-
-def _engine_name(value: Any, _: Mapping[str, Any]) -> dict[str, Any]:
-    if value in ("vllm", "hf"):
-        return {"rollout.engine": value}
-    raise ValueError(f"its value {value!r} has no equivalent here (dapo takes 'vllm', 'hf')")
-
-
-VERL: dict[str, Rule] = {
-    "data.train_files": same("data.train"),
-    "data.val_files": same("data.eval"),
-    "data.train_batch_size": same("train.prompts_per_step"),
-    "data.max_prompt_length": same("data.max_prompt_length"),
-    "data.max_response_length": same("rollout.max_completion_length"),
-    "data.prompt_key": same("data.prompt_key"),
-    "data.shuffle": same("data.shuffle"),
-    "data.gen_batch_size": ignore("dynamic sampling sizes its rounds itself"),
-    "data.filter_overlong_prompts": ignore("dapo always drops prompts over data.max_prompt_length"),
-    "data.truncation": ignore("over-long prompts are dropped, never truncated"),
-    "actor_rollout_ref.model.path": same("model.name_or_path"),
-    "actor_rollout_ref.model.enable_gradient_checkpointing": same("model.gradient_checkpointing"),
-    "actor_rollout_ref.model.use_remove_padding": ignore("dapo packs sequences without padding"),
-    "actor_rollout_ref.model.lora_rank": same("model.lora.rank"),
-    "actor_rollout_ref.model.lora_alpha": same("model.lora.alpha"),
-    _A + "optim.lr": same("train.lr"),
-    _A + "optim.lr_warmup_steps": same("train.warmup_steps"),
-    _A + "optim.weight_decay": same("train.weight_decay"),
-    _A + "ppo_mini_batch_size": same("train.mini_batch_size"),
-    _A + "ppo_epochs": same("train.epochs"),
-    _A + "ppo_micro_batch_size_per_gpu": ignore(
-        "dapo packs micro-batches by train.micro_batch_tokens"
-    ),
-    _A + "ppo_max_token_len_per_gpu": same("train.micro_batch_tokens"),
-    _A + "use_dynamic_bsz": ignore("dapo always packs micro-batches by tokens"),
-    _A + "clip_ratio_low": same("algorithm.clip_low"),
-    _A + "clip_ratio_high": same("algorithm.clip_high"),
-    _A + "clip_ratio": same("algorithm.clip_low"),
-    _A + "clip_ratio_c": same("algorithm.clip_c"),
-    _A + "loss_agg_mode": mapped(
-        "algorithm.loss_agg",
-        {
-            "token-mean": "token-mean",
-            "seq-mean-token-mean": "seq-mean-token-mean",
-            "seq-mean-token-sum-norm": "seq-mean-token-sum-norm",
-        },
-    ),
-    _A + "policy_loss.loss_mode": mapped(
-        "algorithm.policy_loss", {"vanilla": "ppo", "gspo": "gspo", "cispo": "cispo"}
-    ),
-    _A + "entropy_coeff": same("algorithm.entropy_coef"),
-    _A + "use_kl_loss": _KL_LOSS,
-    _A + "kl_loss_coef": _KL_LOSS,
-    _A + "kl_loss_type": mapped(
-        "algorithm.kl_estimator", {"low_var_kl": "k3", "k3": "k3", "kl": "k1", "k1": "k1"}
-    ),
-    _A + "grad_clip": same("train.max_grad_norm"),
-    _A + "strategy": ignore("dapo shards with FSDP2 under torchrun (train.data_parallel)"),
-    _R + "n": same("rollout.num_generations"),
-    _R + "temperature": same("rollout.temperature"),
-    _R + "top_p": same("rollout.top_p"),
-    _R + "top_k": Rule(
-        convert=lambda v, _: {"rollout.top_k": max(int(v), 0)}, note="-1 -> 0 (off)"
-    ),
-    _R + "name": Rule(convert=_engine_name, note="vllm / hf"),
-    _R + "gpu_memory_utilization": same("rollout.vllm_gpu_memory_utilization"),
-    _R + "tensor_model_parallel_size": refuse("one engine per rank here; no tensor parallelism"),
-    _R + "log_prob_micro_batch_size_per_gpu": ignore("log-probs are packed by tokens"),
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ignore("packed by tokens"),
-    "algorithm.adv_estimator": _GRPO_ADVANTAGE,
-    "algorithm.norm_adv_by_std_in_grpo": _GRPO_ADVANTAGE,
-    "algorithm.use_kl_in_reward": _false_only(
-        "a KL penalty in the reward has no equivalent: dapo's KL is a loss term (algorithm.beta)"
-    ),
-    "algorithm.filter_groups.enable": same("algorithm.dynamic_sampling"),
-    "algorithm.filter_groups.metric": mapped(
-        "algorithm.dynamic_sampling_metric",
-        {"acc": "acc", "score": "reward", "seq_reward": "reward"},
-    ),
-    "algorithm.filter_groups.max_num_gen_batches": same("algorithm.max_gen_rounds"),
-    "reward_model.reward_manager": ignore("dapo's scorer runs reward functions in workers"),
-    "reward_model.overlong_buffer.enable": same("algorithm.overlong_penalty"),
-    "reward_model.overlong_buffer.len": same("algorithm.overlong_buffer"),
-    "reward_model.overlong_buffer.penalty_factor": same("algorithm.overlong_penalty_factor"),
-    "reward_model.enable": _false_only(
-        "a learned reward model is not supported: give reward functions"
-    ),
-    "custom_reward_function.path": Rule(
-        convert=_custom_reward, note="reward.functions=[path:name]"
-    ),
-    "custom_reward_function.name": ignore("read with custom_reward_function.path"),
-    "trainer.total_training_steps": same("train.steps"),
-    "trainer.total_epochs": refuse(
-        "dapo counts rollout steps: set train.steps (an epoch is len(data) / "
-        "train.prompts_per_step steps)"
-    ),
-    "trainer.save_freq": _never_is_zero("checkpoint.save_every"),
-    "trainer.test_freq": _never_is_zero("logging.eval_every"),
-    "trainer.default_local_dir": same("output_dir"),
-    "trainer.experiment_name": same("logging.run_name"),
-    "trainer.project_name": same("logging.wandb_project"),
-    "trainer.val_before_train": same("evaluate"),
-    "trainer.resume_mode": mapped("resume", {"auto": True, "disable": False}),
-    "trainer.logger": Rule(convert=_report_to, note="wandb / tensorboard"),
-    "trainer.n_gpus_per_node": refuse("launch one process per GPU with torchrun --nproc-per-node"),
-    "trainer.nnodes": refuse("launch with torchrun --nnodes"),
-    "trainer.critic_warmup": ignore("no critic in GRPO-family runs"),
-}
-
-# The first part of a key that only verl uses (dapo has data. and algorithm. too).
-VERL_ROOTS = frozenset(
-    {"actor_rollout_ref", "critic", "reward_model", "custom_reward_function", "trainer"}
-)
 
 
 def split_foreign(
