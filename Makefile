@@ -45,7 +45,7 @@ GPU_PYTHON ?= python3
 GPU_DIR    ?= .gpu
 GPU_ARGS   ?=
 
-.PHONY: setup train train-real test test-quick test-avx2 lint docs browser clean gpu-wheels test-gpu bench-gpu gpu-all test-image
+.PHONY: setup train train-real test test-quick test-avx2 lint docs docs-reference browser clean gpu-wheels test-gpu bench-gpu gpu-all test-image
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -97,9 +97,14 @@ AVX2_ONLY := MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPAB
 test-avx2:
 	$(AVX2_ONLY) $(MAKE) test
 
-# The site: reference pages generated from the code at build time (scripts/docs_hooks.py).
+# The site, strict: a broken link or reference fails (the reference pages are committed).
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+# The reference pages generated from the code (config keys, metrics, command line), committed
+# under docs/reference/ so that GitHub shows them; tests/test_docs_reference.py checks drift.
+docs-reference: setup
+	$(PY) scripts/docs_reference.py
 
 # Headless Chromium for tests/test_docs_site.py (Debian's packages; needs root the first time).
 browser:

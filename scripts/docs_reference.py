@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import os
 import sys
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -110,13 +111,14 @@ def config_reference() -> str:
     out = [
         "# Configuration keys",
         "",
-        "Generated from the config schema (`dapo.config`) when the site is built, so it "
-        "matches the code. `dapo train --help-config` prints the same list in a terminal. "
+        "Generated from the config schema (`dapo.config`) by `make docs-reference` (a test "
+        "fails when this page is behind the code). `dapo train --help-config` prints the same list in a terminal. "
         "Under each key's help: its type, choices or bounds; *paper:* the DAPO paper's value "
         "where it sets one; *TRL / verl:* the names other trainers use for it (given as a "
         "key, they are answered with `did you mean` this key). The presets "
-        f"({', '.join(f'`{p}`' for p in PRESETS)}) set `algorithm.*` keys only: "
-        "`dapo presets` lists what each sets.",
+        f"({', '.join(f'`{p}`' for p in PRESETS)}) set `algorithm.*` keys (`dapo_paper` "
+        "every key with a *paper* value): `dapo presets` lists them, `--print-config` shows "
+        "what one sets.",
         "",
     ]
     top_rows, sections = _rows(Config, "", names)
@@ -154,6 +156,7 @@ def metrics_reference() -> str:
 def _help(command: str) -> str:
     """What ``dapo COMMAND --help`` prints."""
     buf = io.StringIO()
+    os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal: the same page everywhere
     argv = [command] if command == "presets" else [command, "--help"]
     with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
         cli.main(argv)
@@ -165,8 +168,8 @@ def cli_reference() -> str:
     out = [
         "# Command line",
         "",
-        "Generated from the argparse parsers and help texts of `dapo.cli` when the site is "
-        "built. Every training setting is a config key "
+        "Generated from the argparse parsers and help texts of `dapo.cli` by "
+        "`make docs-reference`. Every training setting is a config key "
         "([Configuration keys](config.md)), given as `key.path=value`.",
         "",
         "```text",
@@ -187,12 +190,22 @@ PAGES = {
 }
 
 
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def page_text(name: str) -> str:
+    """The generated page ``name`` (under docs/) as it is committed."""
+    return PAGES[name]() + "\n"
+
+
 def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "reference-pages")
-    for name, make in PAGES.items():
+    """Write the pages under docs/ (``make docs-reference``), where GitHub shows them too;
+    tests/test_docs_reference.py fails when a committed page is behind the code."""
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else DOCS
+    for name in PAGES:
         path = out / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(make() + "\n")
+        path.write_text(page_text(name))
         print(path)
 
 

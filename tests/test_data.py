@@ -441,7 +441,7 @@ def test_render_prompt_with_and_without_chat_template():
 
     bare = char_tokenizer()
     assert getattr(bare, "chat_template", None) is None
-    assert render_prompt(chat, bare) == "Be brief.\n2+2?"
+    assert render_prompt(chat, bare) == "system: Be brief.\nuser: 2+2?\nassistant:"  # roles kept
     assert render_prompt(plain, bare) == "2+2?"
 
 
@@ -756,3 +756,42 @@ def test_repeated_prompt_texts_are_tokenized_once_each():
     assert ids == [char_ids(t) for t in texts]
     ids[0].append(99)
     assert ids[2] == char_ids("12+3") and ids[0] is not ids[3]
+
+
+def test_chat_prompts_without_a_chat_template_are_said_once_at_start_up(tmp_path):
+    """Training and held-out chat prompts on a tokenizer with no template: one line says they
+    are joined with their roles; plain-text prompts or a templated tokenizer say nothing."""
+    from dapo.data.prompts import no_template_line
+
+    chat = [
+        PromptRecord(prompt=[{"role": "user", "content": f"{i}+1?"}], ground_truth=str(i + 1))
+        for i in range(3)
+    ]
+    plain = PromptRecord(prompt="2+2?", ground_truth="4")
+    line = no_template_line([*chat, plain], char_tokenizer())
+    assert line is not None and line.startswith("3 of 4 prompts are chat messages")
+    assert "'role: content' lines" in line
+    assert no_template_line([plain], char_tokenizer()) is None
+    assert no_template_line(chat, char_tokenizer(CHAT_TEMPLATE)) is None
+
+    from dapo.config import load_config
+    from dapo.models.tiny import build_tokenizer
+    from dapo.producer.rollouts import Rollouts
+    from dapo.run_inputs import RunInputs
+
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"prompt": r.prompt, "reward_model": {"ground_truth": r.ground_truth}})
+            + "\n"
+            for r in chat
+        )
+    )
+    cfg = load_config(
+        overrides={"data.train": str(rows), "data.eval": str(rows), "output_dir": str(tmp_path)}
+    )
+    said: list[str] = []
+    rollouts = Rollouts(cfg, build_tokenizer(), RunInputs(), said.append, None)
+    rollouts.close()
+    joined = [x for x in said if "chat messages" in x]
+    assert len(joined) == 1 and joined[0].startswith("6 of 6 prompts"), said

@@ -26,7 +26,8 @@ _RECENT_SIZE = 4
 
 
 def render_prompt(record: PromptRecord, tokenizer: Any) -> str:
-    """Prompt text: chat messages through the tokenizer's chat template (if it has one)."""
+    """Prompt text: chat messages through the tokenizer's chat template, else joined with
+    their roles (:func:`join_messages`)."""
     prompt = record.prompt
     if isinstance(prompt, str):
         return prompt
@@ -48,7 +49,33 @@ def render_prompt(record: PromptRecord, tokenizer: Any) -> str:
                 "renders to a string."
             )
         return text
-    return "\n".join(m["content"] for m in prompt)
+    return join_messages(prompt)
+
+
+NO_TEMPLATE_PREFIX = "assistant:"  # the turn the model is asked to take, as a template would
+
+
+def join_messages(messages: list[dict[str, str]]) -> str:
+    """Chat messages for a tokenizer without a chat template: one ``role: content`` line
+    each and the assistant's turn to start, so that the roles are not lost."""
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join([*lines, NO_TEMPLATE_PREFIX])
+
+
+def no_template_line(records: list[PromptRecord], tokenizer: Any) -> str | None:
+    """The start-up line saying chat prompts are joined without a chat template, or None."""
+    if getattr(tokenizer, "chat_template", None):
+        return None
+    chat = sum(not isinstance(r.prompt, str) for r in records)
+    if not chat:
+        return None
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    return (
+        f"{chat} of {len(records)} prompts are chat messages and the tokenizer {name!r} has no chat "
+        "template: each is joined as 'role: content' lines ending with 'assistant:' (a "
+        "tokenizer with a chat template, model.tokenizer=PATH, renders them as the model "
+        "was trained to read them)"
+    )
 
 
 def encode_prompts(

@@ -22,7 +22,7 @@ import torch
 from dapo.agents import AgentHost, run_agent_episodes
 from dapo.config import Config
 from dapo.data import LoadStats
-from dapo.data.prompts import dropped_lines, encode_prompts, load_prompt_set
+from dapo.data.prompts import dropped_lines, encode_prompts, load_prompt_set, no_template_line
 from dapo.environments import (
     ChatRenderer,
     EnvironmentPool,
@@ -225,6 +225,9 @@ class Rollouts:
                 "Python has no held-out split of its own); set data.eval=FILE (from Python: "
                 "eval_dataset=...) to measure held-out accuracy before and after training"
             )
+        joined = no_template_line(self.train_records + self.eval_records, self.tokenizer)
+        if renderer is None and joined:  # said once, for the training and held-out prompts
+            log(joined)
 
     def fill_batch(self, step: int) -> RolloutBatch:
         """Generate and score rounds of prompts until the batch is full (dynamic sampling);
