@@ -888,3 +888,18 @@ def test_dynamic_sampling_panel_draws_the_carried_surplus() -> None:
     xs, ys = lines["carried to next step"].get_data()
     assert list(xs) == list(range(1, 9))
     assert list(ys) == [r["sampling/carried_over"] for r in records]
+
+
+def test_dynamic_sampling_panel_draws_a_discarded_surplus_only_when_there_is_one() -> None:
+    """algorithm.keep_surplus=false: the surplus thrown away is a line of its own; a run that
+    carries it (the counter always 0) draws no such line."""
+    records = [{**r, "sampling/surplus_discarded": 0.0} for r in _several_updates_run(8)]
+    carried = _panel_lines(dashboard._build_figure(records, "t"), "Dynamic sampling")
+    assert "surplus discarded" not in carried
+    discarded = [
+        {**r, "sampling/carried_over": 0.0, "sampling/surplus_discarded": float(r["step"] % 3)}
+        for r in records
+    ]
+    lines = _panel_lines(dashboard._build_figure(discarded, "t"), "Dynamic sampling")
+    _, ys = lines["surplus discarded"].get_data()
+    assert list(ys) == [r["sampling/surplus_discarded"] for r in discarded]

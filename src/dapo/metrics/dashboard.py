@@ -24,6 +24,7 @@ class _Series:
     style: str = "-"
     marker: str | None = None
     band: str | None = None  # key of a std to shade around the line
+    only_nonzero: bool = False  # drawn only where it is ever non-zero (a setting's counter)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,15 @@ _PANELS = (
             _Series("sampling/gen_rounds", "generation rounds", "C0", style="--", marker="."),
             # The surplus: qualifying groups beyond the batch, trained at the next step.
             _Series("sampling/carried_over", "carried to next step", "C1", style=":", marker="."),
+            # algorithm.keep_surplus=false: the surplus thrown away instead, as the paper does.
+            _Series(
+                "sampling/surplus_discarded",
+                "surplus discarded",
+                "C4",
+                style=":",
+                marker="x",
+                only_nonzero=True,
+            ),
         ),
         "rounds / groups",
         left_share=True,
@@ -194,7 +204,7 @@ def _draw_panel(ax: Any, panel: _Panel, records: list[dict]) -> bool:
     def draw(target: Any, series: tuple[_Series, ...]) -> None:
         for s in series:
             xs, ys = metric_series(records, s.key)
-            if not xs:
+            if not xs or (s.only_nonzero and not any(ys)):
                 continue
             marker = s.marker or ("o" if len(xs) == 1 else None)
             (line,) = target.plot(
