@@ -281,7 +281,7 @@ def _eval(argv: list[str]) -> int:
     dropped = report["dropped_too_long"]
     extra = f", {dropped} dropped as too long" if dropped else ""
     print(
-        f"\n{report['problems']} problems x {report['k']} samples{extra}; "
+        f"\n{report['protocol']} ({report['samples']} samples{extra}); "
         f"{report['seconds']} s\nreport: {report['output']}"
     )
     return 0

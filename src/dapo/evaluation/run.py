@@ -46,6 +46,7 @@ from dapo.config import RolloutConfig
 from dapo.data import PromptRecord, encode_prompts, group_repeats, load_records
 from dapo.data.tasks import TASKS, is_builtin, load_task
 from dapo.errors import EvalError, VLLMEngineError, VLLMUnavailableError
+from dapo.evaluation.protocol import EvalProtocol
 from dapo.evaluation.stats import mean_or_nan, summarize
 from dapo.rewards import (
     RewardScorer,
@@ -498,6 +499,7 @@ def _build_report(
         "engine": engine,
         "seed": params.seed,
         "problems": len(records),
+        "protocol": str(EvalProtocol(k, params.temperature, params.top_p, len(records))),
         "samples": len(records) * k,
         "problems_in_data": problems.distinct,
         "rows_in_data": problems.rows,
