@@ -27,8 +27,7 @@ Each metric is averaged over problems, per ``data_source`` and overall. Correctn
 response (avg@k, pass@k) comes from :class:`~dapo.rewards.RewardScorer` with the
 per-source scorer as training picks it (the built-in ``dapo_math``, the DAPO reference's
 rules, unless the source is a GSM8K, MATH or Numina one), or the one ``--scorer`` names for
-every source: reward > 0 is correct. The scorer of each source is said at start and kept in
-the report (``scorers``).
+every source: reward > 0 is correct. Each source's scorer is said and kept (``scorers``).
 """
 
 from __future__ import annotations
