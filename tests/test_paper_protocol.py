@@ -169,10 +169,10 @@ def test_repeated_rows_are_counted_per_distinct_prompt() -> None:
 
 
 def test_samples_per_problem_follows_the_data_unless_set() -> None:
-    assert samples_per_problem(None, [32] * 30) == 32
-    assert samples_per_problem(None, [4, 2]) == 1  # uneven: one sample each, as dapo eval
-    assert samples_per_problem(None, []) == 1  # a built-in task: no repeats
-    assert samples_per_problem(8, [32] * 30) == 8
+    assert samples_per_problem(None, common_repeats([32] * 30)) == 32
+    assert samples_per_problem(None, common_repeats([4, 2])) == 1  # uneven: one each
+    assert samples_per_problem(None, common_repeats([])) == 1  # a built-in task: no repeats
+    assert samples_per_problem(8, common_repeats([32] * 30)) == 8
     assert common_repeats([3, 3]) == 3 and common_repeats([3, 1]) is None
     assert str(EvalProtocol(32, 1.0, 0.7, 30)) == "avg@32, T 1.0, top-p 0.7, 30 problems"
 

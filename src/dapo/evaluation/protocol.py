@@ -17,11 +17,12 @@ def common_repeats(repeats: Sequence[int]) -> int | None:
     return repeats[0] if repeats and min(repeats) == max(repeats) else None
 
 
-def samples_per_problem(configured: int | None, repeats: Sequence[int]) -> int:
-    """avg@k's k: the configured number, else the data's common repeat count, else 1."""
+def samples_per_problem(configured: int | None, repeats: int | None) -> int:
+    """avg@k's k: the configured number, else the data's common repeat count
+    (:func:`common_repeats`), else 1."""
     if configured is not None:
         return configured
-    return common_repeats(repeats) or 1
+    return repeats or 1
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from dapo.config import RolloutConfig
 from dapo.data import PromptRecord, encode_prompts, group_repeats, load_records
 from dapo.data.tasks import TASKS, is_builtin, load_task
 from dapo.errors import EvalError, VLLMEngineError, VLLMUnavailableError
-from dapo.evaluation.protocol import EvalProtocol
+from dapo.evaluation.protocol import EvalProtocol, common_repeats, samples_per_problem
 from dapo.evaluation.stats import mean_or_nan, summarize
 from dapo.rewards import (
     RewardScorer,
@@ -257,7 +257,7 @@ def load_eval_problems(
     problems = EvalProblems(
         records,
         rows=len(rows),
-        repeats=lo if lo == hi else None,
+        repeats=common_repeats(counts),
         min_repeats=lo,
         max_repeats=hi,
         distinct=len(records),
@@ -335,8 +335,7 @@ def _load_problems(
         answer_key=answer_key,
         log=log,
     )
-    if k is None:
-        k = problems.repeats or 1
+    k = samples_per_problem(k, problems.repeats)  # the trainer's rule
     _log_problems(problems, k, log)
     return problems, k
 

@@ -213,7 +213,7 @@ class Rollouts:
             for line in dropped_lines(stats, "held-out", d.max_prompt_length):
                 log(line)
             r = self.cfg.rollout
-            k = samples_per_problem(r.eval_num_generations, repeats)
+            k = samples_per_problem(r.eval_num_generations, common_repeats(repeats))
             self.eval_protocol = EvalProtocol(
                 k, r.eval_temperature, r.eval_top_p, len(self.eval_records)
             )
