@@ -14,6 +14,7 @@ class RunInputs:
 
     model: torch.nn.Module | None = None  # a loaded transformers model (else model.name_or_path)
     tokenizer: Any = None  # its tokenizer (else model.tokenizer / model.name_or_path's)
+    processor: Any = None  # a vision-language model's processor (else the model directory's)
     train_dataset: Any = None  # a datasets.Dataset, a list of row dicts, ... (else data.train)
     eval_dataset: Any = None  # (else data.eval)
     reward_funcs: list[Any] = field(default_factory=list)  # callables, or (callable, weight)

@@ -94,6 +94,11 @@ class ModelConfig:
     lora: LoraConfig = opt(
         help="LoRA adapters; model.lora.rank > 0 turns them on.", factory=LoraConfig
     )
+    train_vision: bool = opt(
+        False,
+        "Vision-language models: train the vision encoder too. Off: it is frozen (no "
+        "gradient, no optimizer state); the connector and the language model train.",
+    )
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 
 from dapo.config import DataConfig
 from dapo.data.curriculum import draw
+from dapo.data.images import PixelCache, encode_with_images, render_with_images
 from dapo.data.records import NAMED_ROWS, LoadStats, PromptRecord, Row, record_field
 from dapo.data.sources import PromptSource, load_records
 from dapo.data.tasks import is_builtin, load_task
@@ -85,6 +86,7 @@ def encode_prompts(
     *,
     stats: LoadStats | None = None,
     text_of: Callable[[PromptRecord], str] | None = None,
+    vision: tuple[Any, PixelCache] | None = None,
 ) -> tuple[list[PromptRecord], list[list[int]], int]:
     """Render and tokenize prompts; drop (never truncate) those over ``max_prompt_length``.
 
@@ -93,7 +95,10 @@ def encode_prompts(
     to its tokens. The texts are tokenized in batches, without special tokens (one call per
     prompt took most of a small run's start). Returns the kept records, their token ids and
     the number dropped. If ``stats`` is given, its ``too_long``, ``too_long_rows`` (the first
-    few dropped) and ``kept`` are updated.
+    few dropped) and ``kept`` are updated. ``vision``: a vision-language model's
+    ``(processor, pixel cache)``, through which prompts with images are rendered and
+    tokenized (their ids are :class:`~dapo.data.images.ImagePrompt`); without it a record
+    with images is refused.
     """
     if max_prompt_length <= 0:
         raise DataError(
@@ -101,8 +106,22 @@ def encode_prompts(
             "Fix: set data.max_prompt_length to the prompt token budget."
         )
     render = text_of or (lambda r: render_prompt(r, tokenizer))
-    texts = [render(r) for r in records]
+    visual = [i for i, r in enumerate(records) if r.images]
+    if visual and vision is None:
+        raise DataError(
+            f"prompt uid={records[visual[0]].uid} has {len(records[visual[0]].images)} "
+            f"image(s) ({len(visual)} of {len(records)} prompts have images), but the model is "
+            "a text model. Fix: train a vision-language model (model.name_or_path), or drop "
+            "the images column"
+        )
+    texts = [render(r) if not r.images else "" for r in records]
     all_ids = tokenize_texts(texts, tokenizer)
+    if visual:
+        processor, pixels = vision
+        rendered = [render_with_images(records[i].prompt, processor) for i in visual]
+        encoded = encode_with_images(rendered, [records[i].images for i in visual], *vision)
+        for i, ids in zip(visual, encoded, strict=True):
+            all_ids[i] = ids
 
     kept: list[PromptRecord] = []
     kept_ids: list[list[int]] = []

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack
 
+from dapo.data.images import IMAGE_COLUMNS, image_digest, read_images
 from dapo.errors import DataError
 
 _MISSING = object()
@@ -28,6 +29,9 @@ class PromptRecord:
     data_source: str = "math_dapo"
     uid: str = ""  # stable id of the problem: identical prompts share it
     extra: dict[str, Any] = field(default_factory=dict)
+    # RGB PIL images, one per placeholder of the prompt, in order (dapo.data.images); the
+    # prompt's messages then have content parts ({"type": "image"}, {"type": "text"}).
+    images: list[Any] = field(default_factory=list)
 
 
 NAMED_ROWS = 5  # dropped rows named in the start-up lines (the first ones)
@@ -159,6 +163,8 @@ def _normalize_messages(value: Any, where: str, index: int, key: str) -> list[di
         clean: dict[str, str] = {}
         for name in ("role", "content"):
             part = msg.get(name)
+            if name == "content" and isinstance(_to_plain(part), list | tuple):
+                part = _parts_content(_to_plain(part), where, index, key, j)
             if part is None:
                 raise _row_error(
                     where,
@@ -167,7 +173,7 @@ def _normalize_messages(value: Any, where: str, index: int, key: str) -> list[di
                     f"message {j} has no '{name}' (keys: {sorted(map(str, msg))})",
                     "each chat message must be a dict with 'role' and 'content' strings",
                 )
-            if not isinstance(part, str):
+            if not isinstance(part, str) and not (name == "content" and isinstance(part, list)):
                 raise _row_error(
                     where,
                     index,
@@ -179,6 +185,35 @@ def _normalize_messages(value: Any, where: str, index: int, key: str) -> list[di
             clean[name] = part
         messages.append(clean)
     return messages
+
+
+def _parts_content(parts: Any, where: str, index: int, key: str, j: int) -> str | list[dict]:
+    """A message's content given as parts: text joined into a string when it has no image,
+    else ``[{"type": "image"} | {"type": "text", "text": str}]``."""
+    out: list[dict[str, Any]] = []
+    for part in parts:
+        part = _plain_tree(part)
+        kind = part.get("type") if _is_map(part) else None
+        if kind == "image":
+            out.append({"type": "image"})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        else:
+            raise _row_error(
+                where,
+                index,
+                key,
+                f"message {j} has a content part {_short(part)} that is neither "
+                "{'type': 'text', 'text': str} nor {'type': 'image'}",
+                "give content as a string or a list of text and image parts",
+            )
+    if all(p["type"] == "text" for p in out):
+        return "".join(p["text"] for p in out)
+    return out
+
+
+def _has_content(content: str | list[dict[str, Any]]) -> bool:
+    return bool(content.strip()) if isinstance(content, str) else bool(content)
 
 
 def _normalize_prompt(value: Any, where: str, index: int, key: str) -> str | list[dict[str, str]]:
@@ -204,7 +239,7 @@ def _normalize_prompt(value: Any, where: str, index: int, key: str) -> str | lis
     is_struct_of_lists = _is_map(value) and isinstance(_to_plain(value.get("role")), list)
     if isinstance(value, list | tuple) or is_struct_of_lists:
         messages = _normalize_messages(value, where, index, key)
-        if not messages or not any(m["content"].strip() for m in messages):
+        if not messages or not any(_has_content(m["content"]) for m in messages):
             raise _row_error(
                 where, index, key, f"empty prompt (messages: {_short(messages)})", fix_empty
             )
@@ -280,11 +315,14 @@ def _normalize_answer(
     )
 
 
-def _dedupe_key(prompt: str | list[dict[str, str]]) -> str | tuple[tuple[str, str], ...]:
+def _dedupe_key(prompt: str | list[dict[str, Any]]) -> str | tuple[tuple[str, str], ...]:
     """Cheap hashable key, equal exactly when the canonical forms are equal."""
     if isinstance(prompt, str):
         return prompt
-    return tuple((m["role"], m["content"]) for m in prompt)
+    return tuple(
+        (m["role"], m["content"] if isinstance(m["content"], str) else json.dumps(m["content"]))
+        for m in prompt
+    )
 
 
 def _canonical(prompt: str | list[dict[str, str]]) -> str:
@@ -326,6 +364,7 @@ class RecordOptions(TypedDict, total=False):
     # What an answer may be: "text" (a string or number: the built-in scorers), "any" (a
     # dict too: user reward functions), "optional" (and absent: no reward asks for one).
     answers: str
+    image_key: str | None  # the images' column (None: "images", else "image")
 
 
 def build_records(
@@ -340,6 +379,7 @@ def build_records(
     max_rows: int | None = None,
     setting_prefix: str = "",
     answers: str = "text",
+    image_key: str | None = None,
 ) -> tuple[list[PromptRecord], LoadStats]:
     """Validate ``(where, row index, row)`` triples into records; ``source`` names the data
     in errors, and the key options are named there ``setting_prefix + "prompt_key"`` etc."""
@@ -365,10 +405,23 @@ def build_records(
         else:
             answer = _normalize_answer(raw_answer, where, index, answer_key, answers)
 
+        images: list[Any] = []
+        if (
+            any(k in row for k in IMAGE_COLUMNS)
+            or (image_key and image_key in row)
+            or (
+                not isinstance(prompt, str)
+                and any(not isinstance(m["content"], str) for m in prompt)
+            )
+        ):
+            images = read_images(row, prompt, where, index, image_key)
         key = _dedupe_key(prompt)
+        if images:
+            key = (key, image_digest(images))
         seen = uids.get(key)
         if seen is None:
-            uid = _uid(_canonical(prompt), where, index, prompt_key)
+            canonical = _canonical(prompt) + (f"images:{key[1]}" if images else "")
+            uid = _uid(canonical, where, index, prompt_key)
             uids[key] = (uid, (where, index))
             first[key] = len(stats.repeats)
             stats.repeats.append(1)
@@ -401,9 +454,10 @@ def build_records(
         extra = {
             k: _plain_tree(v)
             for k, v in row.items()
-            if k not in (prompt_key, data_source_key) and not str(k).startswith("__index_level_")
+            if k not in (prompt_key, data_source_key, image_key, *IMAGE_COLUMNS)
+            and not str(k).startswith("__index_level_")
         }
-        records.append(PromptRecord(prompt, answer, data_source, uid, extra))
+        records.append(PromptRecord(prompt, answer, data_source, uid, extra, images))
         stats.origins.append((where, index))
 
     if stats.rows == 0:

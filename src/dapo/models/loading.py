@@ -13,6 +13,7 @@ import torch
 from dapo.errors import ModelError
 from dapo.models.activation_checkpointing import checkpoint_layers
 from dapo.models.cache import BUILTIN_MODEL, BUILTIN_MODELS
+from dapo.models.vision import freeze_vision_tower, is_vision_config, vision_refusal
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -162,20 +163,43 @@ def load_policy(
     dtype: str = "float32",
     trust_remote_code: bool = False,
     gradient_checkpointing: bool = False,
+    train_vision: bool = False,
 ) -> torch.nn.Module:
-    """A causal LM from a local directory or hub id (weights cached locally)."""
-    from transformers import AutoModelForCausalLM
+    """A causal LM, or an image-text-to-text model (its vision encoder frozen unless
+    ``train_vision``), from a local directory or hub id (weights cached locally)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    vision = is_vision_model(name_or_path, trust_remote_code=trust_remote_code)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto.from_pretrained(
             name_or_path, dtype=_DTYPES[dtype], trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError) as exc:
         raise ModelError(_load_hint("model", name_or_path, exc)) from exc
+    if vision:
+        freeze_vision_tower(model, train_vision)
     if gradient_checkpointing and not checkpoint_layers(model):
         model.gradient_checkpointing_enable()  # no decoder layers found: transformers' own
     model.config.use_cache = True
     return model
+
+
+def is_vision_model(name_or_path: str, *, trust_remote_code: bool = False) -> bool:
+    """Whether the model at ``name_or_path`` is a vision-language model; refuses, with the
+    reason, one whose family dapo cannot train (:func:`~dapo.models.vision.vision_refusal`)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - the model's own loading says what is wrong
+        return False
+    if not is_vision_config(config):
+        return False
+    reason = vision_refusal(config)
+    if reason is not None:
+        raise ModelError(f"`model.name_or_path` = {name_or_path!r}: {reason}")
+    return True
 
 
 def hidden_size(model: str | torch.nn.Module, *, trust_remote_code: bool = False) -> int | None:

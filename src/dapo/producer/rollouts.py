@@ -41,6 +41,7 @@ from dapo.evaluation.protocol import EvalProtocol, common_repeats, samples_per_p
 from dapo.evaluation.run import engine_accuracy
 from dapo.handover import RolloutBatch, ScoredGroup
 from dapo.health import diagnose_groups
+from dapo.models.vision import pixel_cache
 from dapo.parallel import distributed as D
 from dapo.parallel import sharding
 from dapo.producer.dynamic_sampling import DynamicSampler
@@ -76,11 +77,14 @@ class Rollouts:
         inputs: RunInputs,
         log: Callable[[str], None],
         spec: EnvironmentSpec | None = None,
+        processor: Any = None,
     ) -> None:
         """The prompts, the reward scorer, the environments and the dynamic sampler: what a
         bad data file or reward spec breaks, before any model is loaded. :meth:`connect`
         builds the engine from the policy."""
         self.cfg, self.tokenizer, self.dist = cfg, tokenizer, D.current()
+        # A vision-language model's processor and the prompts' pixel inputs (None: text).
+        self.vision = None if processor is None else (processor, pixel_cache(processor))
         r, a = cfg.rollout, cfg.algorithm
         # Multi-turn episodes: an environment and/or tools (None: one response per prompt).
         # Their prompts are measured as the model sees them: rendered with the tools.
@@ -189,6 +193,7 @@ class Rollouts:
             d.max_prompt_length,
             stats=stats,
             text_of=opening,
+            vision=self.vision,
         )
         for line in dropped_lines(stats, "training", d.max_prompt_length):
             log(line)
@@ -207,6 +212,7 @@ class Rollouts:
                 d.max_prompt_length,
                 stats=stats,
                 text_of=opening,
+                vision=self.vision,
             )
             # Repeated problems are avg@k's samples (as in `dapo eval`), not dropped prompts.
             repeats, stats.duplicates = stats.repeats, 0

@@ -12,7 +12,9 @@ that is one function of static shapes, and a loop that only calls it.
   response finished hand it back and take the next ones (their prompts prefilled into the
   rows' slots, one prefill per distinct prompt; a prefix that all the call's prompts share,
   such as a chat template's system prompt, is forwarded once per call, and the decode step
-  attends to it through that one copy: :mod:`dapo.rollout.attention`). Once the queue is
+  attends to it through that one copy: :mod:`dapo.rollout.attention`). A prompt's images
+  (:class:`~dapo.data.images.ImagePrompt`) go into its prefill, so the vision encoder runs
+  once per distinct prompt; a shared prefix stops before the first image token. Once the queue is
   empty, the live rows are packed into the smallest batch-size bucket (:func:`buckets`) that
   holds them, so the long tail runs on a small batch.
 - On CUDA each bucket's decode step is captured once as a CUDA graph and replayed per token
@@ -39,9 +41,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from dapo.data.images import prompt_key
 from dapo.errors import ConfigError
 from dapo.memory import device_memory
 from dapo.models.inputs import after_prefix, shared_prefix
+from dapo.models.vision import image_inputs, image_token_id, text_prefix
 from dapo.rollout import buffers
 from dapo.rollout.attention import SharedPrefix, sharing
 from dapo.rollout.base import SamplingParams
@@ -174,7 +178,9 @@ class Decoder:
         )
         # The prompts' common prefix (a chat template's system prompt, few-shot turns): its
         # keys and values are computed at the first prefill and reused by every later one.
-        self.prefix = shared_prefix(list(dict.fromkeys(map(tuple, prompts))))
+        # Never an image: a prefix is shared only up to the first image token.
+        distinct = list({prompt_key(p): p for p in prompts}.values())
+        self.prefix = shared_prefix(text_prefix(distinct, image_token_id(model)))
         self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.held: list[int] = [-1] * self.rows  # the response each row holds (-1: free)
         self.ws: Workspace | None = None
@@ -309,6 +315,7 @@ class Decoder:
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **image_inputs([self.prompts[p] for p in chunk], self.device),
             )
             if self.ws is None:  # the first chunk: the rows may be fewer once sized
                 self.ws = self._workspace(out.past_key_values, out.logits.shape[-1])

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dapo.choices import CUDA_GRAPHS
+from dapo.data.images import copy_prompt
 from dapo.models.inputs import device_of
 from dapo.models.precision import GenerationWeights, autocast
 from dapo.parallel.sharding import full_params, is_fsdp
@@ -157,7 +158,7 @@ class HFEngine:
         if not prompts or params.n < 1 or params.max_tokens < 1:  # nothing to generate
             return [
                 Group(
-                    prompt_ids=list(p),
+                    prompt_ids=copy_prompt(p),
                     response_ids=[[] for _ in range(max(params.n, 0))],
                     logprobs=[[] for _ in range(max(params.n, 0))],
                     truncated=[True] * max(params.n, 0),
@@ -210,7 +211,7 @@ class HFEngine:
         )
         groups = []
         for i, p in enumerate(prompts):
-            g = Group(prompt_ids=list(p))
+            g = Group(prompt_ids=copy_prompt(p))
             for row in range(i * params.n, (i + 1) * params.n):
                 g.response_ids.append(tokens[row][: lengths[row]])
                 g.logprobs.append(logps[row][: lengths[row]])

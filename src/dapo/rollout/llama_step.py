@@ -35,6 +35,9 @@ from torch import nn
 from dapo.rollout.attention import SharedPrefix, cascade
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Vision-language models whose text model is a Llama (decoding is text decoding: the image
+# features are in the prompt's keys and values).
+VISION = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -46,6 +49,12 @@ def causal_lm(model: nn.Module) -> nn.Module:
     return model
 
 
+def text_model(lm: nn.Module) -> nn.Module:
+    """The decoder (embeddings, layers, final norm) of a causal LM or a supported
+    vision-language model."""
+    return lm.model.text_model if type(lm).__name__ in VISION else lm.model
+
+
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
@@ -54,8 +63,10 @@ def unsupported(model: nn.Module) -> str | None:
     """Why :class:`LlamaStep` cannot stand in for ``model``'s forward (None: it can)."""
     lm = causal_lm(model)
     name = type(lm).__name__
-    if name not in SUPPORTED:
-        return f"{name} is not one of {', '.join(SUPPORTED)}"
+    if name not in SUPPORTED + VISION:
+        return f"{name} is not one of {', '.join(SUPPORTED + VISION)}"
+    if name in VISION and type(text_model(lm)).__name__ != "LlamaModel":
+        return f"{name}'s text model is a {type(text_model(lm)).__name__}, not a LlamaModel"
     if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda")):
         return "autocast is on (bf16-mixed)"
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
@@ -64,7 +75,7 @@ def unsupported(model: nn.Module) -> str | None:
     for module in lm.modules():
         if module is not head and _hooked(module) and not _inside(module, head):
             return f"a {type(module).__name__} has forward hooks"
-    for layer in lm.model.layers:
+    for layer in text_model(lm).layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             return f"{type(mlp).__name__} is not a gated MLP"
@@ -127,11 +138,11 @@ class LlamaStep:
 
     def __init__(self, model: nn.Module, length: int, fuse: bool = True) -> None:
         lm = causal_lm(model)
-        inner = lm.model
+        inner = text_model(lm)
         attn = inner.layers[0].self_attn
         self.lm, self.inner = lm, inner
-        self.heads = lm.config.num_attention_heads
-        self.kv_heads = lm.config.num_key_value_heads
+        self.heads = inner.config.num_attention_heads
+        self.kv_heads = inner.config.num_key_value_heads
         self.head_dim = attn.head_dim
         self.scale = attn.scaling
         self.group = self.heads // self.kv_heads

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from dapo import algorithms as alg
+from dapo.data.images import images_of
 from dapo.models.chunked_logprobs import chunked_logprobs
 from dapo.models.head import head_replaced, output_head
 from dapo.models.inputs import after_prefix, device_of, shared_prefix
 from dapo.models.precision import autocast, compute_dtype
+from dapo.models.vision import image_inputs, image_token_id, text_prefix
 from dapo.parallel import sharding
 from dapo.training.batch import Sample
 from dapo.training.microbatch import MicroBatch, collate, micro_batches
@@ -93,7 +95,9 @@ def response_states(
     prompt's padding mask and positions. This is exact: a response token attends to the same
     keys and values at the same positions (causal attention makes a prompt's states
     independent of what follows it), only computed once per prompt instead of once per
-    response. A prefix that all the distinct prompts share (a chat template's system prompt,
+    response. A prompt's images (``batch.prompts``, :class:`~dapo.data.images.ImagePrompt`)
+    go into the pass that forwards its image tokens; a shared prefix stops before the first
+    image token. A prefix that all the distinct prompts share (a chat template's system prompt,
     few-shot turns: :func:`~dapo.models.inputs.shared_prefix`) is forwarded once, on one
     row, and the rest of each prompt on top of it (left-padded after it), by the same
     argument. The responses go in groups of similar width (:func:`length_buckets`), each
@@ -110,7 +114,11 @@ def response_states(
     """
     first_pass = ddp if ddp is not None else model
     distinct = batch.distinct_prompts
-    cache = prompt_cache(model) if shared_prompt and len(distinct) < len(batch.owner) else None
+    # Images always go in a pass of their own prompts: a response may hold the image token
+    # too (sampled), and the model would put image features there in a whole forward.
+    visual = any(images_of(p) for p in batch.prompts)
+    shares = shared_prompt and len(distinct) < len(batch.owner)
+    cache = prompt_cache(model) if shares or visual else None
     device = device_of(model)
     r = batch.width
     head = output_head(model) if hidden else None
@@ -125,11 +133,12 @@ def response_states(
                 position_ids=pos,
                 logits_to_keep=r + 1,
                 use_cache=False,
+                **image_inputs(batch.prompts, device),
             )
             return out.logits[:, :-1]
         prompt_ids, prompt_mask = batch.prompt_ids[distinct], batch.prompt_mask[distinct]
         tokens = [row[m > 0].tolist() for row, m in zip(prompt_ids, prompt_mask, strict=True)]
-        c = shared_prefix(tokens)
+        c = shared_prefix(text_prefix(tokens, image_token_id(model)))  # never an image
         if c:  # a prefix every prompt shares (a system prompt): once, then the rest on top
             first_pass(
                 input_ids=torch.tensor([tokens[0][:c]], device=device),
@@ -149,6 +158,7 @@ def response_states(
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **image_inputs([batch.prompts[i] for i in distinct] if batch.prompts else [], device),
         )
         owner = torch.tensor(batch.owner)  # each row's prompt among the distinct ones
         rows = owner.to(device)

@@ -217,6 +217,7 @@ class Learner:
                 dtype=load_dtype(precision),
                 trust_remote_code=cfg.model.trust_remote_code,
                 gradient_checkpointing=cfg.model.gradient_checkpointing,
+                train_vision=cfg.model.train_vision,
             )
         else:  # given as an object (dapo.train(model=...)): made what load_policy makes
             model = prepare_given_model(

@@ -10,16 +10,18 @@ from typing import Any
 from dapo.config import Config
 from dapo.environments import EnvironmentSpec, load_environment, load_parser, no_template_error
 from dapo.models import load_tokenizer, resolve_model_path
-from dapo.models.loading import builtin_chat_template
+from dapo.models.loading import builtin_chat_template, is_vision_model
+from dapo.models.vision import load_processor
 from dapo.run_inputs import RunInputs
 
 
 def load_spec_and_tokenizer(
     cfg: Config, inputs: RunInputs, log: Callable[[str], None]
-) -> tuple[EnvironmentSpec | None, Any, str]:
-    """``(spec, tokenizer, model_path)``: the episode spec (None for single-turn runs), the
-    tokenizer (``inputs``' or loaded) and the resolved model path ("" when ``inputs`` holds
-    both the model and the tokenizer)."""
+) -> tuple[EnvironmentSpec | None, Any, str, Any]:
+    """``(spec, tokenizer, model_path, processor)``: the episode spec (None for single-turn
+    runs), the tokenizer (``inputs``' or loaded), the resolved model path ("" when
+    ``inputs`` holds both the model and the tokenizer) and a vision-language model's
+    processor (None for a text model)."""
     r = cfg.rollout
     spec = load_environment(
         inputs.environment or r.environment, [*r.tools, *inputs.tools], r.tool_parser
@@ -35,9 +37,13 @@ def load_spec_and_tokenizer(
     model_path = ""
     if inputs.model is None or inputs.tokenizer is None:
         model_path = resolve_model_path(cfg.model.name_or_path, log=log)
+    trust = cfg.model.trust_remote_code
+    processor = inputs.processor
+    if processor is None and model_path and is_vision_model(model_path, trust_remote_code=trust):
+        processor = load_processor(model_path, trust_remote_code=trust)
     tokenizer = inputs.tokenizer or load_tokenizer(
-        cfg.model.tokenizer or model_path, trust_remote_code=cfg.model.trust_remote_code
+        cfg.model.tokenizer or model_path, trust_remote_code=trust
     )
     if chat and not getattr(tokenizer, "chat_template", None):
         raise no_template_error(tokenizer_name)
-    return spec, tokenizer, model_path
+    return spec, tokenizer, model_path, processor

@@ -11,11 +11,12 @@ over the whole mini-batch, whatever the split.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from dapo.algorithms import LossSettings
+from dapo.data.images import prompt_key
 from dapo.errors import TrainingError
 from dapo.models.inputs import left_pad, right_pad
 from dapo.training.batch import Sample
@@ -153,6 +154,8 @@ class MicroBatch:
     # algorithm.proximal_logprobs=loglinear: the behaviour policy's log-probs and versions.
     behaviour_logprobs: torch.Tensor | None = None  # [b, R]
     versions: torch.Tensor | None = None  # [b, R]
+    # Each row's prompt as given (an ImagePrompt carries its images: dapo.data.images).
+    prompts: list[Sequence[int]] = field(default_factory=list)
 
     @property
     def width(self) -> int:
@@ -217,8 +220,8 @@ def collate(
     width = max(len(s.response_ids) for s in samples)
     prompt_ids, prompt_mask = left_pad([s.prompt_ids for s in samples], pad_id)
     response_ids, response_mask = right_pad([s.response_ids for s in samples], width, pad_id)
-    owner: dict[tuple[int, ...], int] = {}
-    rows = [owner.setdefault(tuple(s.prompt_ids), len(owner)) for s in samples]
+    owner: dict[tuple[int, ...], int] = {}  # a prompt is its tokens and its images
+    rows = [owner.setdefault(prompt_key(s.prompt_ids), len(owner)) for s in samples]
 
     def optional(values: list[torch.Tensor | None], fill: float) -> torch.Tensor | None:
         if all(v is None for v in values):
@@ -251,4 +254,5 @@ def collate(
         else None,
         versions=optional([s.versions for s in samples], 0.0) if behaviour else None,
         selected=chosen,
+        prompts=[s.prompt_ids for s in samples],
     )

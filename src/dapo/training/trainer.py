@@ -80,10 +80,12 @@ class Trainer:
         seed_everything(cfg.seed)
         self.log(run_plan(cfg))  # the updates per step and the overlong window, said once
         # The episode spec and the tokenizer, checked against each other before any weights.
-        self.spec, self.tokenizer, model_path = load_spec_and_tokenizer(cfg, inputs, self.log)
+        self.spec, self.tokenizer, model_path, self.processor = load_spec_and_tokenizer(
+            cfg, inputs, self.log
+        )
         # The prompts and the reward scorer first: a bad data file or reward spec is refused
         # before any weights load. The teacher is checked against the tokenizer before the policy.
-        self.rollouts = Rollouts(cfg, self.tokenizer, inputs, self.log, self.spec)
+        self.rollouts = Rollouts(cfg, self.tokenizer, inputs, self.log, self.spec, self.processor)
         try:
             teacher = load_teacher(cfg, self.tokenizer, self.log)
             self.learner = Learner.from_config(
@@ -390,4 +392,6 @@ class Trainer:
         if self.cfg.checkpoint.save_final_model:
             weights = self.learner.pretrained_weights()  # all ranks gather with FSDP
             if self.dist.is_main:
-                export_final_model(self.out / "final_model", self.model, self.tokenizer, weights)
+                export_final_model(
+                    self.out / "final_model", self.model, self.processor or self.tokenizer, weights
+                )

@@ -1,0 +1,272 @@
+"""Images in prompts: reading them from rows, checking them against the prompt's placeholders,
+and the token ids of a prompt that carry its images (:class:`ImagePrompt`).
+
+The data forms read are TRL's (a conversational prompt whose messages have content parts
+``{"type": "image"}`` / ``{"type": "text", "text": ...}``, with an ``images`` or ``image``
+column) and verl's (``<image>`` placeholders in the text, with an ``images`` column). An
+image is a PIL image, a file path, raw bytes, or the ``{"bytes": ..., "path": ...}`` dict a
+``datasets`` ``Image`` feature or a parquet file holds. Every problem is a
+:class:`~dapo.errors.DataError` naming the row, before any training.
+
+A prompt with images travels through generation and training as an :class:`ImagePrompt`:
+its token ids (image tokens expanded by the model's processor) with the images and a digest
+of them, so that the training forward sees exactly the pixels the rollout saw, and two
+prompts count as one only when both their tokens and their images are identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from dapo.errors import DataError
+
+PLACEHOLDER = "<image>"  # verl's placeholder in a prompt's text
+IMAGE_COLUMNS = ("images", "image")  # TRL's and verl's column names
+
+
+def _row_error(where: str, index: int, key: str, problem: str, fix: str) -> DataError:
+    return DataError(f"{where}: row {index}: field '{key}': {problem}. Fix: {fix}")
+
+
+def open_image(value: Any, where: str, index: int, key: str) -> Any:
+    """``value`` (PIL image, path, bytes, or ``{"bytes", "path"}``) as an RGB PIL image."""
+    from PIL import Image, UnidentifiedImageError
+
+    fix = "give a PIL image, an image file's path, its bytes, or {'bytes': ..., 'path': ...}"
+    if isinstance(value, Image.Image):
+        image = value
+    else:
+        data: bytes | None = None
+        path: str | None = None
+        if isinstance(value, dict):
+            raw = value.get("bytes")
+            data = bytes(raw) if raw is not None else None
+            path = value.get("path") if data is None else None
+        elif isinstance(value, bytes | bytearray | memoryview):
+            data = bytes(value)
+        elif isinstance(value, str | Path):
+            path = str(value)
+        else:
+            raise _row_error(where, index, key, f"an image is a {type(value).__name__}", fix)
+        if data is None and not path:
+            raise _row_error(
+                where, index, key, f"an image has neither bytes nor a path ({value!r})", fix
+            )
+        if data is None:
+            file = Path(path).expanduser()
+            if not file.is_file():
+                raise _row_error(
+                    where, index, key, f"the image file {path!r} does not exist", "fix the path"
+                )
+            data = file.read_bytes()
+        try:
+            image = Image.open(io.BytesIO(data))
+            image.load()
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            what = f"the image {path!r}" if path else f"an image of {len(data)} bytes"
+            raise _row_error(
+                where,
+                index,
+                key,
+                f"{what} cannot be read ({exc})",
+                "give a PNG, JPEG or WebP image",
+            ) from None
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def content_parts(content: Any) -> list[dict[str, Any]] | None:
+    """A message's content as TRL-style parts, or None when it is plain text."""
+    if isinstance(content, str):
+        return None
+    return [dict(p) for p in content]
+
+
+def count_images(prompt: str | list[dict[str, Any]]) -> int:
+    """The images a prompt asks for: its ``{"type": "image"}`` parts and its ``<image>``
+    placeholders."""
+    if isinstance(prompt, str):
+        return prompt.count(PLACEHOLDER)
+    n = 0
+    for message in prompt:
+        content = message["content"]
+        if isinstance(content, str):
+            n += content.count(PLACEHOLDER)
+            continue
+        for part in content:
+            if part.get("type") == "image":
+                n += 1
+            elif part.get("type") == "text":
+                n += str(part.get("text", "")).count(PLACEHOLDER)
+    return n
+
+
+def with_image_parts(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages whose images are content parts: verl's ``<image>`` placeholders in the
+    text become ``{"type": "image"}`` parts where they stand (a plain-text prompt becomes
+    one user message); TRL-style parts stay as they are."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    out = []
+    for m in messages:
+        content = m["content"]
+        texts = [content] if isinstance(content, str) else None
+        parts: list[dict[str, Any]] = []
+        for part in [{"type": "text", "text": t} for t in texts] if texts else content:
+            if part.get("type") != "text" or PLACEHOLDER not in str(part.get("text", "")):
+                parts.append(dict(part))
+                continue
+            pieces = str(part["text"]).split(PLACEHOLDER)
+            for j, piece in enumerate(pieces):
+                if j:
+                    parts.append({"type": "image"})
+                if piece:
+                    parts.append({"type": "text", "text": piece})
+        out.append({"role": m["role"], "content": parts})
+    return out
+
+
+def read_images(
+    row: Any, prompt: str | list[dict[str, Any]], where: str, index: int, key: str | None
+) -> list[Any]:
+    """The row's images (the ``key`` column, else ``images`` or ``image``), opened, checked
+    against the prompt's placeholders; ``[]`` for a text-only row."""
+    keys = [key] if key else [k for k in IMAGE_COLUMNS if k in row]
+    column = keys[0] if keys else IMAGE_COLUMNS[0]
+    raw = row.get(column) if keys else None
+    if hasattr(raw, "tolist") and not isinstance(raw, bytes | str):
+        raw = raw.tolist()
+    values = [] if raw is None else list(raw) if isinstance(raw, list | tuple) else [raw]
+    wanted = count_images(prompt)
+    if wanted != len(values):
+        placeholders = "{'type': 'image'} parts or <image> placeholders"
+        raise _row_error(
+            where,
+            index,
+            column,
+            f"the prompt has {wanted} image placeholder{'s' * (wanted != 1)} ({placeholders}) "
+            f"but the row has {len(values)} image{'s' * (len(values) != 1)}",
+            "give one image per placeholder, in order",
+        )
+    return [open_image(v, where, index, column) for v in values]
+
+
+def image_digest(images: Sequence[Any]) -> str:
+    """A digest of images' pixels (and sizes): equal exactly when the images are."""
+    h = hashlib.sha1()
+    for image in images:
+        h.update(f"{image.mode}{image.size}".encode())
+        h.update(image.tobytes())
+    return h.hexdigest()[:16]
+
+
+class PixelCache:
+    """The processor's pixel inputs of image lists, computed on demand and kept for the most
+    recent :attr:`size` digests (a rollout step's prompts are forwarded several times: the
+    prefill, the old log-probs, every update)."""
+
+    def __init__(self, compute: Callable[[Sequence[Any]], dict[str, Any]], size: int = 512) -> None:
+        self.compute, self.size = compute, size
+        self._kept: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def get(self, digest: str, images: Sequence[Any]) -> dict[str, Any]:
+        hit = self._kept.get(digest)
+        if hit is None:
+            hit = self._kept[digest] = self.compute(images)
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+        else:
+            self._kept.move_to_end(digest)
+        return hit
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled without what it keeps
+        return {"compute": self.compute, "size": self.size}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.compute, self.size, self._kept = state["compute"], state["size"], OrderedDict()
+
+
+class ImagePrompt(list):
+    """A prompt's token ids (image tokens expanded) carrying its images.
+
+    ``images``: RGB PIL images in prompt order; ``digest``: :func:`image_digest` of them;
+    ``pixels``: where their pixel inputs come from. A continuation (``prompt + ids``, as a
+    multi-turn episode grows) keeps the images; ``key`` identifies the prompt by its tokens
+    and images together.
+    """
+
+    def __init__(
+        self, ids: Sequence[int], images: Sequence[Any], pixels: PixelCache, digest: str = ""
+    ) -> None:
+        super().__init__(ids)
+        self.images = tuple(images)
+        self.pixels = pixels
+        self.digest = digest or image_digest(self.images)
+
+    def __add__(self, other: Sequence[int]) -> ImagePrompt:  # type: ignore[override]
+        if isinstance(other, ImagePrompt) and other.images:
+            raise ValueError("an image prompt continued with another image prompt")
+        return ImagePrompt([*self, *other], self.images, self.pixels, self.digest)
+
+    def pixel_inputs(self) -> dict[str, Any]:
+        """The model's image inputs for this prompt (the processor's tensors)."""
+        return self.pixels.get(self.digest, self.images)
+
+    def key(self) -> tuple[Any, ...]:
+        return (*self, self.digest)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ImagePrompt, (list(self), self.images, self.pixels, self.digest))
+
+
+def prompt_key(prompt: Sequence[int]) -> tuple[Any, ...]:
+    """A prompt's identity: its tokens, and its images' digest when it has images."""
+    return prompt.key() if isinstance(prompt, ImagePrompt) else tuple(prompt)
+
+
+def images_of(prompt: Sequence[int]) -> tuple[Any, ...]:
+    """The images a prompt carries (none for a text prompt)."""
+    return prompt.images if isinstance(prompt, ImagePrompt) else ()
+
+
+def render_with_images(prompt: str | list[dict[str, Any]], processor: Any) -> str:
+    """A prompt with images as text for ``processor``: its chat template over content parts
+    (a plain-text prompt then becomes one user message), else the text with each image as
+    the processor's image token (messages joined as ``role: content`` lines)."""
+    image_token = getattr(processor, "image_token", PLACEHOLDER)
+    if getattr(processor, "chat_template", None):
+        return processor.apply_chat_template(
+            with_image_parts(prompt), add_generation_prompt=True, tokenize=False
+        )
+    if isinstance(prompt, str):
+        return prompt.replace(PLACEHOLDER, image_token)
+    lines = []
+    for m in with_image_parts(prompt):
+        text = "".join(
+            image_token if p["type"] == "image" else str(p.get("text", "")) for p in m["content"]
+        )
+        lines.append(f"{m['role']}: {text}")
+    return "\n".join([*lines, "assistant:"])
+
+
+def encode_with_images(
+    texts: Sequence[str], images: Sequence[Sequence[Any]], processor: Any, pixels: PixelCache
+) -> list[ImagePrompt]:
+    """Token ids of prompts with images, each image placeholder expanded into the image
+    tokens the processor gives it (no special tokens added, as for text prompts)."""
+    out = []
+    for text, imgs in zip(texts, images, strict=True):
+        enc = processor(text=[text], images=[list(imgs)], add_special_tokens=False)
+        ids = enc["input_ids"][0]
+        out.append(ImagePrompt(ids.tolist() if hasattr(ids, "tolist") else list(ids), imgs, pixels))
+    return out
+
+
+def copy_prompt(prompt: Sequence[int]) -> list[int]:
+    """A copy of a prompt's token ids that keeps its images."""
+    if isinstance(prompt, ImagePrompt):
+        return ImagePrompt(list(prompt), prompt.images, prompt.pixels, prompt.digest)
+    return list(prompt)
