@@ -9,7 +9,11 @@ step and seed pick the same samples) and describes each as a plain dict:
   carried-over groups are older), ``uid``,
   ``data_source``, ``ground_truth``;
 - ``prompt``: the prompt ids decoded with their special tokens, as the model saw them
-  (chat template, tool schemas and the environment's opening included);
+  (chat template, tool schemas and the environment's opening included), a run of one
+  repeated special token (a prompt's image tokens) written once with its count
+  (``<image>×64``);
+- ``images``: a prompt's images, as paths (relative to the run directory) of small PNGs
+  saved beside the file (``images/<digest>-<i>.png``); ``[]`` for a text prompt;
 - ``turns``: ``[{"role": "assistant" | "environment", "text": ..., "tokens": n}]`` in
   order; an assistant turn also has ``tool_calls`` (``[{"name", "arguments"}]``, read with
   the hermes parser) and, for a call that does not parse, ``tool_call_error``. A
@@ -33,14 +37,17 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from dapo.atomic import append_whole, atomic_write
+from dapo.data.images import images_of
 from dapo.environments.tools import ToolCallParseError, parse_hermes
 
 TRANSCRIPTS_FILE = "rollouts.jsonl"
+IMAGES_DIR = "images"  # the prompts' images, beside rollouts.jsonl
 
 __all__ = [
     "TRANSCRIPTS_FILE",
@@ -89,6 +96,8 @@ def transcript_records(
     for g, i in sorted(picked):
         adv = None if advantages is None else float(advantages[g][i])
         out.append(_record(step, first_group + g, i, groups[g], adv, tokenizer, parser))
+        if images_of(groups[g].prompt_ids):  # saved as PNGs by TranscriptWriter.write
+            out[-1]["_images"] = groups[g].prompt_ids
     return out
 
 
@@ -119,7 +128,12 @@ def _record(
         "uid": getattr(record, "uid", None),
         "data_source": getattr(record, "data_source", None),
         "ground_truth": getattr(record, "ground_truth", None),
-        "prompt": tokenizer.decode(list(group.prompt_ids), skip_special_tokens=False),
+        "prompt": summarise_repeats(
+            tokenizer.decode(list(group.prompt_ids), skip_special_tokens=False)
+        ),
+        "images": [
+            image_path(group.prompt_ids, j) for j in range(len(images_of(group.prompt_ids)))
+        ],
         "turns": _turns(ids, mask, tokenizer, parser),
         "reward": reward,
         "correct": bool(group.correct[i]) if getattr(group, "claims_correct", True) else None,
@@ -187,8 +201,20 @@ class TranscriptWriter:
             return
         if self._fd is None:
             raise RuntimeError("TranscriptWriter.write() called after close()")
+        self._save_images(records)
         data = "".join(json.dumps(r, default=_plain) + "\n" for r in records).encode("utf-8")
         append_whole(self._fd, data, self.path)  # all of this step's lines, or none
+
+    def _save_images(self, records: Sequence[dict[str, Any]]) -> None:
+        """Each record's images (``_images``: the prompt, taken out of the record) as PNGs
+        at its ``images`` paths, written once per image."""
+        for r in records:
+            prompt = r.pop("_images", None)
+            for j, image in enumerate(images_of(prompt) if prompt is not None else ()):
+                path = self.path.parent / image_path(prompt, j)
+                if not path.exists():
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    atomic_write(path, lambda f, image=image: image.save(f, format="PNG"))
 
     def close(self) -> None:
         """Close the file (idempotent)."""
@@ -201,6 +227,19 @@ class TranscriptWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def image_path(prompt: Any, j: int) -> str:
+    """Where a prompt's ``j``-th image is saved, relative to the run directory."""
+    return f"{IMAGES_DIR}/{prompt.digest}-{j}.png"
+
+
+def summarise_repeats(text: str) -> str:
+    """A run of one special token repeated (``<image><image>...``) as ``<image>×N``."""
+    return _REPEATS.sub(lambda m: f"{m.group(1)}×{len(m.group(0)) // len(m.group(1))}", text)
+
+
+_REPEATS = re.compile(r"(<[^<>\s]{1,40}>)\1{2,}")
 
 
 def _plain(value: Any) -> Any:
@@ -245,6 +284,8 @@ def format_transcript(record: dict[str, Any], width: int = 100) -> str:
         + f"  end {record.get('end')}"
     )
     lines = [rule, head, rule, "--- prompt (as the model saw it) ---", record.get("prompt", "")]
+    for path in record.get("images") or []:
+        lines.append(f"  [image: {path}]")
     for turn in record.get("turns", []):
         lines.append(f"--- {turn['role']} ({turn.get('tokens', 0)} tokens) ---")
         lines.append(turn.get("text", ""))

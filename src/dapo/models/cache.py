@@ -12,6 +12,8 @@ from pathlib import Path
 BUILTIN_MODEL = "builtin:tiny"  # the default; built by dapo.models.tiny
 # Warmed up on builtin:addition, builtin:long_addition and builtin:calculator (multi-turn).
 BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-long", "builtin:tiny-tool")
+# A vision-language model (Idefics3 class), warmed up on builtin:colour_count.
+BUILTIN_VLM = "builtin:tiny-vlm"
 
 
 def cache_root() -> Path:

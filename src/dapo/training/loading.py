@@ -9,6 +9,7 @@ from typing import Any
 
 from dapo.config import Config
 from dapo.environments import EnvironmentSpec, load_environment, load_parser, no_template_error
+from dapo.errors import ConfigError
 from dapo.models import load_tokenizer, resolve_model_path
 from dapo.models.loading import builtin_chat_template, is_vision_model
 from dapo.models.vision import load_processor
@@ -41,9 +42,32 @@ def load_spec_and_tokenizer(
     processor = inputs.processor
     if processor is None and model_path and is_vision_model(model_path, trust_remote_code=trust):
         processor = load_processor(model_path, trust_remote_code=trust)
+    if processor is not None:
+        check_vision_run(cfg, chat)
     tokenizer = inputs.tokenizer or load_tokenizer(
         cfg.model.tokenizer or model_path, trust_remote_code=trust
     )
     if chat and not getattr(tokenizer, "chat_template", None):
         raise no_template_error(tokenizer_name)
     return spec, tokenizer, model_path, processor
+
+
+def check_vision_run(cfg: Config, chat: bool) -> None:
+    """Refuse, before any weights load, what a vision-language policy cannot do yet: a
+    rollout engine other than transformers' (vLLM is not given the images), and multi-turn
+    episodes (whose turns are rendered as text)."""
+    name = cfg.model.name_or_path
+    if cfg.rollout.engine != "hf":
+        raise ConfigError(
+            f"rollout.engine={cfg.rollout.engine}: {name!r} is a vision-language model and "
+            "dapo does not pass images to vLLM yet, so its rollouts would not see them. Fix: "
+            "rollout.engine=hf",
+            key="rollout.engine",
+        )
+    if chat:
+        raise ConfigError(
+            f"{name!r} is a vision-language model; multi-turn episodes (rollout.environment, "
+            "rollout.tools, rollout.agent) render their turns as text and do not carry "
+            "images yet. Fix: train it single-turn, or a text model multi-turn",
+            key="rollout.environment",
+        )

@@ -20,6 +20,7 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 30, 220)}
 GRID, CELL = 4, 8
 NOISE_COUNT = 0.4  # share of warm-up answers off by one
 NOISE_FORMAT = 0.2  # share of warm-up answers that end "Count: X", not "Answer: X"
+MAX_PROMPTS = 5000  # problems per split at most (each holds its image; encoding 5,000 takes ~2 s)
 
 
 def draw(cells: list[str | None]) -> Any:
@@ -62,13 +63,13 @@ def sft_example(rng: random.Random) -> tuple[str, Any, str]:
 def colour_count_records(
     split: str = "train", n: int = 4000, seed: int = 1234
 ) -> list[PromptRecord]:
-    """``n`` problems of ``split`` ("train" or "test"; distinct seeds, so the held-out grids
-    are new ones almost surely)."""
+    """``n`` problems of ``split`` (at most :data:`MAX_PROMPTS`; "train" or "test", drawn
+    with distinct seeds, so the held-out grids are new ones almost surely)."""
     if split not in ("train", "test"):
         raise ValueError(f"{NAME} has splits 'train' and 'test', not {split!r}")
     rng = random.Random(f"{seed}-{split}-{NAME}")
     out = []
-    for i in range(n):
+    for i in range(min(n, MAX_PROMPTS)):
         cells, colour = sample(rng)
         code = "".join("." if c is None else c[0] for c in cells)
         out.append(
