@@ -242,8 +242,24 @@ def test_every_example_is_run_below() -> None:
     examples = {p.name for p in (ROOT / "examples").iterdir() if p.suffix in (".py", ".yaml")}
     covered = {"calculator.yaml", "tool_use.yaml", "chat_addition.yaml", "train_from_python.py"}
     covered |= {"tool_env.py"}  # the environment and tool of tool_use.yaml
-    covered |= {"agent_calculator.yaml", "agent_calculator.py", "distill.yaml"}
+    covered |= {"agent_calculator.yaml", "agent_calculator.py", "distill.yaml", "vision.yaml"}
     assert examples == covered
+
+
+@pytest.mark.slow
+def test_the_vision_example_trains_and_shows_its_images(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """examples/vision.yaml as written (the shipped builtin:tiny-vlm) for a few steps: every
+    transcript names a saved image."""
+    argv = ["train", str(ROOT / "examples" / "vision.yaml"), "train.steps=3"]
+    argv += ["data.max_eval_prompts=16", "checkpoint.save_every=0"]
+    argv += ["checkpoint.save_final_model=false", f"output_dir={tmp_path / 'run'}"]
+    assert _dapo_here(argv, monkeypatch, capsys) == 0
+    lines = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert lines and all((tmp_path / "run" / r["images"][0]).is_file() for r in lines)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["health"] == []
 
 
 @pytest.mark.slow

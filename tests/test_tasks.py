@@ -41,6 +41,7 @@ def test_long_addition_is_registered_next_to_addition():
         "builtin:calculator",
         "builtin:chat_addition",
         "builtin:chat_addition-sanity",
+        "builtin:colour_count",
     }
     records = load_task("builtin:long_addition", "test", n=5)
     assert len(records) == 5 and all(r.data_source == "builtin_long_addition" for r in records)

