@@ -211,13 +211,16 @@ def test_the_vision_tower_is_frozen_unless_asked(vlm):
 
 
 def test_an_unsupported_vision_family_is_refused_with_the_reason(tmp_path):
-    from transformers import Qwen2VLConfig
+    from transformers import Gemma3Config, LlavaConfig
 
     from dapo.models.loading import load_policy
 
-    Qwen2VLConfig().save_pretrained(tmp_path)
-    with pytest.raises(ModelError, match="qwen2_vl.*M-RoPE.*supported: idefics3"):
-        load_policy(str(tmp_path))
+    LlavaConfig().save_pretrained(tmp_path / "llava")
+    with pytest.raises(ModelError, match="'llava' is not supported.*supported: idefics3"):
+        load_policy(str(tmp_path / "llava"))
+    Gemma3Config().save_pretrained(tmp_path / "gemma3")
+    with pytest.raises(ModelError, match="'gemma3' is not supported .dapo does not know"):
+        load_policy(str(tmp_path / "gemma3"))
 
 
 def test_a_vision_model_with_vllm_or_episodes_is_refused_at_start_up():
@@ -283,3 +286,145 @@ def test_a_run_from_python_rows_saves_images_and_exports_the_processor(tmp_path)
     )[0, len(prompt) :].tolist()
     ours = group.response_ids[0]
     assert ours == ref[: len(ours)] and len(ours) >= 1
+
+
+# --- the Qwen2-VL family: three-axis positions ---------------------------------------------
+
+
+class _QwenProcessor:
+    """Qwen2-VL's processing where transformers' own processor cannot be built (it needs
+    torchvision for its video part): the PIL image processor, and each image token expanded
+    into ``t * h * w / merge**2`` copies, as Qwen2VLProcessor does."""
+
+    image_token = "<|image_pad|>"
+    chat_template = None
+
+    def __init__(self, tokenizer, image_processor):
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+
+    def __call__(self, text, images, add_special_tokens=False):
+        grids = self.image_processor(images=images, return_tensors="pt")["image_grid_thw"]
+        merge = self.image_processor.merge_size**2
+        pieces = text[0].split(self.image_token)
+        out = pieces[0]
+        for grid, piece in zip(grids, pieces[1:], strict=True):
+            out += self.image_token * (int(grid.prod()) // merge) + piece
+        return self.tokenizer([out], add_special_tokens=add_special_tokens)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from dapo.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    special = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tok.add_special_tokens({"additional_special_tokens": special})
+    images = Qwen2VLImageProcessorPil(
+        min_pixels=16 * 16, max_pixels=64 * 64, patch_size=8, merge_size=2, temporal_patch_size=2
+    )
+    ids = dict(zip(special, tok.convert_tokens_to_ids(special), strict=True))
+    torch.manual_seed(0)
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": len(tok),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "mrope_section": [2, 3, 3],
+            },
+            "tie_word_embeddings": True,
+        },
+        vision_config={
+            "depth": 2,
+            "embed_dim": 32,
+            "hidden_size": 64,
+            "num_heads": 2,
+            "patch_size": 8,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "mlp_ratio": 2,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        video_token_id=ids["<|video_pad|>"],
+        tie_word_embeddings=True,
+    )
+    return Qwen2VLForConditionalGeneration(config).eval(), _QwenProcessor(tok, images)
+
+
+def _qwen_prompts(processor, n=3):
+    from PIL import Image
+
+    rows = [
+        {
+            "prompt": f"Look: <|vision_start|><image><|vision_end|> which {i}?",
+            "images": [Image.new("RGB", (32, 16 + 16 * (i % 2)), (40 * i, 200, 30))],
+            "a": "1",
+        }
+        for i in range(n)
+    ]
+    records, _ = records_from_rows(rows, answer_key="a")
+    return _prompts(processor, records)
+
+
+def test_qwen2_vl_decodes_as_transformers_generate_does(qwen):
+    model, processor = qwen
+    tok = processor.tokenizer
+    prompts = _qwen_prompts(processor)
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id)
+    groups = engine.generate(prompts, SamplingParams(n=1, temperature=0.0, max_tokens=8))
+    for prompt, group in zip(prompts, groups, strict=True):
+        x = prompt.pixel_inputs()
+        ids = torch.tensor([list(prompt)])
+        ref = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            mm_token_type_ids=(ids == model.config.image_token_id).int(),
+            max_new_tokens=8,
+            do_sample=False,
+            **x,
+        )[0, ids.shape[1] :].tolist()
+        ours = group.response_ids[0]
+        assert ours == ref[: len(ours)] and ours
+
+
+def test_qwen2_vl_engine_and_trainer_agree_and_one_axis_positions_fail(qwen, monkeypatch):
+    model, processor = qwen
+    tok = processor.tokenizer
+    prompts = _qwen_prompts(processor)
+    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id)
+    groups = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=2))
+    samples = [Sample(g.prompt_ids, r, 0.0, [1.0] * len(r)) for g in groups for r in g.response_ids]
+    engine_lp = [torch.tensor(lp) for g in groups for lp in g.logprobs]
+    for shared in (True, False):
+        opts = ForwardOptions(tok.pad_token_id, shared_prompt=shared)
+        assert _gap(compute_logprobs(model, samples, opts), engine_lp) < 1e-5
+    dropped = [Sample(list(s.prompt_ids), s.response_ids, 0.0, s.loss_mask) for s in samples]
+    opts = ForwardOptions(tok.pad_token_id)
+    assert _gap(compute_logprobs(model, dropped, opts), engine_lp) > 1e-2
+    # The token index as every axis's position (what a one-axis layout would give) fails.
+    import dapo.models.vision as vision
+
+    monkeypatch.setattr(vision, "uses_mrope", lambda model: False)
+    assert _gap(compute_logprobs(model, samples, opts), engine_lp) > 1e-3
+
+
+def test_qwen2_vl_freezes_its_tower_but_not_its_merger(qwen):
+    model, _ = qwen
+    import copy
+
+    model = copy.deepcopy(model)
+    assert freeze_vision_tower(model, train=False) > 0
+    assert not any(p.requires_grad for p in model.model.visual.blocks.parameters())
+    assert all(p.requires_grad for p in model.model.visual.merger.parameters())

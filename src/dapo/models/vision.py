@@ -1,13 +1,21 @@
 """Vision-language policies: which transformers families are supported, their processor, the
-vision tower's freezing, and the image inputs of a batch of prompts.
+vision tower's freezing, and the image inputs and positions of a batch of prompts.
 
-Supported: the Idefics3 / SmolVLM family (a SigLIP vision tower, a pixel-shuffle connector and
-a Llama text model, so the engine's direct Llama step decodes it). Its image tokens are
-ordinary positions of the text model: a prompt's images enter only where its image tokens
-stand (the prefill, the training forward's prompt pass), and decoding is text decoding.
-Families with positions of their own for images (Qwen2-VL / Qwen2.5-VL's multi-axis rotary
-positions) and every other image-text-to-text class are refused at start-up with the reason
-(:func:`vision_refusal`).
+Supported:
+
+- the Idefics3 / SmolVLM family (a SigLIP vision tower, a pixel-shuffle connector and a Llama
+  text model, so the engine's direct Llama step decodes it). Its image tokens are ordinary
+  positions of the text model.
+- the Qwen2-VL / Qwen2.5-VL family, whose rotary positions have three axes (M-RoPE): an
+  image's tokens take (time, row, column) positions from its grid and the text after it
+  continues from the largest, so a prompt's positions are not its token indices. They are
+  computed once per prompt with the model's own ``get_rope_index`` and laid out wherever the
+  prefill, the decode step and the training forward give positions
+  (:func:`rope_positions`).
+
+In both, a prompt's images enter only where its image tokens stand (the prefill, the
+training forward's prompt pass), and decoding is text decoding. Every other
+image-text-to-text class is refused at start-up with the reason (:func:`vision_refusal`).
 """
 
 from __future__ import annotations
@@ -20,16 +28,16 @@ import torch
 from dapo.data.images import ImagePrompt, PixelCache
 from dapo.errors import ModelError
 
-# transformers model_type -> what the family's image inputs look like.
-FAMILIES = {"idefics3": "idefics3", "smolvlm": "idefics3"}
+# transformers model_type -> how the family takes images: padded per prompt (Idefics3) or
+# as one sequence of patches with a grid per image and three-axis positions (M-RoPE).
+FAMILIES = {"idefics3": "padded", "smolvlm": "padded", "qwen2_vl": "mrope", "qwen2_5_vl": "mrope"}
 # Families known and refused, with why.
 REFUSED = {
-    "qwen2_vl": "its multi-axis rotary positions (M-RoPE) are not yet laid out by dapo's "
-    "static-cache decoder and shared-prompt forward",
-    "qwen2_5_vl": "its multi-axis rotary positions (M-RoPE) are not yet laid out by dapo's "
-    "static-cache decoder and shared-prompt forward",
+    "llava": "its image features replace its image tokens only at a prompt's first forward "
+    "in some versions, and dapo has no tested layout for it",
 }
-INPUT_KEYS = ("pixel_values", "pixel_attention_mask")  # what the model takes from a prompt
+# What the model takes from a prompt's image processor output.
+INPUT_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw")
 
 
 def is_vision_config(config: Any) -> bool:
@@ -82,10 +90,15 @@ def image_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> dict
     """The image keyword arguments of a forward over ``prompts`` (one row each): each
     row's images, padded with all-zero images (which the Idefics3 family skips) to the most
     any row has and to the largest height and width; ``{}`` when no prompt has images."""
-    parts = [p.pixel_inputs() if isinstance(p, ImagePrompt) else None for p in prompts]
+    parts = [p.pixel_inputs() if isinstance(p, ImagePrompt) and p.images else None for p in prompts]
     given = [x for x in parts if x is not None]
     if not given:
         return {}
+    if "image_grid_thw" in given[0]:  # one sequence of patches, a (t, h, w) grid per image
+        return {
+            "pixel_values": torch.cat([x["pixel_values"] for x in given]).to(device),
+            "image_grid_thw": torch.cat([x["image_grid_thw"] for x in given]).to(device),
+        }
     n = max(x["pixel_values"].shape[1] for x in given)
     h = max(x["pixel_values"].shape[3] for x in given)
     w = max(x["pixel_values"].shape[4] for x in given)
@@ -127,8 +140,10 @@ def text_prefix(prompts: Sequence[Sequence[int]], image_token: int | None) -> li
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     """The vision encoder of a supported vision-language model (None for a text model)."""
-    inner = getattr(model, "model", None)
-    return getattr(inner, "vision_model", None) if inner is not None else None
+    inner = getattr(causal(model), "model", None)
+    if inner is None:
+        return None
+    return getattr(inner, "vision_model", None) or getattr(inner, "visual", None)
 
 
 def freeze_vision_tower(model: torch.nn.Module, train: bool) -> int:
@@ -141,4 +156,67 @@ def freeze_vision_tower(model: torch.nn.Module, train: bool) -> int:
     for p in tower.parameters():
         p.requires_grad_(False)
         n += p.numel()
+    merger = getattr(tower, "merger", None)  # Qwen2-VL's connector lives in its tower
+    for p in merger.parameters() if merger is not None else ():
+        p.requires_grad_(True)
+        n -= p.numel()
     return n
+
+
+def uses_mrope(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s positions have three axes (the Qwen2-VL family)."""
+    config = getattr(causal(model), "config", None)
+    return FAMILIES.get(getattr(config, "model_type", ""), "") == "mrope"
+
+
+def causal(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (the model itself otherwise)."""
+    if type(model).__module__.startswith("peft") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+def prompt_rope(model: torch.nn.Module, prompt: Sequence[int]) -> tuple[torch.Tensor, int]:
+    """An M-RoPE model's positions of ``prompt``'s tokens ``[3, len]`` and the offset of the
+    text that follows it (position of token index ``k >= len`` is ``k + delta`` on every
+    axis), from the model's own ``get_rope_index``; kept on an :class:`ImagePrompt`."""
+    kept = getattr(prompt, "_rope", None)
+    if kept is not None:
+        return kept
+    ids = torch.tensor([list(prompt)])
+    if not isinstance(prompt, ImagePrompt) or not prompt.images:
+        out = (torch.arange(ids.shape[1]).expand(3, -1), 0)
+    else:
+        inner = causal(model).model
+        kinds = (ids == causal(model).config.image_token_id).int()
+        grid = prompt.pixel_inputs()["image_grid_thw"]
+        pos, delta = inner.get_rope_index(ids, kinds, image_grid_thw=grid)
+        out = (pos[:, 0].cpu(), int(delta.reshape(-1)[0]))
+    if isinstance(prompt, ImagePrompt):
+        prompt._rope = out
+    return out
+
+
+def rope_positions(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], index: torch.Tensor
+) -> torch.Tensor:
+    """The position ids to give ``model`` for rows whose tokens are at ``index`` ``[b, w]``
+    of their prompt-and-response sequence (``prompts[i]`` is row ``i``'s prompt): ``index``
+    itself for a one-axis model, else ``[3, b, w]``, each prompt token's three-axis position
+    and ``index + delta`` after the prompt."""
+    if not uses_mrope(model):
+        return index
+    out = index.new_zeros((3, *index.shape))
+    for i, prompt in enumerate(prompts):
+        pos, delta = prompt_rope(model, prompt)
+        row = index[i]
+        inside = row < pos.shape[1]
+        out[:, i] = torch.where(
+            inside, pos.to(row.device)[:, row.clamp(max=pos.shape[1] - 1)], row + delta
+        )
+    return out
+
+
+def rope_delta(model: torch.nn.Module, prompt: Sequence[int]) -> int:
+    """How far the text after ``prompt`` is shifted from its token index (0 but for M-RoPE)."""
+    return prompt_rope(model, prompt)[1] if uses_mrope(model) else 0

@@ -45,7 +45,14 @@ from dapo.data.images import prompt_key
 from dapo.errors import ConfigError
 from dapo.memory import device_memory
 from dapo.models.inputs import after_prefix, shared_prefix
-from dapo.models.vision import image_inputs, image_token_id, text_prefix
+from dapo.models.vision import (
+    image_inputs,
+    image_token_id,
+    rope_delta,
+    rope_positions,
+    text_prefix,
+    uses_mrope,
+)
 from dapo.rollout import buffers
 from dapo.rollout.attention import SharedPrefix, sharing
 from dapo.rollout.base import SamplingParams
@@ -308,14 +315,15 @@ class Decoder:
             chunk = self._prefill_chunk(pending)
             pending = pending[len(chunk) :]
             ids, attn, pos, cache = self._prefill_inputs([self.prompts[p] for p in chunk])
+            given = [self.prompts[p] for p in chunk]
             out = self.model(
                 input_ids=ids,
                 attention_mask=attn,
-                position_ids=pos,
+                position_ids=rope_positions(self.model, given, pos),
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
-                **image_inputs([self.prompts[p] for p in chunk], self.device),
+                **image_inputs(given, self.device),
             )
             if self.ws is None:  # the first chunk: the rows may be fewer once sized
                 self.ws = self._workspace(out.past_key_values, out.logits.shape[-1])
@@ -325,7 +333,8 @@ class Decoder:
                 pending = [p for p in pending if p in needed]
             where = {p: i for i, p in enumerate(chunk)}
             mine = [(r, p, k) for r, (p, k) in zip(rows, take, strict=True) if p in where]
-            self._fill([r for r, _, _ in mine], [where[p] for _, p, _ in mine], out, attn)
+            rows_of = [r for r, _, _ in mine]
+            self._fill(rows_of, [where[p] for _, p, _ in mine], out, attn, [p for _, p, _ in mine])
             for r, p, k in mine:
                 self.held[r] = p * self.params.n + k
 
@@ -339,10 +348,12 @@ class Decoder:
                 return prompts[:i]
         return prompts
 
-    def _fill(self, rows: list[int], src: list[int], out: Any, attn: torch.Tensor) -> None:
+    def _fill(
+        self, rows: list[int], src: list[int], out: Any, attn: torch.Tensor, prompts: list[int]
+    ) -> None:
         """Start ``rows`` on the prefill ``out`` (row ``src[i]`` of it, whose attention mask
-        is ``attn``): its keys and values copied into the rows' first slots, their state
-        reset."""
+        is ``attn``; prompt ``prompts[i]``): its keys and values copied into the rows' first
+        slots, their state reset."""
         dst = torch.tensor(rows, device=self.device)
         src_t = torch.tensor(src, device=self.device)
         w = attn.shape[1]
@@ -356,6 +367,9 @@ class Decoder:
         s.valid[dst, :w] = attn.bool().index_select(0, src_t)
         s.slot[dst] = w
         s.pos[dst] = attn.sum(-1).index_select(0, src_t)
+        if uses_mrope(self.model):  # the text after an image continues from its grid
+            shift = [rope_delta(self.model, self.prompts[p]) for p in prompts]
+            s.pos[dst] += torch.tensor(shift, device=self.device)
         s.logits[dst] = out.logits[:, -1].float().index_select(0, src_t)
         s.gen[dst] = 0
         s.done[dst] = False

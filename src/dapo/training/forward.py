@@ -24,7 +24,7 @@ from dapo.models.chunked_logprobs import chunked_logprobs
 from dapo.models.head import head_replaced, output_head
 from dapo.models.inputs import after_prefix, device_of, shared_prefix
 from dapo.models.precision import autocast, compute_dtype
-from dapo.models.vision import image_inputs, image_token_id, text_prefix
+from dapo.models.vision import image_inputs, image_token_id, rope_positions, text_prefix
 from dapo.parallel import sharding
 from dapo.training.batch import Sample
 from dapo.training.microbatch import MicroBatch, collate, micro_batches
@@ -130,7 +130,7 @@ def response_states(
             out = first_pass(
                 input_ids=ids,
                 attention_mask=attn,
-                position_ids=pos,
+                position_ids=rope_positions(model, batch.prompts, pos),
                 logits_to_keep=r + 1,
                 use_cache=False,
                 **image_inputs(batch.prompts, device),
@@ -151,14 +151,15 @@ def response_states(
             prompt_ids, prompt_mask, pos = after_prefix(tokens, c, pad_id=0)  # 0: masked
         else:
             pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        given = [batch.prompts[i] for i in distinct] if batch.prompts else []
         out = (model if c else first_pass)(
             input_ids=prompt_ids.to(device),
             attention_mask=prompt_mask.to(device),
-            position_ids=pos.to(device),
+            position_ids=rope_positions(model, given, pos.to(device)),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
-            **image_inputs([batch.prompts[i] for i in distinct] if batch.prompts else [], device),
+            **image_inputs(given, device),
         )
         owner = torch.tensor(batch.owner)  # each row's prompt among the distinct ones
         rows = owner.to(device)
@@ -181,10 +182,11 @@ def response_states(
             mask = prompt_mask[owner[sub]]  # as the prompts lie in the cache
             attn = torch.cat([mask, batch.response_mask[sub, : w - 1]], 1).to(device)
             pos = mask.sum(-1)[:, None].to(device) + torch.arange(w - 1, device=device)
+            rows_of = [batch.prompts[i] for i in sub.tolist()] if batch.prompts else []
             states = model(
                 input_ids=batch.response_ids[sub, : w - 1].to(device),
                 attention_mask=attn,
-                position_ids=pos,
+                position_ids=rope_positions(model, rows_of, pos),
                 past_key_values=cache.expand(rows[sub.to(device)]),
                 use_cache=True,
             ).logits
