@@ -428,3 +428,22 @@ def test_qwen2_vl_freezes_its_tower_but_not_its_merger(qwen):
     assert freeze_vision_tower(model, train=False) > 0
     assert not any(p.requires_grad for p in model.model.visual.blocks.parameters())
     assert all(p.requires_grad for p in model.model.visual.merger.parameters())
+
+
+def test_lora_adapters_go_on_the_language_model_and_the_engine_still_agrees(vlm):
+    pytest.importorskip("peft")
+    import copy
+
+    from dapo.config.schema import LoraConfig
+    from dapo.models.lora import apply_lora
+
+    model, processor = vlm
+    model = copy.deepcopy(model)
+    apply_lora(model, LoraConfig(rank=4, alpha=8))
+    adapted = {n for n, _ in model.named_parameters() if "lora_A" in n}
+    assert adapted and all("text_model" in n for n in adapted)
+    for p in (p for n, p in model.named_parameters() if "lora_B" in n):
+        torch.nn.init.normal_(p, std=0.05)  # adapters that change the policy
+    _, samples, engine_lp = _rollout(model, processor)
+    opts = ForwardOptions(processor.tokenizer.pad_token_id)
+    assert _gap(compute_logprobs(model, samples, opts), engine_lp) < 1e-5

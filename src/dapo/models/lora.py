@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer but the output layer
 _BASE = ".base_layer."
+# The vision encoder and connector of the supported vision-language families (a regex).
+VISION_MODULES = r".*\b(vision_model|visual|connector)\b.*"
 _ADAPTER = (".lora_A.", ".lora_B.")
 
 
@@ -78,11 +80,14 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> Any:
     targets: str | list[str] = (
         ALL_LINEAR if list(cfg.target_modules) == [ALL_LINEAR] else list(cfg.target_modules)
     )
+    vision = getattr(getattr(model, "config", None), "vision_config", None) is not None
     config = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=targets,
+        # A vision-language model's adapters go on its language model only.
+        exclude_modules=VISION_MODULES if vision else None,
         bias="none",
         task_type="CAUSAL_LM",
     )
