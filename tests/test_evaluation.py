@@ -519,7 +519,7 @@ def test_cli_eval_bad_scorer_exits_2_before_loading_anything(
     def no_model(*_: object) -> None:
         raise AssertionError("the model was loaded for a bad --scorer")
 
-    monkeypatch.setattr(eval_run, "_load_model", no_model)
+    monkeypatch.setattr(eval_run, "load_model", no_model)
     assert main(["eval", str(random_model), "--data", str(eval_parquet), "--scorer", value]) == 2
     err = capsys.readouterr().err
     assert said in err

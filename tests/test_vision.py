@@ -447,3 +447,16 @@ def test_lora_adapters_go_on_the_language_model_and_the_engine_still_agrees(vlm)
     _, samples, engine_lp = _rollout(model, processor)
     opts = ForwardOptions(processor.tokenizer.pad_token_id)
     assert _gap(compute_logprobs(model, samples, opts), engine_lp) < 1e-5
+
+
+@pytest.mark.slow
+def test_dapo_eval_reads_the_images_of_a_vision_model(tmp_path, capsys):
+    from dapo.cli import main
+
+    out = tmp_path / "report.json"
+    argv = ["eval", "builtin:tiny-vlm", "--data", "builtin:colour_count", "--max-problems", "40"]
+    assert main([*argv, "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["samples"] == 40 and report["mean_response_length"] > 0
+    assert main([*argv, "--engine", "vllm"]) == 2
+    assert "vision-language model" in capsys.readouterr().err

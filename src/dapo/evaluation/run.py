@@ -42,9 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from dapo.config import RolloutConfig
-from dapo.data import PromptRecord, encode_prompts, group_repeats, load_records
+from dapo.data import PromptRecord, group_repeats, load_records
 from dapo.data.tasks import TASKS, is_builtin, load_task
 from dapo.errors import EvalError, VLLMEngineError, VLLMUnavailableError
+from dapo.evaluation.inputs import load_model, tokenize_prompts
 from dapo.evaluation.protocol import EvalProtocol, common_repeats, samples_per_problem
 from dapo.evaluation.stats import mean_or_nan, summarize
 from dapo.rewards import (
@@ -363,17 +364,6 @@ def _log_problems(problems: EvalProblems, k: int, log: Callable[[str], None]) ->
         )
 
 
-def _load_model(model: str, log: Callable[[str], None]) -> tuple[Any, Any, int | None]:
-    """The policy (in eval mode), its tokenizer and its context length (None: unknown)."""
-    from dapo.models import context_length, load_policy, load_tokenizer, resolve_model_path
-
-    path = resolve_model_path(model, log=log)
-    tokenizer = load_tokenizer(path)
-    policy = load_policy(path)
-    policy.eval()
-    return policy, tokenizer, context_length(policy)
-
-
 def _resolve_lengths(
     ctx: int | None,
     max_tokens: int | None,
@@ -400,32 +390,6 @@ def _resolve_lengths(
             "degrade"
         )
     return max_tokens, max_prompt_length
-
-
-def _tokenize_prompts(
-    records: list[PromptRecord],
-    tokenizer: Any,
-    max_prompt_length: int,
-    log: Callable[[str], None],
-) -> tuple[list[PromptRecord], list[list[int]], int]:
-    """Tokenize the prompts; drop (never truncate) those too long: (records, ids, dropped)."""
-    # No limit for encode_prompts: its errors name the trainer's data.max_prompt_length.
-    records, all_ids, _ = encode_prompts(records, tokenizer, 10**12)
-    kept = [i for i, ids in enumerate(all_ids) if len(ids) <= max_prompt_length]
-    dropped = len(records) - len(kept)
-    if not kept:
-        shortest = min(map(len, all_ids))
-        raise EvalError(
-            f"all {len(records)} prompts are longer than --max-prompt-length "
-            f"{max_prompt_length} tokens (shortest {shortest}); raise --max-prompt-length "
-            "or lower --max-tokens"
-        )
-    if dropped:
-        log(
-            f"dropped {dropped} of {len(records)} problems whose prompts are longer than "
-            f"{max_prompt_length} tokens (--max-prompt-length)"
-        )
-    return [records[i] for i in kept], [all_ids[i] for i in kept], dropped
 
 
 def _generate_and_score(
@@ -556,10 +520,15 @@ def run_evaluation(
         problems, k = _load_problems(data, k, max_problems, split, prompt_key, answer_key, log)
         for line in describe_scoring(rewards, [r.data_source for r in problems.records], scorer):
             log(line)
-        policy, tokenizer, ctx = _load_model(model, log)
+        policy, tokenizer, ctx, vision = load_model(model, log)
+        if vision is not None and engine != "hf":
+            raise EvalError(
+                f"--engine {engine}: {model!r} is a vision-language model and dapo does not "
+                "pass images to vLLM yet; use --engine hf"
+            )
         max_tokens, max_prompt_length = _resolve_lengths(ctx, max_tokens, max_prompt_length, log)
-        records, ids, dropped = _tokenize_prompts(
-            problems.records, tokenizer, max_prompt_length, log
+        records, ids, dropped = tokenize_prompts(
+            problems.records, tokenizer, max_prompt_length, log, vision
         )
         params = SamplingParams(
             n=k, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_tokens, seed=seed
