@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tok = processor.tokenizer
     records = colour_count.colour_count_records("test", n=args.prompts)
     texts = [render_with_images(r.prompt, processor) for r in records]
-    visual = encode_with_images(texts, [r.images for r in records], processor, pixel_cache(processor))
+    visual = encode_with_images(
+        texts, [r.images for r in records], processor, pixel_cache(processor)
+    )
     image_token = model.config.image_token_id
     filler = tok.convert_tokens_to_ids("x")
     text = [[filler if t == image_token else t for t in p] for p in visual]
@@ -86,7 +88,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def samples_of(prompts: list) -> list:
         groups = engine.generate(prompts, params)
-        return [Sample(g.prompt_ids, r, 1.0, [1.0] * len(r)) for g in groups for r in g.response_ids]
+        return [
+            Sample(g.prompt_ids, r, 1.0, [1.0] * len(r)) for g in groups for r in g.response_ids
+        ]
 
     def update(samples: list) -> None:
         batch = collate(samples, tok.pad_token_id)
@@ -101,9 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         def with_fresh(prompts: list = prompts, kept: list = kept) -> list:
             ps = fresh(prompts)
-            return [
-                Sample(ps[i // args.n], r, 1.0, [1.0] * len(r)) for i, r in enumerate(kept)
-            ]
+            return [Sample(ps[i // args.n], r, 1.0, [1.0] * len(r)) for i, r in enumerate(kept)]
 
         timings = {
             "generate": _timed(lambda p=prompts: engine.generate(fresh(p), params), args.repeats),
