@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -460,3 +461,41 @@ def test_dapo_eval_reads_the_images_of_a_vision_model(tmp_path, capsys):
     assert report["samples"] == 40 and report["mean_response_length"] > 0
     assert main([*argv, "--engine", "vllm"]) == 2
     assert "vision-language model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_resumed_vision_run_ends_with_the_uninterrupted_run_s_weights(tmp_path):
+    """Carried-over groups hold their images through a checkpoint: 4 steps straight and
+    2 + 2 resumed give the same final weights and the same metrics."""
+    from safetensors.torch import load_file
+
+    import dapo
+
+    def run(out, steps, resume=False):
+        dapo.train(
+            str(Path(__file__).resolve().parents[1] / "examples" / "vision.yaml"),
+            output_dir=str(out),
+            resume=resume,
+            **{
+                "train.steps": steps,
+                "train.prompts_per_step": 4,
+                "rollout.num_generations": 4,
+                "data.max_eval_prompts": 8,
+                "checkpoint.save_every": 1,
+                "logging.eval_every": 0,
+            },
+        )
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(straight, 4)
+    run(resumed, 2)
+    run(resumed, 4, resume=True)
+    a = load_file(straight / "final_model" / "model.safetensors")
+    b = load_file(resumed / "final_model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    def rewards(out):
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return [(m["step"], m["reward/mean"]) for m in lines if "reward/mean" in m]
+
+    assert rewards(straight) == rewards(resumed) and len(rewards(straight)) == 4
