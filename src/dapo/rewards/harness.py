@@ -16,6 +16,7 @@ daemon a test left behind cannot touch the next one.
 """
 
 import builtins
+import contextlib
 import json
 import math
 import os
@@ -70,9 +71,10 @@ def _child(code, test, req, fds):
     memory = req["memory_mb"] << 20
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)
-    sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
-    sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
+    # the program's own streams on the test's pipes, for its life (closed by os._exit)
+    sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
     builtins.exit = builtins.quit = sys.exit
     status = 0
     functional = "fn" in test
@@ -117,7 +119,7 @@ def _run_test(code, test, req):
         finally:
             os._exit(1)
     os.close(pipes[0][0])
-    for r, w in pipes[1:]:
+    for _r, w in pipes[1:]:
         os.close(w)
     writer, data = pipes[0][1], test.get("stdin", "").encode()
     os.set_blocking(writer, False)
@@ -171,14 +173,10 @@ def _run_test(code, test, req):
     if code_ is None:
         code_ = _reap(pid, time.monotonic() + 1.0)
     for fd in [*chunks, writer]:
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             sel.unregister(fd)
-        except (KeyError, ValueError):
-            pass
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     out, err, res = (b"".join(chunks[p[0]]) for p in pipes[1:])
     if status is None:
         status = "ok" if code_ == 0 else "error"

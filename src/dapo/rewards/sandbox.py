@@ -30,6 +30,7 @@ would be more code of ours to get right, and slower to start.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -307,13 +308,9 @@ def _collect(started: _Started) -> ProgramRun:
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
     """Kill bwrap's session (its PID namespace goes with it) and reap it."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):  # a process the kernel will not reap
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:  # pragma: no cover - a kernel that will not reap
-        pass
     if proc.stdout is not None:
         proc.stdout.close()
