@@ -131,19 +131,22 @@ def _run_test(code, test, req):
         sel.register(writer, selectors.EVENT_WRITE)
     else:
         os.close(writer)
-    limit, size, status = req["max_output_bytes"], 0, None
+    limit, size, status, code_ = req["max_output_bytes"], 0, None, None
     deadline = time.monotonic() + req["test_timeout_s"]
-    while sel.get_map():
+    while sel.get_map() and status is None:
         left = deadline - time.monotonic()
         if left <= 0:
             status = "timeout"
             break
-        for key, _ in sel.select(left):
+        events = sel.select(min(left, 0.02))
+        if not events and code_ is not None:
+            break  # it ended and printed nothing more: a daemon may hold the pipes open
+        for key, _ in events:
             fd = key.fd
             if fd == writer:
                 try:
                     data = data[os.write(fd, data[:65536]) :]
-                except (BrokenPipeError, OSError):
+                except OSError:
                     data = b""
                 if not data:
                     sel.unregister(fd)
@@ -158,11 +161,11 @@ def _run_test(code, test, req):
             if size > limit:
                 status = "output_limit"
                 break
-        if status:
-            break
-    code_ = _reap(pid, deadline) if status is None else None
+        if code_ is None:
+            code_ = _reap(pid, 0)
     if code_ is None and status is None:
-        status = "timeout"
+        code_ = _reap(pid, deadline)
+        status = None if code_ is not None else "timeout"
     try:
         if req["isolated"]:  # the test's processes, daemons included; not the harness
             os.kill(-1, signal.SIGKILL)

@@ -153,7 +153,7 @@ def command(limits: Limits) -> list[str]:
         args += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
     args += _ro_system_paths()
     args += ["--proc", "/proc", "--dev", "/dev"]
-    args += ["--size", str(limits.max_file_mb << 20), "--tmpfs", "/tmp"]
+    args += ["--perms", "1777", "--size", str(limits.max_file_mb << 20), "--tmpfs", "/tmp"]
     args += ["--chdir", "/tmp", "--remount-ro", "/dev", "--remount-ro", "/"]
     args += [os.path.realpath(sys.executable), "-I", "-S", "-B", "-c", _HARNESS]
     return args
