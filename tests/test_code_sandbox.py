@@ -8,6 +8,7 @@ attacks try to write (:data:`_TARGETS`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -106,10 +107,8 @@ def test_no_connection_reaches_a_server_on_the_hosts_loopback():
     accepted: list[object] = []
 
     def accept() -> None:
-        try:
+        with contextlib.suppress(OSError):
             accepted.append(server.accept())
-        except OSError:
-            pass
 
     thread = threading.Thread(target=accept)
     thread.start()
