@@ -164,7 +164,9 @@ def _score(run: ProgramRun, cases: list[Case], settings: CodeSettings) -> dict[s
         passed = sum(
             _passed(t, c, settings.float_tolerance) for t, c in zip(run.tests, cases, strict=False)
         )
-        timeout = float(any(t.status in ("timeout", "not_run") for t in run.tests))
+        ran = [t for t in run.tests if t.status != "not_run"]
+        cut = len(ran) < len(run.tests) and all(t.status == "ok" for t in ran)  # out of time
+        timeout = float(cut or any(t.status == "timeout" for t in ran))
         error = float(any(t.status in ("error", "output_limit") for t in run.tests))
     rate = passed / n
     correct = passed == n

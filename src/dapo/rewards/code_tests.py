@@ -33,6 +33,8 @@ LAYOUTS = (
 class TestSpecError(ValueError):
     """A ground truth that holds no runnable tests; the message says what and how to fix."""
 
+    __test__ = False  # not a pytest class, whatever its name
+
 
 @dataclass(frozen=True)
 class Case:
@@ -208,8 +210,8 @@ def values_match(got: Any, expected: Any, tolerance: float = 1e-6) -> bool:
 def _equal(a: Any, b: Any, tol: float) -> bool:
     if isinstance(b, tuple):
         b = list(b)
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a == b
+    if isinstance(a, bool) or isinstance(b, bool):  # True is no 1
+        return type(a) is type(b) and a == b
     if isinstance(a, int | float) and isinstance(b, int | float):
         return math.isclose(a, b, rel_tol=tol, abs_tol=tol)
     if isinstance(a, list) and isinstance(b, list):

@@ -464,6 +464,7 @@ SOURCE_SCORERS: dict[str, str] = {
     "lighteval/MATH": "math_verify",
     "DigitalLearningGmbH/MATH-lighteval": "math_verify",
     "HuggingFaceH4/MATH-500": "math_verify",
+    "primeintellect": "code",  # DeepCoder's name for PrimeIntellect's coding problems
     **{
         f"numina_{name}": "math_verify"
         for name in (
@@ -490,10 +491,11 @@ SCORER_FORMS = {
 }
 
 # Data sources of code tasks (verl's prime_code sources, DeepCoder's, LiveCodeBench,
-# PrimeIntellect's coding problems, open-r1's): a name holding "code" or "coding", or whose
-# last part is one of these, gets the code scorer unless reward.source_scorers says otherwise.
+# PrimeIntellect's coding problems, open-r1's): a name holding "code" or "coding", or a part
+# of it one of these, gets the code scorer unless reward.source_scorers says otherwise
+# (DeepCoder's "primeintellect" is an entry of SOURCE_SCORERS: PrimeIntellect has math too).
 _CODE_SOURCE_RE = re.compile(
-    r"code|coding|(^|[/_\-])(apps|taco|codeforces|livecodebench|primeintellect|leetcode)"
+    r"code|coding|(^|[/_\-])(apps|taco|codeforces|livecodebench|leetcode)"
     r"([/_\-]|$)",
     re.IGNORECASE,
 )
