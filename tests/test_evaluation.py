@@ -500,7 +500,7 @@ def test_cli_eval_scorer_takes_a_module_function(
         (
             "dapo_maths",
             "--scorer name 'dapo_maths' is neither a built-in scorer "
-            "(dapo_math, dapo_math_lenient, gsm8k, math_verify) nor a spec",
+            "(code, dapo_math, dapo_math_lenient, gsm8k, math_verify) nor a spec",
         ),
         ("no_such_module_xyz:fn", "--scorer: reward function spec 'no_such_module_xyz:fn'"),
         ("dapo.rewards:no_such_fn", "has no attribute 'no_such_fn'"),

@@ -513,7 +513,7 @@ def test_works_from_python_dash_c() -> None:
     [
         (
             {"functions": [("nonsense", 1.0)]},
-            r"'nonsense' is neither a built-in scorer \(dapo_math, dapo_math_lenient, gsm8k, "
+            r"'nonsense' is neither a built-in scorer \(code, dapo_math, dapo_math_lenient, gsm8k, "
             r"math_verify\)",
         ),
         ({"functions": [("dapo_math", float("nan"))]}, r"weight must be a finite number"),

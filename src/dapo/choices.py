@@ -48,6 +48,9 @@ OnSignal = Literal["save", "exit"]
 # checkpoint.stop_signals: what schedulers send before a kill (SIGINT, Ctrl-C, always counts)
 StopSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU"]
 
+# reward.code.sandbox: how the code scorer isolates programs (dapo.rewards.sandbox)
+CodeSandbox = Literal["bubblewrap", "none"]
+
 ADVANTAGE_SCALES: tuple[str, ...] = get_args(AdvantageScale)  # algorithm.advantage_scale
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAgg)  # algorithm.loss_agg
 KL_KINDS: tuple[str, ...] = get_args(KLKind)  # algorithm.kl_estimator
@@ -68,3 +71,4 @@ VLLM_QUANTIZATIONS: tuple[str, ...] = get_args(VLLMQuantization)  # rollout.vllm
 CUDA_GRAPHS: tuple[str, ...] = get_args(CudaGraphs)  # rollout.cuda_graphs: dapo.rollout.hf_engine
 ON_SIGNAL: tuple[str, ...] = get_args(OnSignal)  # checkpoint.on_signal
 STOP_SIGNALS: tuple[str, ...] = get_args(StopSignal)  # checkpoint.stop_signals
+CODE_SANDBOXES: tuple[str, ...] = get_args(CodeSandbox)  # reward.code.sandbox

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import yaml
 
 from dapo.choices import (
+    CodeSandbox,
     Curriculum,
     DataParallelMode,
     HealthKind,
@@ -195,7 +196,8 @@ class RewardFunctionConfig:
     name: str = opt(
         "dapo_math",
         "A built-in scorer (dapo_math: the DAPO reference's rules; dapo_math_lenient; "
-        "math_verify; gsm8k) or module:function: "
+        "math_verify; gsm8k; code: programs run against tests, reward.code) or "
+        "module:function: "
         "fn(response, ground_truth[, data_source=...]), TRL's fn(completions, **kwargs) "
         "-> list or verl's compute_score(data_source, solution_str, ground_truth, "
         "extra_info), returning a number (or a dict with score).",
@@ -203,6 +205,50 @@ class RewardFunctionConfig:
         hint="a scorer name or module:function",
     )
     weight: float = opt(1.0, "Multiplier of this function's score in the summed reward.")
+
+
+@dataclass
+class CodeRewardConfig:
+    """The code scorer: how the model's programs are run against a row's tests."""
+
+    sandbox: CodeSandbox = opt(
+        "bubblewrap",
+        "bubblewrap: every program in its own sandbox (no network, own PID namespace, "
+        "read-only system, private /tmp, empty environment; refused where it cannot be "
+        "had); none: plain subprocesses with the limits only, NOT isolated (warned at "
+        "start-up).",
+    )
+    partial_credit: bool = opt(
+        False,
+        "Score the fraction of tests passed, mapped to [-1, 1]; false: DAPO's rule, +1 when "
+        "every test passes, -1 otherwise.",
+    )
+    require_block: bool = opt(
+        False,
+        "A response without a fenced ```python block scores -1; false: the whole response is "
+        "the program.",
+    )
+    float_tolerance: float = opt(
+        1e-6, "Relative and absolute tolerance of numbers in outputs.", ge=0
+    )
+    parallel: int = opt(8, "Programs run side by side by one reward worker.", ge=1)
+    test_timeout_s: float = opt(2.0, "Wall and CPU seconds of one test.", gt=0, hint="seconds")
+    program_timeout_s: float = opt(
+        4.0,
+        "Wall seconds of all a program's tests together (a group's programs must also end "
+        "within reward.timeout_s).",
+        gt=0,
+        hint="seconds",
+    )
+    memory_mb: int = opt(512, "Address space of a test's process, in MiB.", ge=32)
+    max_processes: int = opt(16, "Processes and threads a program may have at once.", ge=1)
+    max_file_mb: int = opt(
+        16, "Largest file a program may write, and the size of its private /tmp, in MiB.", ge=1
+    )
+    max_open_files: int = opt(64, "Open files per process.", ge=8)
+    max_output_bytes: int = opt(
+        1 << 20, "Output one test may print before it is stopped and failed.", ge=1
+    )
 
 
 @dataclass
@@ -214,12 +260,13 @@ class RewardConfig:
         "a bare name (weight 1); "
         "empty: one built-in scorer per row, picked by its data source "
         "(reward.source_scorers, else verl's choice for GSM8K (gsm8k), MATH and Numina "
-        "(math_verify), else reward.default_scorer), named at start-up.",
+        "(math_verify), code for code sources (codecontests, apps, taco, livecodebench, "
+        "...), else reward.default_scorer), named at start-up.",
         factory=list,
     )
     default_scorer: str = opt(
         "dapo_math",
-        "Built-in scorer (dapo_math, dapo_math_lenient, math_verify, gsm8k) for data sources "
+        "Built-in scorer (dapo_math, dapo_math_lenient, math_verify, gsm8k, code) for data sources "
         "neither in reward.source_scorers nor known (openai/gsm8k, lighteval/MATH, ...). "
         "dapo_math is the DAPO reference (verl's math_dapo): +1 if the last `Answer:` line "
         "equals the ground truth after its normalisation, -1 otherwise, so `12.`, `90°`, "
@@ -242,6 +289,10 @@ class RewardConfig:
         "(for debugging only).",
         ge=0,
         hint="0: in the trainer's process",
+    )
+    code: CodeRewardConfig = opt(
+        help="The code scorer (reward.functions=[code], or picked for code data sources).",
+        factory=CodeRewardConfig,
     )
 
 

@@ -187,8 +187,10 @@ class Rollouts:
             None if renderer is None else (lambda r: renderer.opening_text(prompt_messages(r)))
         )
         stats = LoadStats()
+        records = load_prompt_set(d, "train", inputs.train_dataset, answers, stats)
+        self.scorer.rewards.check_records(records, stats.origins, d.answer_key)
         self.train_records, self.train_ids, _ = encode_prompts(
-            load_prompt_set(d, "train", inputs.train_dataset, answers, stats),
+            records,
             self.tokenizer,
             d.max_prompt_length,
             stats=stats,
@@ -206,8 +208,10 @@ class Rollouts:
         self.eval_protocol: EvalProtocol | None = None
         if self.cfg.evaluate and (d.eval is not None or inputs.eval_dataset is not None):
             stats = LoadStats()
+            records = load_prompt_set(d, "eval", inputs.eval_dataset, answers, stats)
+            self.scorer.rewards.check_records(records, stats.origins, d.answer_key)
             self.eval_records, self.eval_ids, _ = encode_prompts(
-                load_prompt_set(d, "eval", inputs.eval_dataset, answers, stats),
+                records,
                 self.tokenizer,
                 d.max_prompt_length,
                 stats=stats,

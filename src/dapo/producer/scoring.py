@@ -3,6 +3,7 @@ punishment of DAPO, for every response (a stage of the trainer)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ class GroupScorer:
             timeout_s=r.timeout_s,
             num_workers=r.num_workers,
             output=output,
+            code=dataclasses.asdict(r.code),
         )
         self.tokenizer = tokenizer
         a = cfg.algorithm

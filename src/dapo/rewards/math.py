@@ -15,9 +15,12 @@ Built-in scorers take ``(response, ground_truth)`` and return +1.0 (correct) or 
 - ``gsm8k``: GSM8K's numeric answers, the last ``#### N`` (else ``\\boxed{N}``, else
   ``Answer: N``) compared as numbers with the ground truth (its ``#### N`` when it is a
   whole GSM8K solution).
+- ``code``: runs the response's program against the row's tests in a sandbox
+  (:mod:`dapo.rewards.code`).
 
 Without reward functions, a row's scorer is picked by its ``data_source`` as verl's default
-scorer picks it (:data:`SOURCE_SCORERS`, then ``reward.default_scorer``).
+scorer picks it (:data:`SOURCE_SCORERS`, then ``code`` for code sources, then
+``reward.default_scorer``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import logging
 import re
 from collections.abc import Callable
 from typing import Any
+
+from dapo.rewards.code import code_reward
 
 logger = logging.getLogger(__name__)
 
@@ -442,11 +447,12 @@ def gsm8k_score(response: str, ground_truth: str) -> float:
     return 1.0 if gold is not None and got is not None and got == gold else -1.0
 
 
-SCORERS: dict[str, Callable[[str, str], float]] = {
+SCORERS: dict[str, Callable[..., Any]] = {
     "dapo_math": dapo_math_score,
     "dapo_math_lenient": dapo_math_lenient_score,
     "math_verify": math_verify_score,
     "gsm8k": gsm8k_score,
+    "code": code_reward,  # returns a dict; run once per group (dapo.rewards.user.GROUP)
 }
 
 # The built-in scorer of the data sources verl's default scorer knows beside DAPO's (its
@@ -458,6 +464,7 @@ SOURCE_SCORERS: dict[str, str] = {
     "lighteval/MATH": "math_verify",
     "DigitalLearningGmbH/MATH-lighteval": "math_verify",
     "HuggingFaceH4/MATH-500": "math_verify",
+    "primeintellect": "code",  # DeepCoder's name for PrimeIntellect's coding problems
     **{
         f"numina_{name}": "math_verify"
         for name in (
@@ -480,18 +487,33 @@ SCORER_FORMS = {
     "normalisation that forgives units, °, %, \\dfrac and a final period",
     "math_verify": "an 'Answer:' line or a \\boxed{}, compared symbolically by math_verify",
     "gsm8k": "'#### N' (or \\boxed{N}, 'Answer: N'), compared as a number",
+    "code": "the last ```python block, run in a sandbox against the row's tests",
 }
+
+# Data sources of code tasks (verl's prime_code sources, DeepCoder's, LiveCodeBench,
+# PrimeIntellect's coding problems, open-r1's): a name holding "code" or "coding", or a part
+# of it one of these, gets the code scorer unless reward.source_scorers says otherwise
+# (DeepCoder's "primeintellect" is an entry of SOURCE_SCORERS: PrimeIntellect has math too).
+_CODE_SOURCE_RE = re.compile(
+    r"code|coding|(^|[/_\-])(apps|taco|codeforces|livecodebench|leetcode)"
+    r"([/_\-]|$)",
+    re.IGNORECASE,
+)
 
 
 def scorer_for_source(
     data_source: str, mapping: dict[str, str] | None = None, default: str = "dapo_math"
 ) -> str:
     """Name of the built-in scorer for ``data_source``: its ``mapping`` entry, else the one
-    verl's default scorer uses for it (:data:`SOURCE_SCORERS`), else ``default``."""
+    verl's default scorer uses for it (:data:`SOURCE_SCORERS`), else ``code`` for a code
+    task's source (``codecontests``, ``deepmind/code_contests``, ``apps``, ``taco``,
+    ``livecodebench``, ``primeintellect``...), else ``default``."""
     if mapping and data_source in mapping:
         name = mapping[data_source]
+    elif data_source in SOURCE_SCORERS:
+        name = SOURCE_SCORERS[data_source]
     else:
-        name = SOURCE_SCORERS.get(data_source, default)
+        name = "code" if _CODE_SOURCE_RE.search(data_source) else default
     if name not in SCORERS:
         where = (
             f"reward.source_scorers[{data_source!r}]"

@@ -79,8 +79,10 @@ class WorkerPool:
         num_workers: int,
         timeout_s: float,
         output: UserOutput | None = None,
+        options: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.entries = entries
+        self.options = options or {}
         self.warm = warm
         self.num_workers = num_workers
         self.timeout_s = timeout_s
@@ -147,7 +149,7 @@ class WorkerPool:
             proc, conn = start_worker(main, progress_fd, output=self.output)
         finally:
             os.close(progress_fd)
-        conn.send(("init", self.entries, self.warm))
+        conn.send(("init", self.entries, self.warm, self.options))
         return _Worker(proc, conn, progress, time.monotonic())
 
     def _fill_pool(self) -> None:

@@ -12,14 +12,17 @@ import math
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dapo.errors import ConfigError, RewardFunctionWarning
+from dapo.rewards.code import UNISOLATED_WARNING, CodeSettings, check_rows
 from dapo.rewards.inprocess import ThreadRunner
 from dapo.rewards.math import SCORER_FORMS, SCORERS, scorer_for_source
 from dapo.rewards.pool import WorkerPool
+from dapo.rewards.results import ScoreRequest, ScoreResult
 from dapo.rewards.user import (
+    BATCHED,
     ERROR,
     OK,
     SAMPLE,
@@ -42,70 +45,6 @@ from dapo.worker_output import UserOutput
 
 RewardSpec = str | Callable[..., Any]  # a SCORERS name, a spec, or a Python callable
 UNSCORABLE = "unscorable"  # a warning kind beside the failures: every function said None
-
-
-@dataclass
-class ScoreRequest:
-    """One response to score, with its prompt's row (what TRL- and verl-form functions may
-    ask for: :class:`~dapo.rewards.user.Sample`)."""
-
-    response: str
-    ground_truth: Any
-    data_source: str = "math_dapo"
-    prompt: Any = None
-    columns: dict[str, Any] | None = None
-    completion_ids: Sequence[int] = ()
-    step: int = 0
-
-    @classmethod
-    def of(
-        cls, record: Any, response: str, completion_ids: Sequence[int] = (), step: int = 0
-    ) -> ScoreRequest:
-        """The request for ``response`` to the prompt of ``record`` (a
-        :class:`~dapo.data.records.PromptRecord`: its answer, source, prompt and columns)."""
-        return cls(
-            response,
-            record.ground_truth,
-            record.data_source,
-            prompt=record.prompt,
-            columns=record.extra,
-            completion_ids=completion_ids,
-            step=step,
-        )
-
-    def sample(self) -> Sample:
-        return Sample(
-            self.response,
-            self.ground_truth,
-            self.data_source,
-            self.prompt,
-            self.columns,
-            tuple(self.completion_ids),
-            self.step,
-        )
-
-
-@dataclass
-class ScoreResult:
-    """Rewards of a batch and how many samples failed (failed samples score -1.0).
-
-    ``correct`` is each response's correctness as the reward says it: a built-in scorer's
-    (+1), an ``acc`` field of a dict return, or, for a function that has returned only -1,
-    0 and 1 so far, its weighted reward > 0. ``claims_correct`` is False when some function
-    says nothing of the kind (partial credit, a length penalty): ``correct`` then holds
-    reward > 0 and means nothing. ``info`` holds the numeric fields functions returned
-    beside their score (and what TRL-form functions logged), one dict per response.
-    ``unscorable`` counts responses every function called "not applicable" (None)."""
-
-    rewards: list[float]
-    correct: list[bool]
-    failures: int = 0
-    timeouts: int = 0
-    errors: int = 0
-    bad_values: int = 0
-    claims_correct: bool = True
-    unscorable: int = 0
-    infos: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -179,9 +118,11 @@ class RewardScorer:
         num_workers: int = 1,
         output: UserOutput | None = None,
         origins: Sequence[str] | None = None,
+        code: dict[str, Any] | None = None,
     ) -> None:
         """``origins``: what errors call each function, where it was given (default
-        ``reward.functions[i]``; ``dapo eval`` says ``--scorer``)."""
+        ``reward.functions[i]``; ``dapo eval`` says ``--scorer``). ``code``: the code
+        scorer's settings (:class:`~dapo.rewards.code.CodeSettings` fields, ``reward.code``)."""
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(
                 "timeout_s (reward.timeout_s) must be a positive number of seconds, "
@@ -197,6 +138,10 @@ class RewardScorer:
         self._source_scorers = dict(source_scorers or {})
         self._default_scorer = default_scorer
         self._origins = list(origins or ())
+        self.code = CodeSettings.of(dict(code or {}))
+        if self.code.budget_s is None:  # a group's programs end before its call's time-out
+            self.code = replace(self.code, budget_s=max(0.5, 0.9 * self.timeout_s - 0.25))
+        self._options = {"code": asdict(self.code)}
         self._plan = self._make_plan(functions)
         self._in_process = self._plan.in_process
         self._source_ids: dict[str, int] = {}
@@ -212,7 +157,9 @@ class RewardScorer:
         self._runners: list[tuple[WorkerPool | ThreadRunner, bool]] = []
         if num_workers > 0 and len(self._in_process) < len(self._plan.sources):
             entries = list(zip(self._plan.names, self._plan.sources, strict=True))
-            pool = WorkerPool(entries, self._plan.warm, num_workers, self.timeout_s, output)
+            pool = WorkerPool(
+                entries, self._plan.warm, num_workers, self.timeout_s, output, self._options
+            )
             self._runners.append((pool, False))
         if num_workers > 0 and self._in_process:
             self._runners.append((ThreadRunner(self._plan.table, self.timeout_s), True))
@@ -226,7 +173,7 @@ class RewardScorer:
             scorer_for_source("", None, self._default_scorer)
             names = list(SCORERS)
             used = {self._default_scorer, *self._source_scorers.values()}
-            table = [load_entry(n, n) for n in names]
+            table = [load_entry(n, n, self._options) for n in names]
             return _Plan(
                 names, list(names), table, [1.0] * len(names), None, sorted(used - {"dapo_math"})
             )
@@ -249,7 +196,7 @@ class RewardScorer:
             else:
                 name = str(function)
                 source = self._spec_source(name, where)
-                entry = load_entry(name, source)  # fail here, not in a worker
+                entry = load_entry(name, source, self._options)  # fail here, not in a worker
                 if entry is not None and source not in SCORERS:
                     check_signature(entry.fn, f"{where} ({name})")
             plan.names.append(name)
@@ -306,7 +253,7 @@ class RewardScorer:
                     f"scoring data_source {source!r} with the built-in {name} scorer "
                     f"({SCORER_FORMS[name]}): +1 correct, -1 not"
                 )
-            return lines
+            return lines + self._code_lines(sources)
         plan, parts = self._plan, []
         for n, s, w, form in zip(plan.names, plan.sources, plan.weights, plan.forms, strict=True):
             kind = f"built-in: {SCORER_FORMS[s]};" if s in SCORERS else f"{form} form,"
@@ -316,7 +263,30 @@ class RewardScorer:
             "built-in scorer's +1, a dict's acc field, or reward > 0 while every function "
             "returns only -1, 0 and 1; otherwise acc is not shown and dynamic sampling keeps "
             "groups whose scores differ"
-        ]
+        ] + self._code_lines(sources)
+
+    def _code_lines(self, sources: Sequence[str]) -> list[str]:
+        """The one-line warning of ``reward.code.sandbox=none``, where programs will run."""
+        used = any(set(self._fn_ids(s)) & self._code_ids for s in set(sources))
+        return [UNISOLATED_WARNING] if used and not self.code.isolated else []
+
+    @property
+    def _code_ids(self) -> set[int]:
+        return {i for i, s in enumerate(self._plan.sources) if s == "code"}
+
+    def check_records(
+        self, records: Sequence[Any], rows: Sequence[tuple[str, int]], key: str
+    ) -> None:
+        """Refuse, before training, rows the code scorer will judge whose tests are malformed
+        (naming the row, the field ``key`` and the fix), or the sandbox missing for them.
+        ``rows[i]`` is where ``records[i]`` came from (default: its position)."""
+        code = self._code_ids
+        truths, where = [], []
+        for i, record in enumerate(records):
+            if code & set(self._fn_ids(record.data_source)):
+                truths.append(record.ground_truth)
+                where.append(rows[i] if i < len(rows) else ("the prompts", i))
+        check_rows(truths, where, key, self.code)
 
     @property
     def claims_correct(self) -> bool:
@@ -327,10 +297,16 @@ class RewardScorer:
     def answers(self) -> str:
         """What a row's answer may be for these functions (``answers`` of
         :class:`~dapo.data.records.RecordOptions`): ``text`` where a built-in scorer reads
-        it, ``optional`` where only TRL-form functions run (they take the columns they
+        it (``any`` where the code scorer is named: its tests may be a dict), ``optional``
+        where only TRL-form functions run (they take the columns they
         name), else ``any`` (a dict answer goes whole to the functions)."""
+        named = (
+            {self._default_scorer, *self._source_scorers.values()}
+            if self._plan.fixed_ids is None
+            else set(self._plan.sources)
+        )
         if self._plan.fixed_ids is None or any(s in SCORERS for s in self._plan.sources):
-            return "text"
+            return "any" if "code" in named else "text"  # code tests may be a dict
         return "optional" if all(f == TRL for f in self._plan.forms) else "any"
 
     def check_columns(self, columns: set[str], where: str) -> None:
@@ -476,14 +452,14 @@ class RewardScorer:
             ]
             items: list[tuple[list[int], tuple[Sample, ...], tuple[int, ...]]] = []
             for i, ids in enumerate(mine):
-                one = tuple(f for f in ids if forms[f] != TRL)
+                one = tuple(f for f in ids if forms[f] not in BATCHED)
                 if one:
                     items.append(([i], (samples[i],), one))
             for members in groups:  # a group's requests share their functions' plan
                 members = [i for i in members if mine[i]]
                 if not members:
                     continue
-                batched = tuple(f for f in mine[members[0]] if forms[f] == TRL)
+                batched = tuple(f for f in mine[members[0]] if forms[f] in BATCHED)
                 if batched:
                     items.append((members, tuple(samples[i] for i in members), batched))
             if not items:

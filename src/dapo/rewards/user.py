@@ -19,6 +19,7 @@ Each returns a number or a dict with ``score`` (its other numeric fields are log
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -34,6 +35,7 @@ from typing import Any, NamedTuple
 
 from dapo import workers
 from dapo.errors import ConfigError
+from dapo.rewards.code import score_group
 from dapo.rewards.math import SCORERS
 
 SPEC_FORMS = "'package.module:function' or 'path/to/file.py:function'"
@@ -44,8 +46,10 @@ SPEC_FORMS = "'package.module:function' or 'path/to/file.py:function'"
 OK, TIMEOUT, ERROR, BAD_VALUE = "ok", "timeout", "error", "bad_value"
 Outcome = tuple[Any, ...]
 
-# The forms a reward function is called in (see the module's docstring).
-SAMPLE, TRL, VERL = "sample", "trl", "verl"
+# The forms a reward function is called in (see the module's docstring); GROUP is the code
+# scorer's own: fn(samples) -> one value per sample, once per group.
+SAMPLE, TRL, VERL, GROUP = "sample", "trl", "verl", "group"
+BATCHED = frozenset({TRL, GROUP})  # the forms called once per group of responses
 
 
 class Sample(NamedTuple):
@@ -301,8 +305,11 @@ class RewardFn:
 Source = str | bytes | None  # a SCORERS name or a spec, a pickled callable, or not here
 
 
-def load_entry(name: str, source: Source) -> RewardFn | None:
-    """The table entry of one function: a built-in scorer, a spec, or a pickled callable
+def load_entry(
+    name: str, source: Source, options: dict[str, dict[str, Any]] | None = None
+) -> RewardFn | None:
+    """The table entry of one function: a built-in scorer (with its ``options``, e.g. the
+    ``reward.code`` settings under ``"code"``), a spec, or a pickled callable
     (:func:`pickle_function`); None for a function this process does not run."""
     if source is None:
         return None
@@ -311,6 +318,9 @@ def load_entry(name: str, source: Source) -> RewardFn | None:
             return RewardFn.of(name, pickle.loads(source))
         except Exception as e:
             raise ValueError(f"reward function {name!r} could not be unpickled: {e!r}") from e
+    if source == "code":  # one call per group: its programs run side by side
+        own = (options or {}).get("code", {})
+        return RewardFn(name, functools.partial(score_group, **own), False, GROUP)
     if source in SCORERS:
         return RewardFn(name, SCORERS[source], False)
     return RewardFn.of(name, load_reward_function(source))
@@ -401,13 +411,14 @@ def run_item(
     for fid in fn_ids:
         entry = table[fid]
         assert entry is not None, f"reward function {fid} is not loaded in this process"
-        if entry.form == TRL:
+        if entry.form in BATCHED:
             live = [i for i, f in enumerate(failed) if f is None]
             if not live:
                 break
             if on_call is not None:
                 on_call(fid)
-            got = _call_trl(entry, fid, [samples[i] for i in live])
+            call = _call_trl if entry.form == TRL else _call_group
+            got = call(entry, fid, [samples[i] for i in live])
             if isinstance(got, tuple):  # the call failed: every sample in it
                 for i in live:
                     failed[i] = got
@@ -451,6 +462,23 @@ def _call_one(entry: RewardFn, s: Sample) -> Any:
     if entry.takes_data_source:
         return entry.fn(s.response, s.ground_truth, data_source=s.data_source)
     return entry.fn(s.response, s.ground_truth)
+
+
+def _call_group(
+    entry: RewardFn, fid: int, samples: list[Sample]
+) -> Outcome | list[tuple[Any, dict[str, float]]]:
+    """One call of a :data:`GROUP`-form function on ``samples``: each sample's value (a
+    float or ``(bad value,)``) and info, or the failure of the call."""
+    try:
+        out = list(entry.fn(samples))
+    except Exception as e:
+        return (ERROR, fid, describe_exception(e))
+    result: list[tuple[Any, dict[str, float]]] = []
+    for value in out:
+        info: dict[str, float] = {}
+        x = _as_score(value, info)
+        result.append((x, info) if x is not None else ((value,), info))
+    return result
 
 
 def _call_trl(

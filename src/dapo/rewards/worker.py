@@ -17,6 +17,7 @@ import time
 from multiprocessing.connection import Connection
 
 from dapo.rewards.math import SCORERS
+from dapo.rewards.sandbox import isolation_problem
 from dapo.rewards.user import Outcome, load_entry, run_item
 from dapo.workers import flush_output
 
@@ -38,16 +39,19 @@ def main(conn: Connection, progress_fd: int) -> None:
 
 
 def _worker_loop(conn: Connection, progress: mmap.mmap) -> None:
-    _, entries, warm = conn.recv()
+    _, entries, warm, options = conn.recv()
     try:
-        table = [load_entry(name, source) for name, source in entries]
+        table = [load_entry(name, source, options) for name, source in entries]
     except BaseException as e:
         flush_output()
         conn.send(("init_error", f"{type(e).__name__}: {e}"))
         return
     for name in warm:  # pay first-call costs (imports, sympy caches) before the first batch
         with contextlib.suppress(Exception):
-            SCORERS[name]("Answer: 1/2", "0.5")
+            if name == "code":  # the trial sandbox, once per worker
+                isolation_problem()
+            else:
+                SCORERS[name]("Answer: 1/2", "0.5")
     flush_output()  # what the functions' imports printed belongs to the start-up
     conn.send(("ready", os.getpid()))
     while True:

@@ -187,6 +187,23 @@ RULES: dict[str, Rule] = {
     "reward.source_scorers": _SCORE,
     "reward.timeout_s": _LIMIT,
     "reward.num_workers": _HOW,
+    "reward.code.sandbox": _HOW,
+    "reward.code.partial_credit": _SCORE,
+    "reward.code.require_block": _SCORE,
+    "reward.code.float_tolerance": _SCORE,
+    "reward.code.parallel": _HOW,
+    **{
+        f"reward.code.{name}": _LIMIT
+        for name in (
+            "test_timeout_s",
+            "program_timeout_s",
+            "memory_mb",
+            "max_processes",
+            "max_file_mb",
+            "max_open_files",
+            "max_output_bytes",
+        )
+    },
     "algorithm.policy_loss": _LOSS,
     "algorithm.clip_low": _LOSS,
     "algorithm.clip_high": _LOSS,
