@@ -66,12 +66,20 @@ def contained(tmp_path):
     """Each attack leaves no process and no file outside its sandbox."""
     problem = isolation_problem()
     assert problem is None, f"no sandbox here ({problem}); `make setup` installs bubblewrap"
+    # What lives before the test (an earlier test's worker pools in this pytest process)
+    # is not the test's.
+    before = set(_sandbox_processes()), set(_children())
     yield tmp_path
+
+    def new() -> tuple[set[int], set[int]]:
+        return set(_sandbox_processes()) - before[0], set(_children()) - before[1]
+
     deadline = time.monotonic() + 3
-    while (_sandbox_processes() or _children()) and time.monotonic() < deadline:
+    while any(new()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _sandbox_processes() == [], "a sandboxed process outlived its program"
-    assert _children() == [], "a sandbox (bwrap) outlived its program"
+    sandboxed, children = new()
+    assert not sandboxed, "a sandboxed process outlived its program"
+    assert not children, "a sandbox (bwrap) outlived its program"
     left = [str(p) for p in [*_TARGETS, tmp_path / _MARK] if p.exists()]
     for p in left:
         p.unlink()
