@@ -243,7 +243,24 @@ def test_every_example_is_run_below() -> None:
     covered = {"calculator.yaml", "tool_use.yaml", "chat_addition.yaml", "train_from_python.py"}
     covered |= {"tool_env.py"}  # the environment and tool of tool_use.yaml
     covered |= {"agent_calculator.yaml", "agent_calculator.py", "distill.yaml", "vision.yaml"}
+    covered |= {"code.yaml"}
     assert examples == covered
+
+
+@pytest.mark.slow
+def test_the_code_example_trains_with_its_programs_run_in_the_sandbox(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """examples/code.yaml as written (the shipped builtin:tiny-code) for a few steps: the
+    programs are scored by the code scorer (its fields logged), no health warning."""
+    argv = ["train", str(ROOT / "examples" / "code.yaml"), "train.steps=2"]
+    argv += ["data.max_eval_prompts=16", "checkpoint.save_every=0"]
+    argv += ["checkpoint.save_final_model=false", f"output_dir={tmp_path / 'run'}"]
+    assert _dapo_here(argv, monkeypatch, capsys) == 0
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("reward/extra_pass_rate" in m for m in lines)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["health"] == []
 
 
 @pytest.mark.slow

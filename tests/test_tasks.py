@@ -42,6 +42,7 @@ def test_long_addition_is_registered_next_to_addition():
         "builtin:chat_addition",
         "builtin:chat_addition-sanity",
         "builtin:colour_count",
+        "builtin:code",
     }
     records = load_task("builtin:long_addition", "test", n=5)
     assert len(records) == 5 and all(r.data_source == "builtin_long_addition" for r in records)
@@ -164,7 +165,7 @@ def test_each_builtin_model_has_its_own_cache_and_unknown_ones_are_named(tmp_pat
     assert (
         set(tiny.RECIPES)
         == set(BUILTIN_MODELS)
-        == {"builtin:tiny", "builtin:tiny-long", "builtin:tiny-tool"}
+        == {"builtin:tiny", "builtin:tiny-long", "builtin:tiny-tool", "builtin:tiny-code"}
     )
     # The default model keeps the cache directory it always had.
     assert tiny.cache_dir("builtin:tiny") == tmp_path / "builtin-tiny-v3"
@@ -424,7 +425,7 @@ def test_the_shipped_models_are_used_while_their_recipe_is_the_same(tmp_path, mo
         return path
 
     monkeypatch.setattr(tiny, "warm_up", fake_warm_up)
-    for name in ("builtin:tiny", "builtin:tiny-tool"):
+    for name in ("builtin:tiny", "builtin:tiny-tool", "builtin:tiny-code"):
         path = tiny.ensure_builtin_model(name, log=lambda _: None)
         assert path == tiny.SHIPPED / tiny.cache_dir(name).name
         meta = json.loads((path / "builtin.json").read_text())

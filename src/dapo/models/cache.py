@@ -10,8 +10,9 @@ import os
 from pathlib import Path
 
 BUILTIN_MODEL = "builtin:tiny"  # the default; built by dapo.models.tiny
-# Warmed up on builtin:addition, builtin:long_addition and builtin:calculator (multi-turn).
-BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-long", "builtin:tiny-tool")
+# Warmed up on builtin:addition, builtin:long_addition, builtin:calculator (multi-turn) and
+# builtin:code (programs judged in the sandbox).
+BUILTIN_MODELS = (BUILTIN_MODEL, "builtin:tiny-long", "builtin:tiny-tool", "builtin:tiny-code")
 # A vision-language model (Idefics3 class), warmed up on builtin:colour_count.
 BUILTIN_VLM = "builtin:tiny-vlm"
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from dapo.atomic import atomic_write, staged_dir
-from dapo.data.tasks import addition, calculator, long_addition
+from dapo.data.tasks import addition, calculator, code, long_addition
 from dapo.models.cache import BUILTIN_MODEL, BUILTIN_MODELS, cache_root
 
 
@@ -71,6 +71,11 @@ RECIPES = {
         base=BUILTIN_MODEL,
         chat_template=calculator.CHAT_TEMPLATE,
         tools=(calculator.add,),
+    ),
+    # Two-line programs from specifications in words; from builtin:tiny, which already
+    # writes digits and arithmetic.
+    "builtin:tiny-code": Recipe(
+        code.sft_example, "v1", steps=300, minutes="about 2 minutes", base=BUILTIN_MODEL
     ),
 }
 assert set(RECIPES) == set(BUILTIN_MODELS)

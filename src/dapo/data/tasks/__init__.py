@@ -6,7 +6,14 @@
 from __future__ import annotations
 
 from dapo.data.records import PromptRecord
-from dapo.data.tasks import addition, calculator, chat_addition, colour_count, long_addition
+from dapo.data.tasks import (
+    addition,
+    calculator,
+    chat_addition,
+    code,
+    colour_count,
+    long_addition,
+)
 
 TASKS = {
     addition.NAME: addition.addition_records,
@@ -15,6 +22,7 @@ TASKS = {
     chat_addition.NAME: chat_addition.chat_addition_records,
     chat_addition.SANITY_NAME: chat_addition.sanity_records,
     colour_count.NAME: colour_count.colour_count_records,
+    code.NAME: code.code_records,
 }
 
 
