@@ -71,5 +71,6 @@ def test_the_file_is_found_without_importing_the_package_and_converted_once(tmp_
 
 
 def test_an_unknown_builtin_name_lists_the_wheel_model_too():
-    with pytest.raises(ModelError, match="builtin:tiny-tool and builtin:smollm2"):
+    with pytest.raises(ModelError, match="builtin:tiny-code and builtin:smollm2 .SmolLM2") as err:
         loading.resolve_model_path("builtin:smollm3")
+    assert "builtin:tiny-vlm (a vision-language model)" in str(err.value)
