@@ -98,6 +98,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> Any:
     return peft_model
 
 
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (the model itself otherwise)."""
+    if type(model).__module__.startswith("peft") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
 def is_lora(model: torch.nn.Module) -> bool:
     """Whether ``model`` carries LoRA adapters."""
     return any(_ADAPTER[0] in n for n, _ in model.named_parameters())

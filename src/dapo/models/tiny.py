@@ -113,10 +113,18 @@ def build_model(vocab_size: int, seed: int = 0):
     ``Qwen2Tokenizer`` whatever its ``tokenizer_config.json`` says, which would silently
     replace the character tokenizer for anyone who loads the saved model.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    return LlamaForCausalLM(llama_config(vocab_size)).float()
+
+
+def llama_config(vocab_size: int):
+    """The built-in models' Llama: 4 layers of width 128, tied embeddings, the character
+    tokenizer's pad (0) and EOS (1) ids; also ``builtin:tiny-vlm``'s text model."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=384,
@@ -129,7 +137,6 @@ def build_model(vocab_size: int, seed: int = 0):
         eos_token_id=1,
         bos_token_id=1,
     )
-    return LlamaForCausalLM(config).float()
 
 
 # --- the warm-up ---------------------------------------------------------------------------

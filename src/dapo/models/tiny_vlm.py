@@ -54,24 +54,15 @@ def build_processor() -> Any:
 
 def build_model(processor: Any, seed: int = 0) -> torch.nn.Module:
     """A random-initialised tiny Idefics3ForConditionalGeneration for ``processor``."""
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, LlamaConfig
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+
+    from dapo.models.tiny import llama_config
 
     tok = processor.tokenizer
     torch.manual_seed(seed)
-    text = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.eos_token_id,
-    )
+    text = llama_config(len(tok))
+    assert (text.pad_token_id, text.eos_token_id) == (tok.pad_token_id, tok.eos_token_id)
     vision = Idefics3VisionConfig(
         hidden_size=64,
         intermediate_size=128,

@@ -27,6 +27,7 @@ import torch
 
 from dapo.data.images import ImagePrompt, PixelCache
 from dapo.errors import ModelError
+from dapo.models.lora import causal_lm
 
 # transformers model_type -> how the family takes images: padded per prompt (Idefics3) or
 # as one sequence of patches with a grid per image and three-axis positions (M-RoPE).
@@ -140,7 +141,7 @@ def text_prefix(prompts: Sequence[Sequence[int]], image_token: int | None) -> li
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     """The vision encoder of a supported vision-language model (None for a text model)."""
-    inner = getattr(causal(model), "model", None)
+    inner = getattr(causal_lm(model), "model", None)
     if inner is None:
         return None
     return getattr(inner, "vision_model", None) or getattr(inner, "visual", None)
@@ -165,15 +166,8 @@ def freeze_vision_tower(model: torch.nn.Module, train: bool) -> int:
 
 def uses_mrope(model: torch.nn.Module) -> bool:
     """Whether ``model``'s positions have three axes (the Qwen2-VL family)."""
-    config = getattr(causal(model), "config", None)
+    config = getattr(causal_lm(model), "config", None)
     return FAMILIES.get(getattr(config, "model_type", ""), "") == "mrope"
-
-
-def causal(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a PEFT wrapper (the model itself otherwise)."""
-    if type(model).__module__.startswith("peft") and hasattr(model, "get_base_model"):
-        return model.get_base_model()
-    return model
 
 
 def prompt_rope(model: torch.nn.Module, prompt: Sequence[int]) -> tuple[torch.Tensor, int]:
@@ -187,8 +181,8 @@ def prompt_rope(model: torch.nn.Module, prompt: Sequence[int]) -> tuple[torch.Te
     if not isinstance(prompt, ImagePrompt) or not prompt.images:
         out = (torch.arange(ids.shape[1]).expand(3, -1), 0)
     else:
-        inner = causal(model).model
-        kinds = (ids == causal(model).config.image_token_id).int()
+        inner = causal_lm(model).model
+        kinds = (ids == causal_lm(model).config.image_token_id).int()
         grid = prompt.pixel_inputs()["image_grid_thw"]
         pos, delta = inner.get_rope_index(ids, kinds, image_grid_thw=grid)
         out = (pos[:, 0].cpu(), int(delta.reshape(-1)[0]))

@@ -51,13 +51,14 @@ class CodeSettings:
     require_block: bool = False
     float_tolerance: float = 1e-6
     parallel: int = 8
-    test_timeout_s: float = 2.0
-    program_timeout_s: float = 4.0
-    memory_mb: int = 512
-    max_processes: int = 16
-    max_file_mb: int = 16
-    max_open_files: int = 64
-    max_output_bytes: int = 1 << 20
+    # The sandbox's limits, defaulted as Limits is (CodeSettings.limits hands them on).
+    test_timeout_s: float = Limits.test_timeout_s
+    program_timeout_s: float = Limits.program_timeout_s
+    memory_mb: int = Limits.memory_mb
+    max_processes: int = Limits.max_processes
+    max_file_mb: int = Limits.max_file_mb
+    max_open_files: int = Limits.max_open_files
+    max_output_bytes: int = Limits.max_output_bytes
     budget_s: float | None = None  # a whole group's wall time (below the reward call's)
 
     @classmethod

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dapo.models.lora import causal_lm
 from dapo.rollout.attention import SharedPrefix, cascade
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -40,13 +41,6 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
 VISION = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
-
-
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers model under a PEFT wrapper (the model itself otherwise)."""
-    if type(model).__module__.startswith("peft") and hasattr(model, "get_base_model"):
-        return model.get_base_model()
-    return model
 
 
 def text_model(lm: nn.Module) -> nn.Module:
