@@ -7,6 +7,7 @@ Modes:
                     a short training run with uniform groups; each rank records what it trained
   variants DP OUT   one step per loss variant (VARIANTS) with DP; rank 0 saves the parameters
   lora DP OUT       as step, with LoRA adapters (rank 4): the checkpointed (adapter) state
+  packed DP OUT [lora]  as step, with packed forwards (and LoRA adapters)
   vllm DP MODEL OUT two rollout steps with a vLLM engine per rank; each rank compares its
                     engine's log-probs with its trainer's (DP+lora: a LoRA policy)
   skip MODEL OUT REWARDS DATA  a run with algorithm.skip_uniform_prompts; each rank records the
@@ -55,13 +56,17 @@ def fixed_batch():
 TOKEN_BUDGET = {"fsdp": 70, "ddp": 150, "single": 70}
 
 
-def _model_and_optimizer(data_parallel: str, lora_rank: int = 0):
+def _model_and_optimizer(data_parallel: str, lora_rank: int = 0, packed: bool = False):
     """The seed-3 builtin model in float64 (with LoRA adapters of ``lora_rank`` > 0, their B
-    set to small random values), wrapped for ``data_parallel``, and its AdamW."""
+    set to small random values; ``packed``: prepared for packed forwards), wrapped for
+    ``data_parallel``, and its AdamW."""
+    from dapo.models import packing
     from dapo.models.tiny import build_model, build_tokenizer
     from dapo.parallel import sharding
 
     model = build_model(len(build_tokenizer()), seed=3).double()
+    if packed:
+        packing.install(model)
     if lora_rank:
         from dapo.config import LoraConfig
         from dapo.models.lora import apply_lora
@@ -84,7 +89,12 @@ def _model_and_optimizer(data_parallel: str, lora_rank: int = 0):
     return model, ddp, opt
 
 
-def one_step(data_parallel: str, checkpoints: Path | None = None, lora_rank: int = 0) -> dict:
+def one_step(
+    data_parallel: str,
+    checkpoints: Path | None = None,
+    lora_rank: int = 0,
+    packed: bool = False,
+) -> dict:
     """One optimizer step; the full parameters and optimizer state after it (on rank 0
     under FSDP) and the number of parameter elements this rank holds.
 
@@ -99,7 +109,7 @@ def one_step(data_parallel: str, checkpoints: Path | None = None, lora_rank: int
     from dapo.training.checkpoint import load_checkpoint, save_checkpoint
 
     torch.set_num_threads(1)
-    model, ddp, opt = _model_and_optimizer(data_parallel, lora_rank)
+    model, ddp, opt = _model_and_optimizer(data_parallel, lora_rank, packed)
     local = sum(
         p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()
     )
@@ -110,6 +120,7 @@ def one_step(data_parallel: str, checkpoints: Path | None = None, lora_rank: int
         optimizer=opt,
         max_grad_norm=1.0,
         ddp=ddp,
+        packed=packed,
     ).optimizer_step(fixed_batch())
     assert result.applied
     full = full_state(model, opt)
@@ -409,6 +420,16 @@ def main() -> None:
         local = D.all_gather_objects(out["local_numel"])
         if info.is_main:
             torch.save({**out, "local_numel": local, "no_grad_passes_match": match}, sys.argv[3])
+    elif mode == "packed":  # one step with packed forwards (and LoRA with "lora")
+        from dapo.training import forward
+
+        dp, lora_rank = sys.argv[2], 4 if sys.argv[4:] == ["lora"] else 0
+        rows, real = [], forward.packed_states
+        forward.packed_states = lambda model, row, *a: rows.append(row) or real(model, row, *a)
+        out = one_step(dp, lora_rank=lora_rank, packed=True)
+        out["packed_rows"] = D.all_gather_objects(len(rows))
+        if info.is_main:
+            torch.save(out, sys.argv[3])
     elif mode == "lora":
         dp = sys.argv[2]
         out = one_step(dp, Path(sys.argv[3]).parent / f"checkpoints-lora-{dp}", lora_rank=4)

@@ -8,6 +8,7 @@ import torch
 
 from dapo.algorithms import LossSettings
 from dapo.config import TrainConfig
+from dapo.models import packing
 from dapo.training.batch import Sample
 from dapo.training.forward import ForwardOptions
 from dapo.training.learner import Learner, StepResult
@@ -36,10 +37,14 @@ def learner(
     optimizer: object = None,
     max_grad_norm: float = 0.0,
     ddp: torch.nn.Module | None = None,
+    packed: bool = False,
 ) -> Learner:
-    """A learner of ``model`` with ``settings`` (no gradient clipping unless asked)."""
+    """A learner of ``model`` with ``settings`` (no gradient clipping unless asked);
+    ``packed``: its forwards packed (the model prepared for it)."""
+    if packed:
+        packing.install(model)
     forward = ForwardOptions(
-        pad_id, settings.temperature, token_budget, shared_prompt=shared_prompt
+        pad_id, settings.temperature, token_budget, shared_prompt=shared_prompt, packed=packed
     )
     return Learner(
         model,
@@ -60,9 +65,15 @@ def backward(
     pad_id: int = 0,
     shared_prompt: bool = True,
     seed: int = 0,
+    packed: bool = False,
 ) -> StepResult:
     """One optimizer step's gradient on ``samples`` (one mini-batch), left in the parameters'
     ``.grad`` unclipped; its statistics."""
     return learner(
-        model, settings, token_budget=token_budget, pad_id=pad_id, shared_prompt=shared_prompt
+        model,
+        settings,
+        token_budget=token_budget,
+        pad_id=pad_id,
+        shared_prompt=shared_prompt,
+        packed=packed,
     ).optimizer_step(samples, seed=seed)

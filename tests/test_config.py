@@ -724,11 +724,10 @@ LITERALS = [(p, c, f) for p, c, f in _leaves() if f.name in _choices(c)]
 @pytest.mark.parametrize(("path", "cls", "f"), LITERALS, ids=[p for p, _, _ in LITERALS])
 def test_every_enumerated_field_refuses_a_typo_with_its_choices(path, cls, f):
     choices = _choices(cls)[f.name]
-    typo = choices[-1] + "x"  # e.g. 'vllm-serverx'
+    last = str(choices[-1]).lower() if isinstance(choices[-1], bool) else choices[-1]
+    typo = last + "x"  # e.g. 'vllm-serverx'; 'falsex' for train.packing's false
     msg = raises_config_error([f"{path}={typo}"])
-    assert (
-        msg == f"`{path}` = {typo!r} is not one of {list(choices)} (did you mean {choices[-1]!r}?)"
-    )
+    assert msg == f"`{path}` = {typo!r} is not one of {list(choices)} (did you mean {last!r}?)"
     # A config built in code is checked against the same type.
     cfg = Config()
     _set(cfg, path, typo)

@@ -205,6 +205,25 @@ def test_lora_step_on_two_ranks_equals_one_process(mode: str, tmp_path: Path) ->
     assert model_keys == set(single["params"])
 
 
+@pytest.mark.parametrize(("mode", "lora"), [("ddp", False), ("fsdp", False), ("ddp", True)])
+def test_packed_steps_on_two_ranks_equal_one_unpacked_process(
+    mode: str, lora: bool, tmp_path: Path
+) -> None:
+    """Packed micro-batches of a token budget, on two ranks under DDP (with and without LoRA)
+    and FSDP2: the step of one process that forwards unpacked."""
+    argv = ["packed", mode, str(tmp_path / "p.pt"), *(["lora"] if lora else [])]
+    torchrun(str(HERE / "dist_worker.py"), *argv, cwd=tmp_path)
+    two_ranks = torch.load(tmp_path / "p.pt")
+    assert min(two_ranks["packed_rows"]) >= 2  # each rank forwarded packed micro-batches
+    dist_worker = _dist_worker()
+    torch.set_num_threads(1)
+    single = dist_worker.one_step("single", lora_rank=4 if lora else 0)
+    assert set(two_ranks["params"]) == set(single["params"])
+    for name, value in single["params"].items():
+        torch.testing.assert_close(two_ranks["params"][name], value, atol=1e-5, rtol=0)
+    assert two_ranks["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_rank_lora_run_resumes_and_exports_merged(
     mode: str, random_tiny_model: Path, tmp_path: Path

@@ -42,6 +42,8 @@ HealthKind = Literal[
     "zero_gradients",
     "engine_mismatch",
 ]
+# train.packing: auto packs where it is exact (dapo.models.packing.unpackable)
+Packing = Literal["auto", True, False]
 CudaGraphs = Literal["auto", "on", "off"]  # rollout.cuda_graphs (the hf engine on CUDA)
 # checkpoint.on_signal: stop at a safe point and save, or die at once as by default
 OnSignal = Literal["save", "exit"]
@@ -68,6 +70,7 @@ DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = get_args(DynamicSamplingMetric)
 ROUND_CAP_ACTIONS: tuple[str, ...] = get_args(RoundCap)  # algorithm.round_cap
 CURRICULA: tuple[str, ...] = get_args(Curriculum)  # data.curriculum: dapo.data.curriculum
 VLLM_QUANTIZATIONS: tuple[str, ...] = get_args(VLLMQuantization)  # rollout.vllm_quantization
+PACKING: tuple[str | bool, ...] = get_args(Packing)  # train.packing: dapo.models.packing
 CUDA_GRAPHS: tuple[str, ...] = get_args(CudaGraphs)  # rollout.cuda_graphs: dapo.rollout.hf_engine
 ON_SIGNAL: tuple[str, ...] = get_args(OnSignal)  # checkpoint.on_signal
 STOP_SIGNALS: tuple[str, ...] = get_args(StopSignal)  # checkpoint.stop_signals

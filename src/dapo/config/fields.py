@@ -145,9 +145,11 @@ def choices_of(tp: Any) -> tuple[Any, ...] | None:
 
 
 def check_choice(path: str, value: Any, choices: tuple[Any, ...]) -> None:
-    """``value`` must be one of ``choices`` (a ``Literal`` field's): no conversion."""
-    if value not in choices:
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    """``value`` must be one of ``choices`` (a ``Literal`` field's): no conversion (1 is not
+    true); the hint spells a boolean choice as YAML does."""
+    if not any(type(value) is type(c) and value == c for c in choices):
+        spelled = [str(c).lower() if isinstance(c, bool) else str(c) for c in choices]
+        close = difflib.get_close_matches(str(value), spelled, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"`{path}` = {value!r} is not one of {list(choices)}{hint}")
 

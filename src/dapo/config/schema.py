@@ -26,6 +26,7 @@ from dapo.choices import (
     DataParallelMode,
     HealthKind,
     LRSchedule,
+    Packing,
     Precision,
 )
 from dapo.config.algorithm import AlgorithmConfig
@@ -336,6 +337,16 @@ class TrainConfig:
         "micro-batches of an update. Bounds memory; the loss is normalised over the whole "
         "update, so it does not change the gradient.",
         ge=1,
+    )
+    packing: Packing = opt(
+        "auto",
+        "Forward each micro-batch as one row without padding: its sequences one after the "
+        "other, positions restarting at each, attention kept within each (a response also "
+        "sees its prompt, placed once), and train.micro_batch_tokens counts the row's real "
+        "tokens. Exact (the same log-probs as unpacked). true refuses, at start-up, a model "
+        "that cannot be packed exactly (linear attention, gated delta nets, causal "
+        "convolutions, state-space layers, sliding windows, a vision-language model); auto "
+        "packs every other model and says at start-up what it chose and why.",
     )
     shared_prompt_forward: bool = opt(
         True,

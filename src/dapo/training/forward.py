@@ -27,7 +27,8 @@ from dapo.models.precision import autocast, compute_dtype
 from dapo.models.vision import image_inputs, image_token_id, rope_positions, text_prefix
 from dapo.parallel import sharding
 from dapo.training.batch import Sample
-from dapo.training.microbatch import MicroBatch, collate, micro_batches
+from dapo.training.microbatch import MicroBatch, collate, micro_batches, response_widths
+from dapo.training.packed import pack, packed_states
 
 if TYPE_CHECKING:
     from dapo.training.kv_cache import SharedPromptCache
@@ -42,6 +43,7 @@ class ForwardOptions:
     token_budget: int = 8192  # train.micro_batch_tokens: padded tokens per micro-batch
     logits_chunk_size: int = 1024  # train.logits_chunk_size: positions per output-layer chunk
     shared_prompt: bool = True  # train.shared_prompt_forward
+    packed: bool = False  # train.packing, resolved for the model (dapo.training.packing_choice)
 
 
 def prompt_cache(model: torch.nn.Module) -> SharedPromptCache | None:
@@ -83,10 +85,16 @@ def response_states(
     shared_prompt: bool = True,
     ddp: torch.nn.Module | None = None,
     hidden: bool = True,
+    packed: bool = False,
 ) -> torch.Tensor:
     """The model's output at the positions that predict the response tokens, ``[b, R, .]``:
     the final hidden states (``hidden`` and a plain linear output layer, which is bypassed;
     :func:`token_logprobs` applies it) or the logits.
+
+    ``packed`` (a model :func:`dapo.models.packing.install` prepared): the micro-batch is
+    forwarded as one row without padding (:mod:`dapo.training.packed`) and the output is
+    ``[N, .]``, one per response token (``batch.response_mask > 0``, row by row). A batch
+    with images is forwarded unpacked (the image features go in the prompt pass).
 
     When some prompt of the batch has several responses (a group) and ``shared_prompt`` is
     on, each distinct prompt is forwarded once (left-padded, with a cache), the cache is
@@ -123,6 +131,8 @@ def response_states(
     r = batch.width
     head = output_head(model) if hidden else None
     with autocast(model), head_replaced(head, _identity):  # the "logits" are hidden states
+        if packed and not visual:
+            return packed_states(model, pack(batch, shared_prompt=shared_prompt), ddp)
         if cache is None:
             attn = torch.cat([batch.prompt_mask, batch.response_mask], 1).to(device)
             pos = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -201,12 +211,6 @@ def response_states(
 BUCKET_COST = 128  # a response pass's fixed work, in positions (see length_buckets)
 
 
-def response_widths(response_mask: torch.Tensor) -> list[int]:
-    """Each row's response width: one past its last response token (right-padded rows)."""
-    columns = torch.arange(1, response_mask.shape[1] + 1)
-    return (torch.where(response_mask.cpu() > 0, columns, 0).amax(-1)).tolist()
-
-
 def length_buckets(widths: Sequence[int], cost: int | None = None) -> list[list[int]]:
     """Row indices cut into groups of similar width, each to be forwarded at its own longest
     width instead of every row at the batch's longest: the cut of the rows sorted by width
@@ -246,7 +250,8 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the sampled response tokens and the entropies of the distributions they
     were drawn from (softmax of logits / temperature), from :func:`response_states`: two
-    float32 ``[b, R]`` tensors, 0 on padding, both differentiable.
+    float32 ``[b, R]`` tensors, 0 on padding, both differentiable. ``states`` may also be
+    the packed forward's ``[N, .]``, one per response token.
 
     The output layer, log-softmax and entropy are applied ``chunk_size`` positions at a time
     and recomputed in backward (:func:`~dapo.models.chunked_logprobs.chunked_logprobs`).
@@ -257,9 +262,10 @@ def token_logprobs(
     device = states.device
     valid = batch.response_mask.to(device) > 0
     targets = batch.response_ids.to(device)[valid]
+    flat = states if states.dim() == 2 else states[valid]
     if head is not None:
         logp, entropy = chunked_logprobs(
-            states[valid],
+            flat,
             head.weight,
             targets,
             bias=head.bias,
@@ -268,7 +274,7 @@ def token_logprobs(
             compute_dtype=compute_dtype(model),
         )
     else:
-        logits = states[valid].float()
+        logits = flat.float()
         logits = logits / temperature if temperature != 1.0 else logits
         logp, entropy = alg.token_logprobs(logits, targets), alg.token_entropy(logits)
     full = torch.zeros(valid.shape, dtype=torch.float32, device=device)
@@ -282,18 +288,32 @@ def response_logprobs(
     ddp: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`response_states` then :func:`token_logprobs`: ``(logp, entropy)``, ``[b, R]``."""
-    states = response_states(model, batch, shared_prompt=options.shared_prompt, ddp=ddp)
+    states = response_states(
+        model, batch, shared_prompt=options.shared_prompt, ddp=ddp, packed=options.packed
+    )
     return token_logprobs(
         model, states, batch, temperature=options.temperature, chunk_size=options.logits_chunk_size
     )
 
 
 def response_logits(
-    model: torch.nn.Module, batch: MicroBatch, *, temperature: float, shared_prompt: bool = True
+    model: torch.nn.Module,
+    batch: MicroBatch,
+    *,
+    temperature: float,
+    shared_prompt: bool = True,
+    packed: bool = False,
 ) -> torch.Tensor:
     """Logits ``[b, R, V]`` that predict each response token (scaled by 1/temperature), in
     float32: the whole-logits reference that :func:`token_logprobs` avoids."""
-    logits = response_states(model, batch, shared_prompt=shared_prompt, hidden=False).float()
+    logits = response_states(
+        model, batch, shared_prompt=shared_prompt, hidden=False, packed=packed
+    ).float()
+    if logits.dim() == 2:  # packed: one per response token
+        valid = (batch.response_mask > 0).to(logits.device)
+        full = logits.new_zeros((*valid.shape, logits.shape[-1]))
+        full[valid] = logits
+        logits = full
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -319,9 +339,11 @@ def compute_logprobs(
     """
     out: list[torch.Tensor] = [torch.empty(0)] * len(samples)
     with sharding.full_params(model):
-        for idx in micro_batches(samples, options.token_budget):
+        for idx in micro_batches(samples, options.token_budget, packed=options.packed):
             batch = collate([samples[i] for i in idx], options.pad_id)
-            states = response_states(model, batch, shared_prompt=options.shared_prompt)
+            states = response_states(
+                model, batch, shared_prompt=options.shared_prompt, packed=options.packed
+            )
             logp, _ = token_logprobs(
                 model,
                 states,

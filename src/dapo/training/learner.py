@@ -23,7 +23,7 @@ from dapo import algorithms as alg
 from dapo.algorithms import LossSettings
 from dapo.config import Config, TrainConfig
 from dapo.errors import TrainingError
-from dapo.models import context_length, hidden_size, load_policy, lora
+from dapo.models import context_length, hidden_size, load_policy, lora, packing
 from dapo.models.data_parallel import wrap_data_parallel
 from dapo.models.inputs import device_of
 from dapo.models.precision import (
@@ -226,6 +226,8 @@ class Learner:
         set_precision(model, precision)
         peft = lora.apply_lora(model, cfg.model.lora) if cfg.model.lora.rank > 0 else None
         counts = lora.parameter_counts(model)  # before sharding
+        packed, line = packing.choose(t.packing, model)  # before the reference copy
+        log(line)
         if peft is not None:
             trainable, total = counts
             log(
@@ -260,6 +262,7 @@ class Learner:
             t.micro_batch_tokens,
             t.logits_chunk_size,
             t.shared_prompt_forward,
+            packed,
         )
         learner = cls(
             model,
@@ -429,7 +432,7 @@ class Learner:
         mine = [batch[j] for j in share]
         selected, selection = cov_selection(mine, share, s, seed=seed)
         (denominator,) = D.all_reduce_sum([loss_denominator(mine, s)])
-        chunks = micro_batches(mine, opts.token_budget)
+        chunks = micro_batches(mine, opts.token_budget, packed=opts.packed)
         ddp = self.ddp if info.enabled else None
         fsdp = sharding.is_fsdp(self.model) and info.enabled
         passes = D.all_reduce_max(len(chunks)) if fsdp else len(chunks)
@@ -451,7 +454,11 @@ class Learner:
             sync = ddp is None or n == len(chunks) - 1
             with contextlib.nullcontext() if sync else ddp.no_sync():
                 states = response_states(
-                    self.model, mb, shared_prompt=opts.shared_prompt and not fsdp, ddp=ddp
+                    self.model,
+                    mb,
+                    shared_prompt=opts.shared_prompt and (opts.packed or not fsdp),
+                    ddp=ddp,
+                    packed=opts.packed,
                 )
                 logp, entropy = token_logprobs(
                     self.model,

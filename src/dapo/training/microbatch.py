@@ -94,8 +94,11 @@ def loss_denominator(samples: Sequence[Sample], settings: LossSettings) -> float
     return float(len(samples) * settings.max_len)
 
 
-def micro_batches(samples: Sequence[Sample], token_budget: int) -> list[list[int]]:
-    """Indices of samples split into micro-batches of at most ``token_budget`` padded tokens.
+def micro_batches(
+    samples: Sequence[Sample], token_budget: int, *, packed: bool = False
+) -> list[list[int]]:
+    """Indices of samples split into micro-batches of at most ``token_budget`` padded tokens
+    (``packed``: tokens of the packed row, see :func:`packed_micro_batches`).
 
     Samples are kept in groups (the responses of one prompt), so that a micro-batch
     forwards each of its prompts once (see :func:`dapo.training.forward.response_states`):
@@ -104,11 +107,9 @@ def micro_batches(samples: Sequence[Sample], token_budget: int) -> list[list[int
     small. The split does not change the result, only the memory and time it takes.
     Samples without response tokens are left out (they have nothing to train).
     """
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, s in enumerate(samples):
-        if s.response_ids:  # an episode whose environment failed to open has none
-            groups.setdefault(tuple(s.prompt_ids), []).append(i)
-    members = [sorted(g, key=lambda i: samples[i].length) for g in groups.values()]
+    if packed:
+        return packed_micro_batches(samples, token_budget)
+    members = [sorted(g, key=lambda i: samples[i].length) for g in _groups(samples)]
     members.sort(key=lambda g: samples[g[-1]].length)
     chunks: list[list[int]] = []
     current: list[int] = []
@@ -126,6 +127,53 @@ def micro_batches(samples: Sequence[Sample], token_budget: int) -> list[list[int
                 current, w = [], samples[i].length
             current.append(i)
             widest = w
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def response_widths(response_mask: torch.Tensor) -> list[int]:
+    """Each row's response width: one past its last response token (right-padded rows)."""
+    columns = torch.arange(1, response_mask.shape[1] + 1)
+    return (torch.where(response_mask.cpu() > 0, columns, 0).amax(-1)).tolist()
+
+
+def _groups(samples: Sequence[Sample]) -> list[list[int]]:
+    """Indices of the samples with response tokens (an episode whose environment failed to
+    open has none), grouped by prompt in order of first appearance."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(samples):
+        if s.response_ids:
+            groups.setdefault(tuple(s.prompt_ids), []).append(i)
+    return list(groups.values())
+
+
+def packed_micro_batches(samples: Sequence[Sample], token_budget: int) -> list[list[int]]:
+    """Indices of samples split into micro-batches whose packed rows hold at most
+    ``token_budget`` tokens: each prompt once, then its responses (verl's
+    ``ppo_max_token_len_per_gpu``). Whole groups fill a micro-batch one after the other; a
+    group is split only when it alone exceeds the budget, and a sample longer than the budget
+    is a micro-batch of its own.
+    """
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for group in _groups(samples):
+        prompt = len(samples[group[0]].prompt_ids)
+        size = prompt + sum(len(samples[i].response_ids) for i in group)
+        if current and used + size > token_budget and size <= token_budget:
+            chunks.append(current)
+            current, used = [], 0
+        placed = False  # is the prompt in the current micro-batch?
+        for i in group:
+            cost = len(samples[i].response_ids) + (0 if placed else prompt)
+            if current and used + cost > token_budget:
+                chunks.append(current)
+                current, used, placed = [], 0, False
+                cost = len(samples[i].response_ids) + prompt
+            current.append(i)
+            used += cost
+            placed = True
     if current:
         chunks.append(current)
     return chunks

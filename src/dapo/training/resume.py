@@ -271,6 +271,7 @@ RULES: dict[str, Rule] = {
     "train.mini_batch_size": _free("the updates per rollout step from here on"),
     "train.epochs": _free("the passes over each batch from here on"),
     "train.micro_batch_tokens": _COMPUTE,
+    "train.packing": _COMPUTE,
     "train.shared_prompt_forward": _COMPUTE,
     "train.lr": _free("the learning rate is set at every update from the schedule"),
     "train.lr_schedule": _SCHEDULE,

@@ -24,7 +24,7 @@ import torch
 from dapo import algorithms as alg
 from dapo.config import Config
 from dapo.errors import ModelError, RolloutServerError, TrainingError
-from dapo.models import hidden_size, load_policy, load_tokenizer, resolve_model_path
+from dapo.models import hidden_size, load_policy, load_tokenizer, packing, resolve_model_path
 from dapo.models.precision import load_dtype, reference_copy, resolve_precision, set_precision
 from dapo.parallel import distributed as D
 from dapo.training.batch import Sample
@@ -209,15 +209,17 @@ def _model_teacher(
     model = reference_copy(set_precision(model, precision))  # frozen, cheapest exact form
     device = f"cuda:{D.current().local_rank}" if cuda else "cpu"
     r = cfg.rollout
+    packed, line = packing.choose(cfg.train.packing, model)
     options = ForwardOptions(
         tokenizer.pad_token_id,
         r.temperature,  # the student's log-probs are taken at the sampling temperature too
         cfg.train.micro_batch_tokens,
         cfg.train.logits_chunk_size,
         cfg.train.shared_prompt_forward,
+        packed,
     )
     params = sum(p.numel() for p in model.parameters())
-    log(f"teacher: {name} ({params:,} parameters, {precision}, on {device})")
+    log(f"teacher: {name} ({params:,} parameters, {precision}, on {device}); {line}")
     return ModelTeacher(model, options, device, offload=cfg.algorithm.teacher_offload and cuda)
 
 
