@@ -24,6 +24,11 @@ loading does not count), and also the resident memory before the step. A table a
         [--sides fp32,bf16-mixed,bf16-mixed+ckpt,trl] [--output benchmarks/results/memory.json]
 
 On a GPU, a Qwen2.5-0.5B-sized rollout step: ``--prompts 32 --generations 8 --max-completion-length 256``.
+
+``--long-responses 1024,2048,4096,8192`` measures instead one update on long responses per
+side and length (``benchmarks/_long_responses.py``): the JSON's ``long`` lists records with
+``side`` (``dapo`` or ``trl``), ``tokens``, ``peak_mb`` and ``seconds``. Use few layers:
+``--layers 4``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _long_responses as long  # benchmarks/_long_responses.py
 from _in_process import in_process, run_here  # benchmarks/_in_process.py
 from _report import package_version, provenance, write_report  # benchmarks/_report.py
 from bench_trl import overlong_buffer, trl_reward  # the TRL side's reward, shared
@@ -107,7 +113,7 @@ def build_model(args: argparse.Namespace, path: Path) -> None:
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
-        max_position_embeddings=4096,
+        max_position_embeddings=max(4096, 64 + max(args.long_responses, default=0)),
         rope_theta=1e6,
         tie_word_embeddings=True,
         pad_token_id=tok.pad_token_id,
@@ -251,9 +257,95 @@ def run_worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix=f"bench-memory-{args.worker}-") as tmp:
-        fn = worker_trl if args.worker == "trl" else worker_ours
-        result = fn(args, Path(args.model_dir), args.worker, Path(tmp))
+        probe = StepMemory(torch.cuda.is_available())
+        if args.worker == "long-dapo":
+            result = long.worker_dapo(args, Path(args.model_dir), probe)
+        elif args.worker == "long-trl":
+            result = long.worker_trl(args, Path(args.model_dir), probe, Path(tmp))
+        else:
+            fn = worker_trl if args.worker == "trl" else worker_ours
+            result = fn(args, Path(args.model_dir), args.worker, Path(tmp))
     Path(args.result).write_text(json.dumps(result))
+
+
+def run_long(args: argparse.Namespace) -> dict[str, Any]:
+    """One update per side and response length (``_long_responses``), smallest first."""
+    records: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-memory-long-") as tmp:
+        model_dir = Path(tmp) / "model"
+        _python(args, Path(tmp) / "build.log", "--build", str(model_dir))
+        for tokens in sorted(args.long_responses):
+            for side in ("dapo", "trl"):
+                done = [(r["tokens"], r["peak_mb"]) for r in records if r["side"] == side]
+                done = [(t, m) for t, m in done if m is not None]
+                predicted = None
+                if len(done) >= 2:  # the line through the last two, at this length
+                    (t1, m1), (t2, m2) = done[-2:]
+                    predicted = m2 + (m2 - m1) / (t2 - t1) * (tokens - t2)
+                if predicted is not None and predicted > args.long_limit_mb:
+                    records.append(
+                        {
+                            "side": side,
+                            "tokens": tokens,
+                            "peak_mb": None,
+                            "skipped": f"predicted {predicted:.0f} MB > "
+                            f"--long-limit-mb {args.long_limit_mb:.0f}",
+                        }
+                    )
+                    continue
+                result = Path(tmp) / f"{side}-{tokens}.json"
+                _python(
+                    args,
+                    Path(tmp) / f"{side}-{tokens}.log",
+                    "--worker",
+                    f"long-{side}",
+                    "--tokens",
+                    str(tokens),
+                    "--result",
+                    str(result),
+                    "--model-dir",
+                    str(model_dir),
+                )
+                records.append({"side": side, "tokens": tokens, **json.loads(result.read_text())})
+                r = records[-1]
+                print(f"{side} {tokens}: peak {r['peak_mb']:.0f} MB, {r['seconds']:.1f} s")
+    return {
+        **provenance(trl=package_version("trl")),
+        "settings": {
+            "model": {**{k: getattr(args, k) for k in QWEN_05B}, "parameters": _parameters(args)},
+            "responses": args.long_count,
+            "prompt_tokens": long.PROMPT,
+            "micro_batch_tokens": args.long_micro_batch_tokens,
+            "logits_chunk_size": args.long_logits_chunk,
+            "budget_mb": args.long_budget_mb,
+            "threads": args.threads,
+        },
+        "long": records,
+        "summary": long.summarise(records, args.long_budget_mb),
+    }
+
+
+def print_long(report: dict[str, Any]) -> None:
+    print("| side | response tokens | peak MB | update s |")
+    print("|---|---|---|---|")
+    for r in report["long"]:
+        if r["peak_mb"] is None:
+            print(f"| {r['side']} | {r['tokens']} | not run: {r['skipped']} | |")
+        else:
+            print(f"| {r['side']} | {r['tokens']} | {r['peak_mb']:.0f} | {r['seconds']:.1f} |")
+    s = report["summary"]
+    for side in ("dapo", "trl"):
+        per = ", ".join(f"{x:.0f}" for x in s[side]["mb_per_1k_tokens"])
+        fit = s[side]["longest_fit"]
+        fits = f"{fit:.0f}" if fit else "n/a"
+        print(
+            f"{side}: MB per 1,000 more tokens {per}; longest fit in "
+            f"{report['settings']['budget_mb']:.0f} MB: {fits} tokens"
+        )
+    if "peak_4096_over_trl" in s:
+        print(f"peak at 4096 tokens, dapo / TRL: {s['peak_4096_over_trl']:.2f}")
+    if "longest_fit_over_trl" in s:
+        print(f"longest fit, dapo / TRL: {s['longest_fit_over_trl']:.1f}x")
 
 
 # --- the driver -----------------------------------------------------------------------------
@@ -276,6 +368,8 @@ def _python(args: argparse.Namespace, log: Path, *argv: str) -> None:
         "MKL_NUM_THREADS": threads,
         "TOKENIZERS_PARALLELISM": "false",
     }
+    if args.long_responses:  # see _long_responses.py: freed blocks go back to the system
+        env["MALLOC_MMAP_THRESHOLD_"] = str(long.MMAP_THRESHOLD)
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, *shape_argv(args)]
     with log.open("w") as fh:
         proc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False)
@@ -297,6 +391,16 @@ def shape_argv(args: argparse.Namespace) -> list[str]:
     ]
     for key in QWEN_05B:
         out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    out += [
+        "--long-count",
+        str(args.long_count),
+        "--long-micro-batch-tokens",
+        str(args.long_micro_batch_tokens),
+        "--long-logits-chunk",
+        str(args.long_logits_chunk),
+    ]
+    if args.long_responses:
+        out += ["--long-responses", ",".join(map(str, args.long_responses))]
     return out
 
 
@@ -372,13 +476,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             default=value,
             help="model shape (default: Qwen2.5-0.5B's)",
         )
+    parser.add_argument(
+        "--long-responses",
+        default="",
+        help="comma-separated response lengths: one update per side and length, dapo "
+        "(packed, chunked head, activation checkpointing) against TRL; see _long_responses.py",
+    )
+    parser.add_argument("--long-count", type=int, default=2, help="responses per update")
+    parser.add_argument("--long-micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--long-logits-chunk", type=int, default=256)
+    parser.add_argument("--long-budget-mb", type=float, default=16000.0)
+    parser.add_argument("--long-limit-mb", type=float, default=18000.0)
+    parser.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--output", default="benchmarks/results/memory.json")
     parser.add_argument("--build", help=argparse.SUPPRESS)
-    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", choices=[*SIDES, "long-dapo", "long-trl"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.sides = [s for s in args.sides.split(",") if s]
+    args.long_responses = [int(x) for x in args.long_responses.split(",") if x]
     if unknown := set(args.sides) - set(SIDES):
         parser.error(f"unknown sides {sorted(unknown)}; choose from {', '.join(SIDES)}")
     if args.prompts < 1 or args.generations < 2 or args.max_completion_length < 2:
@@ -394,8 +513,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         run_worker(args)
         return
-    if "trl" in args.sides and importlib.util.find_spec("trl") is None:
+    needs_trl = "trl" in args.sides or args.long_responses
+    if needs_trl and importlib.util.find_spec("trl") is None:
         sys.exit("trl is not installed; it is a benchmark-only extra: pip install -e '.[bench]'")
+    if args.long_responses:
+        report = run_long(args)
+        print_long(report)
+        write_report(args.output, report)
+        return
     report = run_benchmark(args)
     print_table(report)
     write_report(args.output, report)

@@ -71,3 +71,35 @@ def test_each_side_runs_in_a_fresh_process_outside_the_smoke_test(tmp_path, monk
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(tmp_path / "model").hidden_size == 32
+
+
+def test_bench_memory_long_responses_records_each_side_and_skips_past_the_limit(
+    bench, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """``--long-responses``: one update per side and length; a length predicted past
+    ``--long-limit-mb`` from the side's two previous ones is recorded as skipped."""
+    if importlib.util.find_spec("trl") is None:
+        pytest.skip("trl is not installed (a benchmark-only extra)")
+    out = tmp_path / "long.json"
+    monkeypatch.chdir(tmp_path)
+    argv = ["--threads", "1", *SHAPE, "--vocab", "3000", "--long-responses", "8,16,32"]
+    bench.main([*argv, "--long-limit-mb", "1", "--long-count", "2", "--output", str(out)])
+    report = json.loads(out.read_text())
+    records = report["long"]
+    assert [(r["side"], r["tokens"]) for r in records] == [
+        (side, n) for n in (8, 16, 32) for side in ("dapo", "trl")
+    ]
+    for r in records[:4]:
+        assert r["peak_mb"] > 0 and r["seconds"] > 0, r
+    for r in records[4:]:  # two measured lengths predict the third past the 1 MB limit
+        assert r["peak_mb"] is None and r["skipped"].startswith("predicted"), r
+    assert report["settings"]["responses"] == 2
+    assert set(report["summary"]) >= {"dapo", "trl"}
+    assert "| dapo | 8 |" in capsys.readouterr().out
+
+
+def test_the_longest_fit_is_read_off_the_line_through_the_last_two_points(bench) -> None:
+    longest_fit = bench.long.longest_fit
+    assert longest_fit([(1000, 5000.0), (2000, 6000.0)], 16000.0) == pytest.approx(12000.0)
+    assert longest_fit([(1000, 5000.0)], 16000.0) is None
+    assert longest_fit([(1000, 5000.0), (2000, 4000.0)], 16000.0) is None  # not growing
