@@ -237,28 +237,80 @@ def test_a_vision_model_with_vllm_or_episodes_is_refused_at_start_up():
 # --- a run: transcripts, export ------------------------------------------------------------
 
 
+SHORT_RUN = {  # two steps of builtin:tiny-vlm's size
+    "train.steps": 2,
+    "train.prompts_per_step": 4,
+    "rollout.num_generations": 4,
+    "rollout.max_completion_length": 12,
+    "algorithm.dynamic_sampling": False,
+}
+
+
+def _rows(n: int) -> list[dict]:
+    return [
+        {"prompt": r.prompt, "images": r.images, "reward_model": {"ground_truth": r.ground_truth}}
+        for r in colour_count.colour_count_records("train", n=n)
+    ]
+
+
+def _loaded():
+    """builtin:tiny-vlm loaded as objects, as a user loads a model from Python."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = tiny_vlm.ensure_builtin_vlm()
+    return AutoModelForImageTextToText.from_pretrained(path), AutoProcessor.from_pretrained(path)
+
+
+def test_a_vision_model_object_without_its_processor_is_refused(tmp_path):
+    import dapo
+
+    model, processor = _loaded()
+    with pytest.raises(ConfigError, match=r"processor=AutoProcessor\.from_pretrained") as err:
+        dapo.make_trainer(
+            model=model,
+            tokenizer=processor.tokenizer,
+            train_dataset=_rows(8),
+            output_dir=str(tmp_path / "run"),
+        )
+    assert "Idefics3ForConditionalGeneration object" in str(err.value)
+    assert "text model" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_vision_model_given_as_objects_trains_with_its_processor(tmp_path):
+    import dapo
+
+    model, processor = _loaded()
+    tower = {k: v.clone() for k, v in model.model.vision_model.state_dict().items()}
+    text = model.model.text_model.layers[0].mlp.up_proj.weight.clone()
+    out = tmp_path / "run"
+    summary = dapo.train(
+        model=model,
+        processor=processor,  # its tokenizer is the run's
+        train_dataset=_rows(32),
+        output_dir=str(out),
+        **SHORT_RUN,
+    )
+    assert summary["steps"] == 2
+    lines = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert lines and all(len(r["images"]) == 1 for r in lines)
+    # Trained in place: the language model moved, the vision encoder stayed frozen.
+    assert not torch.equal(model.model.text_model.layers[0].mlp.up_proj.weight, text)
+    assert all(torch.equal(v, tower[k]) for k, v in model.model.vision_model.state_dict().items())
+
+
 @pytest.mark.slow
 def test_a_run_from_python_rows_saves_images_and_exports_the_processor(tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     import dapo
 
-    rows = [
-        {"prompt": r.prompt, "images": r.images, "reward_model": {"ground_truth": r.ground_truth}}
-        for r in colour_count.colour_count_records("train", n=64)
-    ]
     out = tmp_path / "run"
     dapo.train(
-        train_dataset=rows,
+        train_dataset=_rows(64),
         model="builtin:tiny-vlm",
         output_dir=str(out),
-        **{
-            "train.steps": 2,
-            "train.prompts_per_step": 4,
-            "rollout.num_generations": 4,
-            "rollout.max_completion_length": 12,
-            "algorithm.dynamic_sampling": False,
-        },
+        **SHORT_RUN,
     )
     lines = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
     assert lines and all(len(r["images"]) == 1 for r in lines)
