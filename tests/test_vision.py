@@ -176,6 +176,21 @@ def test_engine_and_trainer_logprobs_agree_and_a_dropped_image_fails(vlm, direct
     assert _gap(compute_logprobs(model, dropped, opts), engine_lp) > 1e-2
 
 
+def test_partial_rollouts_keep_the_prompt_s_images_and_agree(vlm):
+    from dapo.rollout.versioned import VersionedEngine
+
+    model, processor = vlm
+    tok = processor.tokenizer
+    prompts = _prompts(processor, colour_count.colour_count_records("test", n=2))
+    engine = VersionedEngine(HFEngine(model, tok.eos_token_id, tok.pad_token_id), chunk_tokens=3)
+    groups = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=5))
+    assert all(g.prompt_ids.images == p.images for g, p in zip(groups, prompts, strict=True))
+    samples = [Sample(g.prompt_ids, r, 0.0, [1.0] * len(r)) for g in groups for r in g.response_ids]
+    engine_lp = [torch.tensor(lp) for g in groups for lp in g.logprobs]
+    opts = ForwardOptions(tok.pad_token_id)
+    assert _gap(compute_logprobs(model, samples, opts), engine_lp) < 1e-5
+
+
 def test_another_image_under_the_same_tokens_changes_the_logprobs(vlm):
     model, processor = vlm
     _, samples, engine_lp = _rollout(model, processor, n_prompts=2)
