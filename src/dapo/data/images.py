@@ -303,6 +303,28 @@ def render_with_images(prompt: str | list[dict[str, Any]], processor: Any) -> st
     return "\n".join([*lines, "assistant:"])
 
 
+def image_placeholder(processor: Any) -> str:
+    """The text that stands for one image before ``processor`` expands it: what its chat
+    template renders for an image part (Qwen2-VL's ``<|vision_start|><|image_pad|>
+    <|vision_end|>``), else its ``image_token`` (Idefics3's ``<image>``)."""
+    token = getattr(processor, "image_token", PLACEHOLDER)
+    if not getattr(processor, "chat_template", None):
+        return token
+    before, after = "DAPO-BEFORE-7f3a9c", "DAPO-AFTER-7f3a9c"
+    parts = [
+        {"type": "text", "text": before},
+        {"type": "image"},
+        {"type": "text", "text": after},
+    ]
+    try:
+        text = processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that takes no parts: the token it is
+        return token
+    start, end = text.find(before), text.find(after)
+    between = text[start + len(before) : end] if 0 <= start < end else ""
+    return between if token in between else token
+
+
 def encode_with_images(
     texts: Sequence[str], images: Sequence[Sequence[Any]], processor: Any, pixels: PixelCache
 ) -> list[ImagePrompt]:
@@ -332,3 +354,37 @@ def copy_prompt(prompt: Sequence[int]) -> list[int]:
     if isinstance(prompt, ImagePrompt):
         return ImagePrompt(list(prompt), prompt.images, prompt.pixels, prompt.digest, prompt.spans)
     return list(prompt)
+
+
+class ImageText:
+    """A vision-language model's processor as the multi-turn renderer uses it
+    (:class:`~dapo.environments.rendering.ChatRenderer`): the text that stands for an image
+    (:func:`image_placeholder`) and the encoding of rendered text with its images."""
+
+    def __init__(self, processor: Any, pixels: PixelCache) -> None:
+        self.processor, self.pixels = processor, pixels
+        self.placeholder = image_placeholder(processor)
+        self.chat_template = getattr(processor, "chat_template", None)
+
+    def encode(self, text: str, images: Sequence[Any]) -> ImagePrompt:
+        """``text`` with ``images`` (each a PIL image, path or bytes) as an
+        :class:`ImagePrompt`; a ``ValueError`` says why not (an image that cannot be read,
+        or the processor's refusal: placeholders and images that differ in number)."""
+        where = "the messages' images"
+        opened = [open_image(v, where, i, "image") for i, v in enumerate(images)]
+        try:
+            return encode_with_images([text], [opened], self.processor, self.pixels)[0]
+        except Exception as exc:  # noqa: BLE001 - the processor's own error, said
+            raise ValueError(
+                f"the processor could not take the messages' {len(opened)} image(s) "
+                f"({type(exc).__name__}: {exc}); give one image part per image, and no "
+                f"{self.placeholder!r} in the text"
+            ) from exc
+
+    def with_parts(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages whose ``<image>`` placeholders are image parts (:func:`with_image_parts`),
+        their other keys kept."""
+        return [
+            {**m, "content": parts["content"]}
+            for m, parts in zip(messages, with_image_parts(messages), strict=True)
+        ]

@@ -44,19 +44,23 @@ def load_spec_and_tokenizer(
         processor = load_processor(model_path, trust_remote_code=trust)
     check_vision_object(inputs.model, processor)
     if processor is not None:
-        check_vision_run(cfg, chat)
+        check_vision_run(cfg, agent)
     tokenizer = inputs.tokenizer or load_tokenizer(
         cfg.model.tokenizer or model_path, trust_remote_code=trust
     )
-    if chat and not getattr(tokenizer, "chat_template", None):
+    template = getattr(tokenizer, "chat_template", None) or getattr(
+        processor, "chat_template", None
+    )
+    if chat and not template:
         raise no_template_error(tokenizer_name)
     return spec, tokenizer, model_path, processor
 
 
-def check_vision_run(cfg: Config, chat: bool) -> None:
+def check_vision_run(cfg: Config, agent: bool) -> None:
     """Refuse, before any weights load, what a vision-language policy cannot do yet: a
-    rollout engine other than transformers' (vLLM is not given the images), and multi-turn
-    episodes (whose turns are rendered as text)."""
+    rollout engine other than transformers' (vLLM is not given the images), and agents
+    (whose OpenAI-client requests reach the policy as text). Environments and tools may
+    return images (:mod:`dapo.environments.rendering`)."""
     name = cfg.model.name_or_path
     if cfg.rollout.engine != "hf":
         raise ConfigError(
@@ -65,12 +69,13 @@ def check_vision_run(cfg: Config, chat: bool) -> None:
             "rollout.engine=hf",
             key="rollout.engine",
         )
-    if chat:
+    if agent:
         raise ConfigError(
-            f"{name!r} is a vision-language model; multi-turn episodes (rollout.environment, "
-            "rollout.tools, rollout.agent) render their turns as text and do not carry "
-            "images yet. Fix: train it single-turn, or a text model multi-turn",
-            key="rollout.environment",
+            f"{name!r} is a vision-language model; agents (rollout.agent) reach the policy "
+            "through an OpenAI-compatible endpoint that dapo serves as text, so their "
+            "requests' images would not reach it. Fix: give the episodes as an environment "
+            "(rollout.environment: reset and step may return images) or tools",
+            key="rollout.agent",
         )
 
 
