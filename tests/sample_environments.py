@@ -164,3 +164,24 @@ def shout(word: str) -> str:
     """
     print(f"{word} " * 1_000_000)
     return "done"
+
+
+class LookAgain(Environment):
+    """A second image for a vision-language policy: answers the first turn with a grid of one
+    colour (which one depends on the turn's text) and "Look again.", and ends after the
+    second turn (the reward functions score the final answer)."""
+
+    def reset(self, record):
+        self.turns = 0
+        return super().reset(record)  # the record's prompt; its image fills the placeholder
+
+    def step(self, text):
+        from dapo.data.tasks.colour_count import COLOURS, GRID, draw
+
+        self.turns += 1
+        if self.turns >= 2:
+            return [], None, True
+        colour = list(COLOURS)[sum(map(ord, text)) % len(COLOURS)]
+        image = draw([colour] * GRID**2)
+        parts = [{"type": "image", "image": image}, {"type": "text", "text": "Look again."}]
+        return [{"role": "user", "content": parts}], None, False

@@ -25,6 +25,7 @@ from dapo.training.forward import ForwardOptions, compute_logprobs
 from dapo.training.microbatch import collate
 
 tiny_vlm = pytest.importorskip("dapo.models.tiny_vlm")
+from vision_fixtures import tiny_qwen2_vl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +177,21 @@ def test_engine_and_trainer_logprobs_agree_and_a_dropped_image_fails(vlm, direct
     assert _gap(compute_logprobs(model, dropped, opts), engine_lp) > 1e-2
 
 
+def test_partial_rollouts_keep_the_prompt_s_images_and_agree(vlm):
+    from dapo.rollout.versioned import VersionedEngine
+
+    model, processor = vlm
+    tok = processor.tokenizer
+    prompts = _prompts(processor, colour_count.colour_count_records("test", n=2))
+    engine = VersionedEngine(HFEngine(model, tok.eos_token_id, tok.pad_token_id), chunk_tokens=3)
+    groups = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=5))
+    assert all(g.prompt_ids.images == p.images for g, p in zip(groups, prompts, strict=True))
+    samples = [Sample(g.prompt_ids, r, 0.0, [1.0] * len(r)) for g in groups for r in g.response_ids]
+    engine_lp = [torch.tensor(lp) for g in groups for lp in g.logprobs]
+    opts = ForwardOptions(tok.pad_token_id)
+    assert _gap(compute_logprobs(model, samples, opts), engine_lp) < 1e-5
+
+
 def test_another_image_under_the_same_tokens_changes_the_logprobs(vlm):
     model, processor = vlm
     _, samples, engine_lp = _rollout(model, processor, n_prompts=2)
@@ -224,17 +240,80 @@ def test_an_unsupported_vision_family_is_refused_with_the_reason(tmp_path):
         load_policy(str(tmp_path / "gemma3"))
 
 
-def test_a_vision_model_with_vllm_or_episodes_is_refused_at_start_up():
+def test_a_vision_model_with_vllm_or_agents_is_refused_at_start_up():
     from dapo.config import load_config
     from dapo.training.loading import check_vision_run
 
     with pytest.raises(ConfigError, match="rollout.engine=hf"):
-        check_vision_run(load_config(overrides=["rollout.engine=vllm"]), chat=False)
-    with pytest.raises(ConfigError, match="multi-turn"):
-        check_vision_run(load_config(), chat=True)
+        check_vision_run(load_config(overrides=["rollout.engine=vllm"]), agent=False)
+    with pytest.raises(ConfigError, match="rollout.agent"):
+        check_vision_run(load_config(), agent=True)
+    check_vision_run(load_config(), agent=False)  # environments and tools may show images
 
 
 # --- a run: transcripts, export ------------------------------------------------------------
+
+
+SHORT_RUN = {  # two steps of builtin:tiny-vlm's size
+    "train.steps": 2,
+    "train.prompts_per_step": 4,
+    "rollout.num_generations": 4,
+    "rollout.max_completion_length": 12,
+    "algorithm.dynamic_sampling": False,
+}
+
+
+def _rows(n: int) -> list[dict]:
+    return [
+        {"prompt": r.prompt, "images": r.images, "reward_model": {"ground_truth": r.ground_truth}}
+        for r in colour_count.colour_count_records("train", n=n)
+    ]
+
+
+def _loaded():
+    """builtin:tiny-vlm loaded as objects, as a user loads a model from Python."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = tiny_vlm.ensure_builtin_vlm()
+    return AutoModelForImageTextToText.from_pretrained(path), AutoProcessor.from_pretrained(path)
+
+
+def test_a_vision_model_object_without_its_processor_is_refused(tmp_path):
+    import dapo
+
+    model, processor = _loaded()
+    with pytest.raises(ConfigError, match=r"processor=AutoProcessor\.from_pretrained") as err:
+        dapo.make_trainer(
+            model=model,
+            tokenizer=processor.tokenizer,
+            train_dataset=_rows(8),
+            output_dir=str(tmp_path / "run"),
+        )
+    assert "Idefics3ForConditionalGeneration object" in str(err.value)
+    assert "text model" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_vision_model_given_as_objects_trains_with_its_processor(tmp_path):
+    import dapo
+
+    model, processor = _loaded()
+    tower = {k: v.clone() for k, v in model.model.vision_model.state_dict().items()}
+    text = model.model.text_model.layers[0].mlp.up_proj.weight.clone()
+    out = tmp_path / "run"
+    summary = dapo.train(
+        model=model,
+        processor=processor,  # its tokenizer is the run's
+        train_dataset=_rows(32),
+        output_dir=str(out),
+        **SHORT_RUN,
+    )
+    assert summary["steps"] == 2
+    lines = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert lines and all(len(r["images"]) == 1 for r in lines)
+    # Trained in place: the language model moved, the vision encoder stayed frozen.
+    assert not torch.equal(model.model.text_model.layers[0].mlp.up_proj.weight, text)
+    assert all(torch.equal(v, tower[k]) for k, v in model.model.vision_model.state_dict().items())
 
 
 @pytest.mark.slow
@@ -243,22 +322,12 @@ def test_a_run_from_python_rows_saves_images_and_exports_the_processor(tmp_path)
 
     import dapo
 
-    rows = [
-        {"prompt": r.prompt, "images": r.images, "reward_model": {"ground_truth": r.ground_truth}}
-        for r in colour_count.colour_count_records("train", n=64)
-    ]
     out = tmp_path / "run"
     dapo.train(
-        train_dataset=rows,
+        train_dataset=_rows(64),
         model="builtin:tiny-vlm",
         output_dir=str(out),
-        **{
-            "train.steps": 2,
-            "train.prompts_per_step": 4,
-            "rollout.num_generations": 4,
-            "rollout.max_completion_length": 12,
-            "algorithm.dynamic_sampling": False,
-        },
+        **SHORT_RUN,
     )
     lines = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
     assert lines and all(len(r["images"]) == 1 for r in lines)
@@ -292,76 +361,9 @@ def test_a_run_from_python_rows_saves_images_and_exports_the_processor(tmp_path)
 # --- the Qwen2-VL family: three-axis positions ---------------------------------------------
 
 
-class _QwenProcessor:
-    """Qwen2-VL's processing where transformers' own processor cannot be built (it needs
-    torchvision for its video part): the PIL image processor, and each image token expanded
-    into ``t * h * w / merge**2`` copies, as Qwen2VLProcessor does."""
-
-    image_token = "<|image_pad|>"
-    chat_template = None
-
-    def __init__(self, tokenizer, image_processor):
-        self.tokenizer, self.image_processor = tokenizer, image_processor
-
-    def __call__(self, text, images, add_special_tokens=False):
-        grids = self.image_processor(images=images, return_tensors="pt")["image_grid_thw"]
-        merge = self.image_processor.merge_size**2
-        pieces = text[0].split(self.image_token)
-        out = pieces[0]
-        for grid, piece in zip(grids, pieces[1:], strict=True):
-            out += self.image_token * (int(grid.prod()) // merge) + piece
-        return self.tokenizer([out], add_special_tokens=add_special_tokens)
-
-
 @pytest.fixture(scope="module")
 def qwen():
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    from dapo.models.tiny import build_tokenizer
-
-    tok = build_tokenizer()
-    special = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
-    tok.add_special_tokens({"additional_special_tokens": special})
-    images = Qwen2VLImageProcessorPil(
-        min_pixels=16 * 16, max_pixels=64 * 64, patch_size=8, merge_size=2, temporal_patch_size=2
-    )
-    ids = dict(zip(special, tok.convert_tokens_to_ids(special), strict=True))
-    torch.manual_seed(0)
-    config = Qwen2VLConfig(
-        text_config={
-            "vocab_size": len(tok),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 512,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 1e4,
-                "mrope_section": [2, 3, 3],
-            },
-            "tie_word_embeddings": True,
-        },
-        vision_config={
-            "depth": 2,
-            "embed_dim": 32,
-            "hidden_size": 64,
-            "num_heads": 2,
-            "patch_size": 8,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "mlp_ratio": 2,
-        },
-        image_token_id=ids["<|image_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        video_token_id=ids["<|video_pad|>"],
-        tie_word_embeddings=True,
-    )
-    return Qwen2VLForConditionalGeneration(config).eval(), _QwenProcessor(tok, images)
+    return tiny_qwen2_vl()
 
 
 def _qwen_prompts(processor, n=3):

@@ -56,6 +56,7 @@ def make_trainer(
     callbacks: Any = None,
     model: Any = None,
     tokenizer: Any = None,
+    processor: Any = None,
     environment: Any = None,
     tools: Any = None,
     agent: Any = None,
@@ -96,9 +97,12 @@ def make_trainer(
         if value is not None and value != []
     ]
     cfg = load_config(file_data, overrides, objects)
+    if tokenizer is None and processor is not None:  # a processor holds its tokenizer
+        tokenizer = getattr(processor, "tokenizer", None)
     inputs = RunInputs(
         model=model,
         tokenizer=_tokenizer(tokenizer, model, cfg),
+        processor=processor,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         reward_funcs=_reward_funcs(reward_funcs, getattr(config, "reward_weights", None)),
@@ -120,6 +124,7 @@ def train(
     callbacks: Any = None,
     model: Any = None,
     tokenizer: Any = None,
+    processor: Any = None,
     environment: Any = None,
     tools: Any = None,
     agent: Any = None,
@@ -151,7 +156,10 @@ def train(
     - ``model`` / ``tokenizer``: a loaded transformers model and its tokenizer instead of
       ``model.name_or_path``; the model is trained in place (precision, LoRA, gradient
       checkpointing and device applied as to a loaded path). Without ``tokenizer`` the
-      model's ``name_or_path`` (or ``model.tokenizer``) names it.
+      model's ``name_or_path`` (or ``model.tokenizer``) names it (or ``processor``'s).
+    - ``processor``: a vision-language model's processor (``AutoProcessor.from_pretrained``),
+      needed with a loaded image-text-to-text ``model``: it turns the images into the
+      model's inputs (a model given by path loads its own).
     - ``environment`` / ``tools``: an environment class or factory and tool functions for
       multi-turn episodes, as ``rollout.environment`` / ``rollout.tools`` take them; they
       count as set for ``rollout.max_turns`` > 1 (``rollout={"max_turns": 3}``).
@@ -170,6 +178,7 @@ def train(
             callbacks=callbacks,
             model=model,
             tokenizer=tokenizer,
+            processor=processor,
             environment=environment,
             tools=tools,
             agent=agent,
@@ -231,6 +240,7 @@ _KEYWORDS = (
     "callbacks",
     "model",
     "tokenizer",
+    "processor",
     "environment",
     "tools",
 )

@@ -190,36 +190,87 @@ class PixelCache:
 
 
 class ImagePrompt(list):
-    """A prompt's token ids (image tokens expanded) carrying its images.
+    """Token ids (image tokens expanded) carrying their images.
 
-    ``images``: RGB PIL images in prompt order; ``digest``: :func:`image_digest` of them;
-    ``pixels``: where their pixel inputs come from. A continuation (``prompt + ids``, as a
-    multi-turn episode grows) keeps the images; ``key`` identifies the prompt by its tokens
-    and images together.
+    ``images``: RGB PIL images in order; ``digest``: an identity of them (:func:`image_digest`,
+    or a digest of digests for a joined sequence); ``pixels``: where their pixel inputs come
+    from; ``spans``: the ``(start, stop)`` token ranges that hold the images' features, in
+    order (None: every image token, as a prompt encoded by an older release). An
+    image token outside the spans is text: one the model sampled. Continued with plain ids
+    (``prompt + ids``, as an episode grows) it keeps its images; joined with another
+    ``ImagePrompt`` (either side) it holds both's images, the second's spans shifted. ``key``
+    identifies the sequence by its tokens, images and spans together.
     """
 
     def __init__(
-        self, ids: Sequence[int], images: Sequence[Any], pixels: PixelCache, digest: str = ""
+        self,
+        ids: Sequence[int],
+        images: Sequence[Any],
+        pixels: PixelCache,
+        digest: str = "",
+        spans: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__(ids)
         self.images = tuple(images)
         self.pixels = pixels
         self.digest = digest or image_digest(self.images)
+        self.spans = None if spans is None else tuple((int(a), int(b)) for a, b in spans)
 
     def __add__(self, other: Sequence[int]) -> ImagePrompt:  # type: ignore[override]
-        if isinstance(other, ImagePrompt) and other.images:
-            raise ValueError("an image prompt continued with another image prompt")
-        return ImagePrompt([*self, *other], self.images, self.pixels, self.digest)
+        if not images_of(other):
+            return ImagePrompt([*self, *other], self.images, self.pixels, self.digest, self.spans)
+        return _joined(self, other)  # type: ignore[arg-type]
+
+    def __radd__(self, other: Sequence[int]) -> ImagePrompt:
+        return _joined(other, self)
 
     def pixel_inputs(self) -> dict[str, Any]:
-        """The model's image inputs for this prompt (the processor's tensors)."""
+        """The model's image inputs for this sequence's images (the processor's tensors)."""
         return self.pixels.get(self.digest, self.images)
 
     def key(self) -> tuple[Any, ...]:
-        return (*self, self.digest)
+        return (*self, self.digest, self.spans)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ImagePrompt, (list(self), self.images, self.pixels, self.digest))
+        return (ImagePrompt, (list(self), self.images, self.pixels, self.digest, self.spans))
+
+
+def _joined(first: Sequence[int], second: ImagePrompt) -> ImagePrompt:
+    """``first`` then ``second``, with the images of both (explicit spans needed where both
+    have images: which image tokens are real cannot be told otherwise)."""
+    shift = len(first)
+    moved = None if second.spans is None else [(a + shift, b + shift) for a, b in second.spans]
+    if not images_of(first):
+        return ImagePrompt([*first, *second], second.images, second.pixels, second.digest, moved)
+    head: ImagePrompt = first  # type: ignore[assignment]
+    if head.spans is None or moved is None:
+        raise ValueError("two image sequences joined without their spans")
+    digest = hashlib.sha1(f"{head.digest}+{second.digest}".encode()).hexdigest()[:16]
+    images = head.images + second.images
+    return ImagePrompt([*head, *second], images, head.pixels, digest, [*head.spans, *moved])
+
+
+def image_spans(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
+    """The runs of ``token`` in ``ids`` as ``(start, stop)`` ranges (each image's tokens)."""
+    spans: list[tuple[int, int]] = []
+    start = None
+    for i, t in enumerate([*ids, None]):
+        if t == token and start is None:
+            start = i
+        elif t != token and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def spans_of(ids: Sequence[int], token: int | None) -> tuple[tuple[int, int], ...]:
+    """The token ranges of ``ids`` that hold image features: an :class:`ImagePrompt`'s
+    spans (every run of ``token`` when it has none), nothing for plain ids."""
+    if not isinstance(ids, ImagePrompt) or not ids.images:
+        return ()
+    if ids.spans is not None:
+        return ids.spans
+    return tuple(image_spans(ids, token)) if token is not None else ()
 
 
 def prompt_key(prompt: Sequence[int]) -> tuple[Any, ...]:
@@ -252,21 +303,88 @@ def render_with_images(prompt: str | list[dict[str, Any]], processor: Any) -> st
     return "\n".join([*lines, "assistant:"])
 
 
+def image_placeholder(processor: Any) -> str:
+    """The text that stands for one image before ``processor`` expands it: what its chat
+    template renders for an image part (Qwen2-VL's ``<|vision_start|><|image_pad|>
+    <|vision_end|>``), else its ``image_token`` (Idefics3's ``<image>``)."""
+    token = getattr(processor, "image_token", PLACEHOLDER)
+    if not getattr(processor, "chat_template", None):
+        return token
+    before, after = "DAPO-BEFORE-7f3a9c", "DAPO-AFTER-7f3a9c"
+    parts = [
+        {"type": "text", "text": before},
+        {"type": "image"},
+        {"type": "text", "text": after},
+    ]
+    try:
+        text = processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that takes no parts: the token it is
+        return token
+    start, end = text.find(before), text.find(after)
+    between = text[start + len(before) : end] if 0 <= start < end else ""
+    return between if token in between else token
+
+
 def encode_with_images(
     texts: Sequence[str], images: Sequence[Sequence[Any]], processor: Any, pixels: PixelCache
 ) -> list[ImagePrompt]:
     """Token ids of prompts with images, each image placeholder expanded into the image
     tokens the processor gives it (no special tokens added, as for text prompts)."""
+    token = image_token_of(processor)
     out = []
     for text, imgs in zip(texts, images, strict=True):
         enc = processor(text=[text], images=[list(imgs)], add_special_tokens=False)
         ids = enc["input_ids"][0]
-        out.append(ImagePrompt(ids.tolist() if hasattr(ids, "tolist") else list(ids), imgs, pixels))
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        out.append(ImagePrompt(ids, imgs, pixels, spans=image_spans(ids, token)))
     return out
+
+
+def image_token_of(processor: Any) -> int:
+    """The token id ``processor`` expands each image into (its ``image_token``)."""
+    token = getattr(processor, "image_token_id", None)
+    if token is None:
+        tokenizer = getattr(processor, "tokenizer", processor)
+        token = tokenizer.convert_tokens_to_ids(getattr(processor, "image_token", PLACEHOLDER))
+    return int(token)
 
 
 def copy_prompt(prompt: Sequence[int]) -> list[int]:
     """A copy of a prompt's token ids that keeps its images."""
     if isinstance(prompt, ImagePrompt):
-        return ImagePrompt(list(prompt), prompt.images, prompt.pixels, prompt.digest)
+        return ImagePrompt(list(prompt), prompt.images, prompt.pixels, prompt.digest, prompt.spans)
     return list(prompt)
+
+
+class ImageText:
+    """A vision-language model's processor as the multi-turn renderer uses it
+    (:class:`~dapo.environments.rendering.ChatRenderer`): the text that stands for an image
+    (:func:`image_placeholder`) and the encoding of rendered text with its images."""
+
+    def __init__(self, processor: Any, pixels: PixelCache) -> None:
+        self.processor, self.pixels = processor, pixels
+        self.placeholder = image_placeholder(processor)
+        self.chat_template = getattr(processor, "chat_template", None)
+
+    def encode(self, text: str, images: Sequence[Any]) -> ImagePrompt:
+        """``text`` with ``images`` (each a PIL image, path or bytes) as an
+        :class:`ImagePrompt`; a ``ValueError`` says why not (an image that cannot be read,
+        or the processor's refusal: placeholders and images that differ in number)."""
+        where = "the messages' images"
+        opened = [open_image(v, where, i, "image") for i, v in enumerate(images)]
+        try:
+            return encode_with_images([text], [opened], self.processor, self.pixels)[0]
+        except Exception as exc:  # noqa: BLE001 - the processor's own error, said
+            raise ValueError(
+                f"the processor could not take the messages' {len(opened)} image(s) "
+                f"({type(exc).__name__}: {exc}); give one image part per image, and no "
+                f"{self.placeholder!r} in the text"
+            ) from exc
+
+    def with_parts(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages whose ``<image>`` placeholders are image parts (:func:`with_image_parts`),
+        their other keys kept."""
+        return [
+            {**m, "content": parts["content"]}
+            for m, parts in zip(messages, with_image_parts(messages), strict=True)
+        ]

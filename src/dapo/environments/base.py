@@ -7,8 +7,10 @@ An environment plays the other side of one episode (one instance per episode):
   turn, a reward when the episode ends (``None``: the configured reward functions score the
   final assistant text), and whether the episode ended.
 
-A message is a dict with string ``role`` and ``content`` (other keys, such as ``name``,
-are passed to the chat template as they are). :class:`Environment` is an optional base
+A message is a dict with a string ``role`` and a ``content`` (other keys, such as
+``name``, are passed to the chat template as they are): a string, or, for a
+vision-language policy, TRL-style parts ``[{"type": "image", "image": <PIL image, path or
+bytes>}, {"type": "text", "text": ...}]`` (:mod:`dapo.environments.rendering`). :class:`Environment` is an optional base
 class: its ``reset`` opens with the record's prompt and its ``step`` ends the episode, and
 a class attribute ``tools`` lists plain functions the model may call (see
 :mod:`dapo.environments.tools`). This module imports neither torch nor transformers: it
@@ -161,14 +163,45 @@ def check_messages(value: Any, where: str, *, allow_empty: bool = True) -> list[
         if not (
             isinstance(m, Mapping)
             and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
+            and (isinstance(m.get("content"), str) or _parts(m.get("content")))
         ):
             raise MalformedOutput(
                 f"{where} returned message [{i}] {_short(m)}: each message must be a dict "
-                "with a string 'role' and a string 'content'"
+                "with a string 'role' and a 'content' that is a string or a list of parts "
+                "({'type': 'text', 'text': str} or {'type': 'image', 'image': <PIL image, "
+                "path or bytes>})"
             )
-        out.append({str(k): v for k, v in m.items()})
+        content = m["content"]
+        parts = content if isinstance(content, str) else [dict(p) for p in content]
+        out.append({**{str(k): v for k, v in m.items()}, "content": parts})
     return out
+
+
+def _parts(content: Any) -> bool:
+    """Whether ``content`` is a list of TRL-style content parts: text, or an image (checked
+    for its kind here, opened where it is rendered)."""
+    if not isinstance(content, list | tuple) or not content:
+        return False
+    for p in content:
+        if not isinstance(p, Mapping):
+            return False
+        kind = p.get("type")
+        if kind == "text" and isinstance(p.get("text"), str):
+            continue
+        if kind != "image" or not is_image_value(p.get("image")):
+            return False
+    return True
+
+
+def is_image_value(value: Any) -> bool:
+    """An image as dapo reads one: a PIL image, a path, bytes, or ``{"bytes", "path"}``;
+    None stands for one of the prompt record's images (an opening's image parts)."""
+    return (
+        value is None
+        or type(value).__module__.startswith("PIL.")
+        or isinstance(value, str | bytes | bytearray | Mapping)
+        or hasattr(value, "__fspath__")
+    )
 
 
 def check_step(value: Any, where: str) -> StepResult:

@@ -15,12 +15,23 @@ the template closes the turn with it (the model sampled that token already). Wha
 (for ChatML the ``"\\n"`` after ``<|im_end|>``, the reply, ``<|im_start|>assistant\\n``) is
 the environment's part, tokenized alone. A template that closes turns with something else
 than the EOS token gets its closing text after the sampled EOS token.
+
+Images. Given a vision-language model's processor, a message's content may be parts
+(``[{"type": "image", "image": ...}, {"type": "text", "text": ...}]``, as TRL's are): each
+image stands where the template puts an image (the processor's placeholder), and the
+rendered text goes through the processor, which expands each placeholder into the image's
+tokens. The ids then come back as an :class:`~dapo.data.images.ImagePrompt` holding the
+images and the spans of their tokens, so that an image token the model samples later stays
+text (:func:`dapo.models.vision.token_inputs`). A template that renders string content is
+given the parts as text with the placeholder in place of each image; one that reads only
+parts (SmolVLM's) is given every message as parts.
 """
 
 from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from dapo.environments.base import EnvironmentWarning, Message
@@ -61,37 +72,51 @@ def no_template_error(model: str) -> ConfigError:
 
 
 class ChatRenderer:
-    """Renders an episode's non-model parts as token ids for one tokenizer and tool set."""
+    """Renders an episode's non-model parts as token ids for one tokenizer and tool set;
+    ``vision``: a vision-language model's :class:`~dapo.data.images.ImageText` (its
+    processor), through which messages with images are rendered (without it an image is a
+    :class:`RenderError`)."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
-        if not getattr(tokenizer, "chat_template", None):
+    def __init__(
+        self, tokenizer: Any, tools: list[dict[str, Any]] | None = None, vision: Any = None
+    ) -> None:
+        # The tokenizer's template, else (None passed on) the processor's.
+        own = getattr(tokenizer, "chat_template", None)
+        self.template = None if own else getattr(vision, "chat_template", None)
+        if not own and not self.template:
             name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
             raise no_template_error(name)
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
+        self.vision = vision
         self.eos_token_id = tokenizer.eos_token_id
         self._eos_text = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False)
+        probe = [{"role": "user", "content": _DUMMY_USER}]
+        self.placeholder = getattr(vision, "placeholder", "<image>")
+        self.parts = False  # how _form gives messages to the template; the probe decides:
+        # a template that shows no string content reads content parts only (SmolVLM's).
+        self.parts = vision is not None and _DUMMY_USER not in self._render(probe, tools=False)
         # A template that ignores `tools=` (SmolLM2's, many base models'): the schemas go into
         # a system message in the Hermes form instead, so the model does see its tools.
         self.tools_prompt = None
-        if self.tools:
-            probe = [{"role": "user", "content": _DUMMY_USER}]
-            if self._render(probe) == self._render(probe, tools=False):
-                self.tools_prompt = tools_system_prompt(self.tools)
-                warnings.warn(
-                    "the chat template ignores tools=; dapo describes the tools in a system "
-                    "message instead (Hermes form: <tool_call>{...}</tool_call>)",
-                    EnvironmentWarning,
-                    stacklevel=2,
-                )
+        if self.tools and self._render(probe) == self._render(probe, tools=False):
+            self.tools_prompt = tools_system_prompt(self.tools)
+            warnings.warn(
+                "the chat template ignores tools=; dapo describes the tools in a system "
+                "message instead (Hermes form: <tool_call>{...}</tool_call>)",
+                EnvironmentWarning,
+                stacklevel=2,
+            )
 
     def _render(self, messages: list[Message], tools: bool = True) -> str:
+        messages = [self._form(m) for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 tools=self.tools if tools else None,
                 add_generation_prompt=True,
                 tokenize=False,
+                chat_template=self.template,
             )
         except Exception as exc:
             roles = ", ".join(str(m.get("role")) for m in messages)
@@ -103,20 +128,82 @@ class ChatRenderer:
             raise RenderError(f"apply_chat_template returned {type(text).__name__}, not text")
         return text
 
+    def _form(self, message: Message) -> Message:
+        """``message`` as the template takes it: content parts as text (each image the
+        placeholder), or, for a template that reads parts only, every content as parts (the
+        images' objects left out: the template only marks where they stand)."""
+        content = message.get("content")
+        if self.parts:
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            shown = [{"type": "image"} if p.get("type") == "image" else dict(p) for p in parts]
+            return {**message, "content": shown}
+        if isinstance(content, str):
+            return message
+        text = "".join(
+            self.placeholder if p.get("type") == "image" else str(p.get("text", ""))
+            for p in content
+        )
+        return {**message, "content": text}
+
+    def _encode(self, text: str, images: Sequence[Any] = ()) -> list[int]:
+        """``text``'s ids; with images, through the processor (an ImagePrompt)."""
+        if not images:
+            return self._ids(text)
+        if self.vision is None:
+            raise RenderError(
+                f"the messages hold {len(images)} image(s) and the model is a text model; "
+                "return images only to a vision-language model"
+            )
+        try:
+            return self.vision.encode(text, images)
+        except ValueError as exc:  # an image that cannot be read, or the processor refused
+            raise RenderError(str(exc)) from None
+
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def opening(self, messages: list[Message]) -> list[int]:
-        """The prompt ids: the opening messages, the tools and the generation prompt."""
-        return self._ids(self.opening_text(messages))
+    def opening(self, messages: list[Message], images: Sequence[Any] = ()) -> list[int]:
+        """The prompt ids: the opening messages, the tools and the generation prompt.
+        ``images``: a prompt record's images, for the image parts (and ``<image>``
+        placeholders) of its messages that carry none, in order."""
+        messages = self._with_record_images(messages, images)
+        return self._encode(self.opening_text(messages), images_in(messages))
+
+    def _with_record_images(self, messages: list[Message], images: Sequence[Any]) -> list[Message]:
+        if not images or self.vision is None:
+            return messages
+        queue = list(images)
+        out = []
+        for m in self.vision.with_parts(messages):
+            filled = []
+            for p in m["content"]:
+                if p.get("type") == "image" and p.get("image") is None:
+                    if not queue:
+                        raise RenderError(
+                            f"the opening has more image parts than the record's {len(images)} "
+                            "image(s)"
+                        )
+                    p = {**p, "image": queue.pop(0)}
+                filled.append(p)
+            out.append({**m, "content": filled})
+        if queue:
+            raise RenderError(
+                f"the opening leaves {len(queue)} of the record's {len(images)} image(s) "
+                "without an image part or <image> placeholder"
+            )
+        return out
 
     def opening_text(self, messages: list[Message]) -> str:
-        """The text of :meth:`opening` (tokenized without special tokens, its ids)."""
+        """The text of :meth:`opening` (its images as the template's placeholders)."""
         messages = list(messages)
         if self.tools_prompt is not None:
             if messages and messages[0].get("role") == "system":
-                first = messages[0]
-                messages[0] = {**first, "content": f"{first['content']}\n\n{self.tools_prompt}"}
+                first, extra = messages[0], f"\n\n{self.tools_prompt}"
+                content = first["content"]
+                if isinstance(content, str):
+                    messages[0] = {**first, "content": content + extra}
+                else:
+                    messages[0] = {**first, "content": [*content, {"type": "text", "text": extra}]}
             else:
                 messages.insert(0, {"role": "system", "content": self.tools_prompt})
         return self._render(messages)
@@ -141,8 +228,9 @@ class ChatRenderer:
         return tail
 
     def reply(self, messages: list[Message]) -> list[int]:
-        """:meth:`reply_text` as token ids, to append to the episode."""
-        return self._ids(self.reply_text(messages))
+        """:meth:`reply_text` as token ids, to append to the episode (an
+        :class:`~dapo.data.images.ImagePrompt` when the messages hold images)."""
+        return self._encode(self.reply_text(messages), images_in(messages))
 
     def assistant_text(self, ids: list[int]) -> str:
         """An assistant turn's text, as the environment and the reward functions see it: the
@@ -177,3 +265,21 @@ class ChatRenderer:
             mask += [1] * len(turn)
             pending = []
         return ids, mask
+
+
+def images_in(messages: Sequence[Message]) -> list[Any]:
+    """The images of ``messages``' content parts, in order."""
+    found = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            continue
+        for p in content:
+            if p.get("type") == "image":
+                if p.get("image") is None:
+                    raise RenderError(
+                        f"a {m.get('role')!r} message has an image part without its image: give "
+                        "{'type': 'image', 'image': <PIL image, path or bytes>}"
+                    )
+                found.append(p["image"])
+    return found

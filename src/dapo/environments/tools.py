@@ -93,11 +93,13 @@ def _clip(text: str, limit: int = 80) -> str:
 
 def call_tool(
     tools: Mapping[str, Callable[..., Any]], call: ToolCall
-) -> tuple[str, str | None, bool]:
-    """Run one call: ``(reply text, error or None, whether the tool itself raised)``.
+) -> tuple[str | list[dict[str, Any]], str | None, bool]:
+    """Run one call: ``(reply, error or None, whether the tool itself raised)``.
 
-    The reply is the tool's return value (a string as it is, anything else as JSON); on an
-    error it is ``Error: ...``, which the model reads as the tool's reply.
+    The reply is the tool's return value: a string as it is, a PIL image as one image part,
+    a list of content parts (``{"type": "image", "image": ...}``, ``{"type": "text",
+    "text": ...}``) as it is, anything else as JSON; on an error it is ``Error: ...``, which
+    the model reads as the tool's reply.
     """
     fn = tools.get(call.name)
     if fn is None:
@@ -117,10 +119,18 @@ def call_tool(
         return f"Error: {error}", error, True
     if isinstance(result, str):
         return result, None, False
+    if type(result).__module__.startswith("PIL."):
+        return [{"type": "image", "image": result}], None, False
+    if isinstance(result, list) and result and all(_is_part(p) for p in result):
+        return [dict(p) for p in result], None, False
     try:
         return json.dumps(result), None, False
     except (TypeError, ValueError):
         return str(result), None, False
+
+
+def _is_part(value: Any) -> bool:
+    return isinstance(value, Mapping) and value.get("type") in ("text", "image")
 
 
 def tool_schema(fn: Callable[..., Any], where: str) -> dict[str, Any]:

@@ -12,8 +12,9 @@ step and seed pick the same samples) and describes each as a plain dict:
   (chat template, tool schemas and the environment's opening included), a run of one
   repeated special token (a prompt's image tokens) written once with its count
   (``<image>×64``);
-- ``images``: a prompt's images, as paths (relative to the run directory) of small PNGs
-  saved beside the file (``images/<digest>-<i>.png``); ``[]`` for a text prompt;
+- ``images``: the prompt's images, then those of an episode's environment turns, in order,
+  as paths (relative to the run directory) of small PNGs saved beside the file
+  (``images/<digest>-<i>.png``); ``[]`` for a text prompt;
 - ``turns``: ``[{"role": "assistant" | "environment", "text": ..., "tokens": n}]`` in
   order; an assistant turn also has ``tool_calls`` (``[{"name", "arguments"}]``, read with
   the hermes parser) and, for a call that does not parse, ``tool_call_error``. A
@@ -96,8 +97,9 @@ def transcript_records(
     for g, i in sorted(picked):
         adv = None if advantages is None else float(advantages[g][i])
         out.append(_record(step, first_group + g, i, groups[g], adv, tokenizer, parser))
-        if images_of(groups[g].prompt_ids):  # saved as PNGs by TranscriptWriter.write
-            out[-1]["_images"] = groups[g].prompt_ids
+        shown = [x for x in (groups[g].prompt_ids, groups[g].response_ids[i]) if images_of(x)]
+        if shown:  # saved as PNGs by TranscriptWriter.write
+            out[-1]["_images"] = shown
     return out
 
 
@@ -132,7 +134,9 @@ def _record(
             tokenizer.decode(list(group.prompt_ids), skip_special_tokens=False)
         ),
         "images": [
-            image_path(group.prompt_ids, j) for j in range(len(images_of(group.prompt_ids)))
+            image_path(x, j)
+            for x in (group.prompt_ids, group.response_ids[i])
+            for j in range(len(images_of(x)))
         ],
         "turns": _turns(ids, mask, tokenizer, parser),
         "reward": reward,
@@ -167,7 +171,7 @@ def _turns(
             except ToolCallParseError as exc:
                 turn["tool_calls"], turn["tool_call_error"] = [], str(exc)
         else:
-            text = tokenizer.decode(run, skip_special_tokens=False)
+            text = summarise_repeats(tokenizer.decode(run, skip_special_tokens=False))
             turn = {"role": "environment", "text": text, "tokens": len(run)}
         turns.append(turn)
         start = end
@@ -206,15 +210,15 @@ class TranscriptWriter:
         append_whole(self._fd, data, self.path)  # all of this step's lines, or none
 
     def _save_images(self, records: Sequence[dict[str, Any]]) -> None:
-        """Each record's images (``_images``: the prompt, taken out of the record) as PNGs
-        at its ``images`` paths, written once per image."""
+        """Each record's images (``_images``: the prompt and the response that hold them,
+        taken out of the record) as PNGs at its ``images`` paths, written once per image."""
         for r in records:
-            prompt = r.pop("_images", None)
-            for j, image in enumerate(images_of(prompt) if prompt is not None else ()):
-                path = self.path.parent / image_path(prompt, j)
-                if not path.exists():
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    atomic_write(path, lambda f, image=image: image.save(f, format="PNG"))
+            for seq in r.pop("_images", ()):
+                for j, image in enumerate(images_of(seq)):
+                    path = self.path.parent / image_path(seq, j)
+                    if not path.exists():
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        atomic_write(path, lambda f, image=image: image.save(f, format="PNG"))
 
     def close(self) -> None:
         """Close the file (idempotent)."""
@@ -230,7 +234,8 @@ class TranscriptWriter:
 
 
 def image_path(prompt: Any, j: int) -> str:
-    """Where a prompt's ``j``-th image is saved, relative to the run directory."""
+    """Where the ``j``-th image of a prompt (or of an episode's later turns) is saved,
+    relative to the run directory."""
     return f"{IMAGES_DIR}/{prompt.digest}-{j}.png"
 
 

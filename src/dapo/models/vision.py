@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dapo.data.images import ImagePrompt, PixelCache
+from dapo.data.images import ImagePrompt, PixelCache, spans_of
 from dapo.errors import ModelError
 from dapo.models.lora import causal_lm
 
@@ -119,6 +119,51 @@ def image_inputs(prompts: Sequence[Sequence[int]], device: torch.device) -> dict
     return {"pixel_values": pixels.to(device), "pixel_attention_mask": mask.to(device)}
 
 
+def token_inputs(
+    model: torch.nn.Module, ids: torch.Tensor, rows: Sequence[Sequence[int]], offsets: Sequence[int]
+) -> dict[str, torch.Tensor]:
+    """The token keyword argument of a forward over ``ids`` ``[b, w]``, whose row ``i`` holds
+    token ``k`` of ``rows[i]`` at column ``offsets[i] + k``: ``input_ids``, or, when a row has
+    images, ``inputs_embeds``: the token embeddings with the images' features (the model's
+    own ``get_image_features``) in place of exactly the tokens of their spans
+    (:class:`~dapo.data.images.ImagePrompt`), in order. An image token outside them (one the
+    model sampled, in an earlier turn of an episode) stays text, which the model's forward
+    given the pixels would not do: it puts features on every image token."""
+    token = image_token_id(model)
+    spans = [spans_of(r, token) for r in rows]
+    if not any(spans):
+        return {"input_ids": ids}
+    lm = causal_lm(model)
+    embeds = lm.get_input_embeddings()(ids)
+    given = [r if s else [] for r, s in zip(rows, spans, strict=True)]
+    features = image_features(lm, given, ids.device)
+    mask = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+    for i, (offset, row_spans) in enumerate(zip(offsets, spans, strict=True)):
+        for a, b in row_spans:
+            mask[i, offset + a : offset + b] = True
+    if int(mask.sum()) != features.shape[0]:
+        raise ValueError(
+            f"{int(mask.sum())} image positions for {features.shape[0]} image features: the "
+            "image tokens do not match the images (a sequence's spans are wrong)"
+        )
+    return {"inputs_embeds": embeds.masked_scatter(mask[..., None], features.to(embeds.dtype))}
+
+
+def image_features(
+    model: torch.nn.Module, rows: Sequence[Sequence[int]], device: torch.device
+) -> torch.Tensor:
+    """The features of the images of ``rows`` (rows without images give none), one per image
+    token, ``[tokens, hidden]``, in row and image order: the vision encoder and connector."""
+    x = image_inputs(rows, device)
+    if "image_grid_thw" in x:  # a tuple of each image's tokens
+        out = model.get_image_features(x["pixel_values"], x["image_grid_thw"], return_dict=True)
+        return torch.cat(list(out.pooler_output))
+    out = model.get_image_features(
+        x["pixel_values"], x.get("pixel_attention_mask"), return_dict=True
+    )
+    return out.pooler_output.flatten(0, 1)
+
+
 def image_token_id(model: torch.nn.Module) -> int | None:
     """The token id that stands for image features in ``model``'s prompts (None: a text model)."""
     config = getattr(model, "config", None)
@@ -182,7 +227,9 @@ def prompt_rope(model: torch.nn.Module, prompt: Sequence[int]) -> tuple[torch.Te
         out = (torch.arange(ids.shape[1]).expand(3, -1), 0)
     else:
         inner = causal_lm(model).model
-        kinds = (ids == causal_lm(model).config.image_token_id).int()
+        kinds = torch.zeros_like(ids, dtype=torch.int)
+        for a, b in spans_of(prompt, causal_lm(model).config.image_token_id):
+            kinds[0, a:b] = 1  # the image tokens the model sampled stay text
         grid = prompt.pixel_inputs()["image_grid_thw"]
         pos, delta = inner.get_rope_index(ids, kinds, image_grid_thw=grid)
         out = (pos[:, 0].cpu(), int(delta.reshape(-1)[0]))

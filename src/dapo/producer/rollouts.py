@@ -22,6 +22,7 @@ import torch
 from dapo.agents import AgentHost, run_agent_episodes
 from dapo.config import Config
 from dapo.data import LoadStats
+from dapo.data.images import ImageText
 from dapo.data.prompts import dropped_lines, encode_prompts, load_prompt_set, no_template_line
 from dapo.environments import (
     ChatRenderer,
@@ -88,7 +89,8 @@ class Rollouts:
         r, a = cfg.rollout, cfg.algorithm
         # Multi-turn episodes: an environment and/or tools (None: one response per prompt).
         # Their prompts are measured as the model sees them: rendered with the tools.
-        self.renderer = None if spec is None else ChatRenderer(tokenizer, spec.schemas)
+        images = None if self.vision is None else ImageText(*self.vision)
+        self.renderer = None if spec is None else ChatRenderer(tokenizer, spec.schemas, images)
         # What user code prints in the workers: output_dir/user_output.log, capped per step.
         output = UserOutput.of_run(
             cfg.output_dir,

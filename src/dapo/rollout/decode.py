@@ -46,11 +46,11 @@ from dapo.errors import ConfigError
 from dapo.memory import device_memory
 from dapo.models.inputs import after_prefix, shared_prefix
 from dapo.models.vision import (
-    image_inputs,
     image_token_id,
     rope_delta,
     rope_positions,
     text_prefix,
+    token_inputs,
     uses_mrope,
 )
 from dapo.rollout import buffers
@@ -317,13 +317,12 @@ class Decoder:
             ids, attn, pos, cache = self._prefill_inputs([self.prompts[p] for p in chunk])
             given = [self.prompts[p] for p in chunk]
             out = self.model(
-                input_ids=ids,
+                **token_inputs(self.model, ids, given, [ids.shape[1] - len(p) for p in given]),
                 attention_mask=attn,
                 position_ids=rope_positions(self.model, given, pos),
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
-                **image_inputs(given, self.device),
             )
             if self.ws is None:  # the first chunk: the rows may be fewer once sized
                 self.ws = self._workspace(out.past_key_values, out.logits.shape[-1])

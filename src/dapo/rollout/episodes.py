@@ -10,7 +10,10 @@
   prompt being the episode's whole sequence so far; finished episodes drop out;
 - between turns the environments answer all live episodes in one batched pool call, and
   their replies are rendered with the chat template and appended as ids
-  (:class:`~dapo.environments.ChatRenderer`); nothing sampled is ever re-tokenized.
+  (:class:`~dapo.environments.ChatRenderer`); nothing sampled is ever re-tokenized. A reply
+  with images (a vision-language policy) appends its image tokens and carries the images:
+  the episode's ids are then an :class:`~dapo.data.images.ImagePrompt`, so the next turn's
+  prefill and the training forward put each image's features on exactly its tokens.
 
 Only ``engine.generate`` is used, so ``hf``, ``vllm`` and ``vllm-server`` all work.
 
@@ -37,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dapo.data.images import prompt_key
 from dapo.environments import (
     ChatRenderer,
     EnvironmentPool,
@@ -56,7 +60,7 @@ class _Episode:
     group: int
     slot: int  # which of the group's n samples
     pool_id: int | None
-    ids: list[int] = field(default_factory=list)  # everything after the prompt
+    ids: list[int] = field(default_factory=list)  # everything after the prompt (and images)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # of each token (see Group.versions)
@@ -172,7 +176,7 @@ def _open(
                 _end(e, "env_failure", failure=o.failure)
                 continue
             try:
-                ids = renderer.opening(o.messages)
+                ids = renderer.opening(o.messages, _images(record))
             except RenderError as exc:
                 _end(e, "env_failure", failure=f"render: reset's messages: {exc}")
                 pool.end([o.episode])
@@ -189,7 +193,7 @@ def _open(
                 continue
             if opening is None:
                 opening = ids
-            elif ids != opening:
+            elif prompt_key(ids) != prompt_key(opening):
                 _end(
                     e,
                     "env_failure",
@@ -201,11 +205,17 @@ def _open(
                 pool.end([o.episode])
         if opening is None:  # no episode opened: the record's own prompt stands in
             try:
-                opening = renderer.opening(prompt_messages(record))
+                opening = renderer.opening(prompt_messages(record), _images(record))
             except (RenderError, AttributeError, KeyError, TypeError):
                 opening = []
         openings.append(opening)
     return openings, episodes
+
+
+def _images(record: Any) -> list[Any]:
+    """A prompt record's images (a mapping's ``images``), for its opening's image parts."""
+    images = record.get("images") if isinstance(record, dict) else getattr(record, "images", None)
+    return list(images or [])
 
 
 def _end(e: _Episode, reason: str, *, failure: str | None = None, truncated: bool = False) -> None:
@@ -229,7 +239,7 @@ def _take_turn(
     """Append one sampled turn; False when it ended the episode (the budget ran out)."""
     ids, logprobs = list(ids[: budget - len(e.ids)]), list(logprobs[: budget - len(e.ids)])
     e.versions += list(versions[: len(ids)]) if versions is not None else [0] * len(ids)
-    e.ids += ids
+    e.ids = e.ids + ids
     e.logprobs += logprobs
     e.mask += [1] * len(ids)
     e.turns += 1
@@ -275,7 +285,7 @@ def _answer(
                 release.append(e.pool_id)
                 _end(e, "budget", truncated=True)
                 continue
-            e.ids += reply
+            e.ids = e.ids + reply  # keeps the reply's images (list += would drop them)
             e.logprobs += [0.0] * len(reply)
             e.mask += [0] * len(reply)
             e.versions += [e.versions[-1] if e.versions else 0] * len(reply)

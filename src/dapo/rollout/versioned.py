@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dapo.data.images import copy_prompt
 from dapo.rollout.base import Group, RolloutEngine, SamplingParams
 from dapo.seeding import mix_seed
 
@@ -113,7 +114,7 @@ class VersionedEngine:
                     self.continued += 1
                 self._extend(r, g, 0, version, budget)
             round_no += 1
-        groups = [Group(prompt_ids=list(p)) for p in prompts]
+        groups = [Group(prompt_ids=copy_prompt(p)) for p in prompts]  # its images too
         for r in rows:
             g = groups[r.group]
             g.response_ids.append(r.ids)

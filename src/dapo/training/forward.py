@@ -24,7 +24,7 @@ from dapo.models.chunked_logprobs import chunked_logprobs
 from dapo.models.head import head_replaced, output_head
 from dapo.models.inputs import after_prefix, device_of, shared_prefix
 from dapo.models.precision import autocast, compute_dtype
-from dapo.models.vision import image_inputs, image_token_id, rope_positions, text_prefix
+from dapo.models.vision import image_token_id, rope_positions, text_prefix, token_inputs
 from dapo.parallel import sharding
 from dapo.training.batch import Sample
 from dapo.training.microbatch import MicroBatch, collate, micro_batches, response_widths
@@ -122,11 +122,13 @@ def response_states(
     """
     first_pass = ddp if ddp is not None else model
     distinct = batch.distinct_prompts
-    # Images always go in a pass of their own prompts: a response may hold the image token
-    # too (sampled), and the model would put image features there in a whole forward.
+    # A prompt's images go in a pass of its own (the vision encoder runs once per distinct
+    # prompt); an episode with images in its later turns is forwarded whole, every image in
+    # its place.
     visual = any(images_of(p) for p in batch.prompts)
+    later = any(images_of(x) for x in batch.responses)
     shares = shared_prompt and len(distinct) < len(batch.owner)
-    cache = prompt_cache(model) if shares or visual else None
+    cache = prompt_cache(model) if (shares or visual) and not later else None
     device = device_of(model)
     r = batch.width
     head = output_head(model) if hidden else None
@@ -137,13 +139,15 @@ def response_states(
             attn = torch.cat([batch.prompt_mask, batch.response_mask], 1).to(device)
             pos = (attn.cumsum(-1) - 1).clamp(min=0)
             ids = torch.cat([batch.prompt_ids, batch.response_ids], 1).to(device)
+            rows = whole_sequences(batch)
             out = first_pass(
-                input_ids=ids,
+                **token_inputs(
+                    model, ids, rows, [ids.shape[1] - r - len(p) for p in batch.prompts]
+                ),
                 attention_mask=attn,
-                position_ids=rope_positions(model, batch.prompts, pos),
+                position_ids=rope_positions(model, rows, pos),
                 logits_to_keep=r + 1,
                 use_cache=False,
-                **image_inputs(batch.prompts, device),
             )
             return out.logits[:, :-1]
         prompt_ids, prompt_mask = batch.prompt_ids[distinct], batch.prompt_mask[distinct]
@@ -162,14 +166,14 @@ def response_states(
         else:
             pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         given = [batch.prompts[i] for i in distinct] if batch.prompts else []
+        ids = prompt_ids.to(device)
         out = (model if c else first_pass)(
-            input_ids=prompt_ids.to(device),
+            **token_inputs(model, ids, given, [ids.shape[1] - len(p) for p in given]),
             attention_mask=prompt_mask.to(device),
             position_ids=rope_positions(model, given, pos.to(device)),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
-            **image_inputs(given, device),
         )
         owner = torch.tensor(batch.owner)  # each row's prompt among the distinct ones
         rows = owner.to(device)
@@ -206,6 +210,16 @@ def response_states(
             order = torch.tensor([i for group in groups for i in group])
             rest = torch.cat(parts).index_select(0, torch.argsort(order).to(device))
         return torch.cat([first, rest], 1)
+
+
+def whole_sequences(batch: MicroBatch) -> list[Sequence[int]]:
+    """Each row's prompt, or its prompt and response where the response holds images (an
+    episode's later turns): what its images and positions are read from."""
+    if not batch.responses:
+        return list(batch.prompts)
+    return [
+        p + x if images_of(x) else p for p, x in zip(batch.prompts, batch.responses, strict=True)
+    ]
 
 
 BUCKET_COST = 128  # a response pass's fixed work, in positions (see length_buckets)

@@ -27,17 +27,23 @@ import torch
 
 from dapo.errors import ConfigError, TrainingError
 from dapo.models.activation_checkpointing import checkpoint_layers
+from dapo.models.vision import freeze_vision_tower
 from dapo.parallel import distributed as D
 
 HOOKS = ("on_step", "on_evaluate", "on_save")
 
 
 def prepare_given_model(
-    model: torch.nn.Module, dtype: str, gradient_checkpointing: bool, log: Callable[[str], None]
+    model: torch.nn.Module,
+    dtype: str,
+    gradient_checkpointing: bool,
+    log: Callable[[str], None],
+    train_vision: bool = False,
 ) -> torch.nn.Module:
     """A model given as an object made what :func:`dapo.models.load_policy` makes of a path,
     in place: weights in ``dtype`` (``load_dtype`` of train.precision: float32, bfloat16 for
-    bf16), the decoder layers checkpointed for model.gradient_checkpointing, the cache on."""
+    bf16), the decoder layers checkpointed for model.gradient_checkpointing, the cache on, a
+    vision-language model's vision encoder frozen unless ``train_vision``."""
     want = getattr(torch, dtype)
     have = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if have - {want}:
@@ -48,6 +54,7 @@ def prepare_given_model(
         model.gradient_checkpointing_enable()  # no decoder layers found: transformers' own
     if getattr(model, "config", None) is not None:
         model.config.use_cache = True
+    freeze_vision_tower(model, train_vision)
     return model
 
 

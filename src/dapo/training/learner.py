@@ -221,7 +221,11 @@ class Learner:
             )
         else:  # given as an object (dapo.train(model=...)): made what load_policy makes
             model = prepare_given_model(
-                model, load_dtype(precision), cfg.model.gradient_checkpointing, log
+                model,
+                load_dtype(precision),
+                cfg.model.gradient_checkpointing,
+                log,
+                cfg.model.train_vision,
             )
         set_precision(model, precision)
         peft = lora.apply_lora(model, cfg.model.lora) if cfg.model.lora.rank > 0 else None

@@ -9,10 +9,10 @@ from typing import Any
 
 from dapo.config import Config
 from dapo.environments import EnvironmentSpec, load_environment, load_parser, no_template_error
-from dapo.errors import ConfigError
+from dapo.errors import ConfigError, ModelError
 from dapo.models import load_tokenizer, resolve_model_path
 from dapo.models.loading import builtin_chat_template, is_vision_model
-from dapo.models.vision import load_processor
+from dapo.models.vision import is_vision_config, load_processor, vision_refusal
 from dapo.run_inputs import RunInputs
 
 
@@ -42,20 +42,25 @@ def load_spec_and_tokenizer(
     processor = inputs.processor
     if processor is None and model_path and is_vision_model(model_path, trust_remote_code=trust):
         processor = load_processor(model_path, trust_remote_code=trust)
+    check_vision_object(inputs.model, processor)
     if processor is not None:
-        check_vision_run(cfg, chat)
+        check_vision_run(cfg, agent)
     tokenizer = inputs.tokenizer or load_tokenizer(
         cfg.model.tokenizer or model_path, trust_remote_code=trust
     )
-    if chat and not getattr(tokenizer, "chat_template", None):
+    template = getattr(tokenizer, "chat_template", None) or getattr(
+        processor, "chat_template", None
+    )
+    if chat and not template:
         raise no_template_error(tokenizer_name)
     return spec, tokenizer, model_path, processor
 
 
-def check_vision_run(cfg: Config, chat: bool) -> None:
+def check_vision_run(cfg: Config, agent: bool) -> None:
     """Refuse, before any weights load, what a vision-language policy cannot do yet: a
-    rollout engine other than transformers' (vLLM is not given the images), and multi-turn
-    episodes (whose turns are rendered as text)."""
+    rollout engine other than transformers' (vLLM is not given the images), and agents
+    (whose OpenAI-client requests reach the policy as text). Environments and tools may
+    return images (:mod:`dapo.environments.rendering`)."""
     name = cfg.model.name_or_path
     if cfg.rollout.engine != "hf":
         raise ConfigError(
@@ -64,10 +69,32 @@ def check_vision_run(cfg: Config, chat: bool) -> None:
             "rollout.engine=hf",
             key="rollout.engine",
         )
-    if chat:
+    if agent:
         raise ConfigError(
-            f"{name!r} is a vision-language model; multi-turn episodes (rollout.environment, "
-            "rollout.tools, rollout.agent) render their turns as text and do not carry "
-            "images yet. Fix: train it single-turn, or a text model multi-turn",
-            key="rollout.environment",
+            f"{name!r} is a vision-language model; agents (rollout.agent) reach the policy "
+            "through an OpenAI-compatible endpoint that dapo serves as text, so their "
+            "requests' images would not reach it. Fix: give the episodes as an environment "
+            "(rollout.environment: reset and step may return images) or tools",
+            key="rollout.agent",
+        )
+
+
+def check_vision_object(model: Any, processor: Any) -> None:
+    """A loaded vision-language model (``dapo.train(model=...)``) must be of a supported
+    family and come with its processor: without it, its prompts' images cannot be read."""
+    config = getattr(model, "config", None)
+    if model is None or not is_vision_config(config):
+        return
+    kind = type(model).__name__
+    reason = vision_refusal(config)
+    if reason is not None:
+        raise ModelError(f"model = a {kind} object: {reason}")
+    if processor is None:
+        raise ConfigError(
+            f"model = a {kind} object, a vision-language model, was given without its "
+            "processor (which turns images into the model's inputs). Fix: pass "
+            "processor=AutoProcessor.from_pretrained(path) with model= and tokenizer= "
+            "(transformers' AutoProcessor, from the model's directory), or give the "
+            "directory as model.name_or_path",
+            key="model",
         )

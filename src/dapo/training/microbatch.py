@@ -202,8 +202,10 @@ class MicroBatch:
     # algorithm.proximal_logprobs=loglinear: the behaviour policy's log-probs and versions.
     behaviour_logprobs: torch.Tensor | None = None  # [b, R]
     versions: torch.Tensor | None = None  # [b, R]
-    # Each row's prompt as given (an ImagePrompt carries its images: dapo.data.images).
+    # Each row's prompt and response as given (an ImagePrompt carries its images:
+    # dapo.data.images; a response does when an episode's later turns hold images).
     prompts: list[Sequence[int]] = field(default_factory=list)
+    responses: list[Sequence[int]] = field(default_factory=list)
 
     @property
     def width(self) -> int:
@@ -303,4 +305,5 @@ def collate(
         versions=optional([s.versions for s in samples], 0.0) if behaviour else None,
         selected=chosen,
         prompts=[s.prompt_ids for s in samples],
+        responses=[s.response_ids for s in samples],
     )
