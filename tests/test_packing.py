@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-from gpu_support import gpu_test  # tests/gpu_support.py
 from learner_utils import backward  # tests/learner_utils.py
 
 from dapo.algorithms import LossSettings
@@ -73,7 +72,7 @@ def logprobs(model, batch, *, packed: bool, shared_prompt: bool = True, chunk: i
 @pytest.mark.parametrize("shared_prompt", [True, False])
 def test_packed_logprobs_and_entropies_equal_the_unpacked_ones(family, shared_prompt) -> None:
     model = tiny(family)
-    assert packing.choose("auto", model)[0]
+    assert packing.choose("auto", model, whole_rows=True)[0]
     batch = collate(samples(), 0)
     with torch.no_grad():
         ref_lp, ref_ent = logprobs(model, batch, packed=False)
@@ -179,7 +178,7 @@ def test_packed_lora_logprobs_equal_the_unpacked_ones() -> None:
         for name, p in model.named_parameters():
             if ".lora_B." in name:
                 p.normal_(0, 0.05)
-    assert packing.choose(True, model)[0]
+    assert packing.choose(True, model, whole_rows=False)[0]
     batch = collate(samples(), 0)
     ref, _ = logprobs(model, batch, packed=False)
     lp, _ = logprobs(model, batch, packed=True)
@@ -234,24 +233,57 @@ def gated_delta_net() -> torch.nn.Module:
 )
 def test_models_that_mix_positions_outside_attention_are_not_packed(build, reason) -> None:
     model = build()
-    packed, line = packing.choose("auto", model)
+    packed, line = packing.choose("auto", model, whole_rows=True)
     assert not packed and "unpacked" in line and reason in line
     assert model.config._attn_implementation != packing.NAME  # left as it was
     with pytest.raises(ConfigError, match=rf"train.packing=true.*{reason}.*Fix: train.packing"):
-        packing.choose(True, model)
+        packing.choose(True, model, whole_rows=True)
 
 
 def test_sliding_windows_and_other_attention_are_not_packed() -> None:
     model = tiny("qwen2")
     model.config.use_sliding_window, model.config.sliding_window = True, 8
-    assert "sliding-window" in packing.choose("auto", model)[1]
+    assert "sliding-window" in packing.choose("auto", model, whole_rows=True)[1]
     eager = tiny("llama")
     eager.config._attn_implementation = "eager"
-    assert "'eager'" in packing.choose("auto", eager)[1]
-    assert packing.choose(False, tiny("llama")) == (
+    assert "'eager'" in packing.choose("auto", eager, whole_rows=True)[1]
+    assert packing.choose(False, tiny("llama"), whole_rows=True) == (
         False,
         "train.packing=false: micro-batches padded per group of similar length",
     )
+
+
+def test_auto_packs_where_the_unpacked_forward_would_pad_whole_rows() -> None:
+    """FSDP, train.shared_prompt_forward=false or no prompt cache pad every row to the
+    micro-batch's longest: auto packs there; elsewhere the length buckets stay."""
+    model = tiny("llama")
+    packed, line = packing.choose("auto", model, whole_rows=False)
+    assert not packed and "length buckets" in line
+    assert model.config._attn_implementation == "sdpa"  # not installed
+    assert packing.choose(True, model, whole_rows=False)[0]  # true packs anyway
+    assert model.config._attn_implementation == packing.NAME
+
+
+def test_the_learner_decides_at_start_up_and_says_why(tmp_path) -> None:
+    from dapo.config import load_config
+    from dapo.training.learner import Learner
+
+    def start(*overrides: str) -> tuple[Learner, list[str]]:
+        lines: list[str] = []
+        cfg = load_config(None, overrides=["model.name_or_path=x", *overrides])
+        return Learner.from_config(cfg, "x", 0, lines.append, model=tiny("qwen2")), lines
+
+    learner, lines = start()
+    assert not learner.forward.packed and any("train.packing=auto: unpacked" in x for x in lines)
+    learner, lines = start("train.shared_prompt_forward=false")
+    assert learner.forward.packed and any("train.packing=auto: packed" in x for x in lines)
+    learner, lines = start("train.packing=true", "algorithm.beta=0.1")
+    assert learner.forward.packed and learner.ref_model is not None
+    assert learner.ref_model.config._attn_implementation == packing.NAME  # the reference too
+    with pytest.raises(ConfigError, match="train.packing=true"):
+        lines.clear()
+        cfg = load_config(None, overrides=["model.name_or_path=x", "train.packing=true"])
+        Learner.from_config(cfg, "x", 0, lines.append, model=gated_delta_net())
 
 
 def test_an_installed_model_attends_as_before_without_a_layout() -> None:
@@ -275,19 +307,3 @@ def test_config_accepts_auto_true_and_false() -> None:
     assert load_config(None, overrides=["train.packing=false"]).train.packing is False
     with pytest.raises(ConfigError, match="train.packing"):
         load_config(None, overrides=["train.packing=sometimes"])
-
-
-@gpu_test()
-def test_varlen_attention_equals_the_per_segment_loop_on_cuda() -> None:
-    model = tiny("qwen2").cuda().to(torch.bfloat16)
-    packing.install(model)
-    batch = collate(samples(), 0).to(torch.device("cuda"))
-    row = pack(batch)
-    with torch.no_grad():
-        fast = packed_states(model, row)
-        packing_varlen, packing._varlen = packing._varlen, lambda: None
-        try:
-            loop = packed_states(model, row)
-        finally:
-            packing._varlen = packing_varlen
-    assert float((fast.float() - loop.float()).abs().max()) <= 2e-2

@@ -7,6 +7,7 @@ from typing import Any
 
 from dapo.config.foreign_rules import (
     Rule,
+    bool_to,
     false_only,
     ignore,
     mapped,
@@ -72,7 +73,7 @@ VERL: dict[str, Rule] = {
     "data.truncation": ignore("over-long prompts are dropped, never truncated"),
     "actor_rollout_ref.model.path": same("model.name_or_path"),
     "actor_rollout_ref.model.enable_gradient_checkpointing": same("model.gradient_checkpointing"),
-    "actor_rollout_ref.model.use_remove_padding": ignore("dapo packs sequences without padding"),
+    "actor_rollout_ref.model.use_remove_padding": bool_to("train.packing", True, False),
     "actor_rollout_ref.model.lora_rank": same("model.lora.rank"),
     "actor_rollout_ref.model.lora_alpha": same("model.lora.alpha"),
     _A + "optim.lr": same("train.lr"),

@@ -133,7 +133,7 @@ def response_states(
     r = batch.width
     head = output_head(model) if hidden else None
     with autocast(model), head_replaced(head, _identity):  # the "logits" are hidden states
-        if packed and not visual:
+        if packed and not (visual or later):
             return packed_states(model, pack(batch, shared_prompt=shared_prompt), ddp)
         if cache is None:
             attn = torch.cat([batch.prompt_mask, batch.response_mask], 1).to(device)

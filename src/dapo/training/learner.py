@@ -44,6 +44,7 @@ from dapo.training.batch import Sample
 from dapo.training.forward import (
     ForwardOptions,
     compute_logprobs,
+    prompt_cache,
     response_states,
     token_logprobs,
     zero_backward,
@@ -230,8 +231,6 @@ class Learner:
         set_precision(model, precision)
         peft = lora.apply_lora(model, cfg.model.lora) if cfg.model.lora.rank > 0 else None
         counts = lora.parameter_counts(model)  # before sharding
-        packed, line = packing.choose(t.packing, model)  # before the reference copy
-        log(line)
         if peft is not None:
             trainable, total = counts
             log(
@@ -252,6 +251,13 @@ class Learner:
                 "train.data_parallel=fsdp: one process, nothing to shard; the model trains whole "
                 "(launch with torchrun --nproc_per_node N to shard it over N ranks)"
             )
+        whole_rows = sharding.is_fsdp(model) or prompt_cache(model) is None
+        packed, line = packing.choose(
+            t.packing, model, whole_rows=whole_rows or not t.shared_prompt_forward
+        )
+        log(line)
+        if packed and ref_model is not None:
+            packing.install(ref_model)
         ctx = context_length(model)
         need = cfg.data.max_prompt_length + cfg.rollout.max_completion_length
         if ctx is not None and need > ctx:

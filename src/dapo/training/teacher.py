@@ -28,7 +28,7 @@ from dapo.models import hidden_size, load_policy, load_tokenizer, packing, resol
 from dapo.models.precision import load_dtype, reference_copy, resolve_precision, set_precision
 from dapo.parallel import distributed as D
 from dapo.training.batch import Sample
-from dapo.training.forward import ForwardOptions, compute_logprobs
+from dapo.training.forward import ForwardOptions, compute_logprobs, prompt_cache
 
 SERVER_PREFIX = "server:"
 
@@ -209,7 +209,8 @@ def _model_teacher(
     model = reference_copy(set_precision(model, precision))  # frozen, cheapest exact form
     device = f"cuda:{D.current().local_rank}" if cuda else "cpu"
     r = cfg.rollout
-    packed, line = packing.choose(cfg.train.packing, model)
+    whole_rows = not cfg.train.shared_prompt_forward or prompt_cache(model) is None
+    packed, line = packing.choose(cfg.train.packing, model, whole_rows=whole_rows)
     options = ForwardOptions(
         tokenizer.pad_token_id,
         r.temperature,  # the student's log-probs are taken at the sampling temperature too
