@@ -13,19 +13,19 @@ pytestmark = pytest.mark.slow
 def test_bench_vision_times_each_part_with_and_without_images(tmp_path, capsys, monkeypatch):
     from dapo.models import vision
 
-    seen = []  # whether each forward of the engine or trainer was given pixels
-    real = vision.image_inputs
+    seen = []  # whether each forward of the engine or trainer was given image features
+    real = vision.token_inputs
 
-    def recording(prompts, device):
-        out = real(prompts, device)
-        seen.append(bool(out))
+    def recording(*args):
+        out = real(*args)
+        seen.append("inputs_embeds" in out)
         return out
 
     from dapo.rollout import decode
     from dapo.training import forward
 
-    monkeypatch.setattr(decode, "image_inputs", recording)
-    monkeypatch.setattr(forward, "image_inputs", recording)
+    monkeypatch.setattr(decode, "token_inputs", recording)
+    monkeypatch.setattr(forward, "token_inputs", recording)
     bench = import_benchmark("bench_vision")
     out = tmp_path / "vision.json"
     args = ["--prompts", "2", "--n", "2", "--max-tokens", "4", "--repeats", "2", "--json", str(out)]
@@ -40,5 +40,5 @@ def test_bench_vision_times_each_part_with_and_without_images(tmp_path, capsys, 
         sum(r["median_visual_s"] for r in report["results"].values())
     )
     assert report["settings"]["image_tokens"] == 16
-    assert True in seen and False in seen  # the visual side had pixels, the text side none
+    assert True in seen and False in seen  # the visual side had images, the text side none
     assert "| step |" in capsys.readouterr().out

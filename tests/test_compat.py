@@ -858,6 +858,7 @@ def test_verl_switches_are_translated_refused_or_ignored_at_both_values():
     assert set(translated) == {
         "data.shuffle",
         "actor_rollout_ref.model.enable_gradient_checkpointing",
+        "actor_rollout_ref.model.use_remove_padding",
         "actor_rollout_ref.actor.use_kl_loss",
         "reward_model.overlong_buffer.enable",
         "algorithm.norm_adv_by_std_in_grpo",

@@ -862,3 +862,18 @@ def test_packed_update_speed_on_cuda():
         [round(report["median_s"][k], 4) for k in ("padded", "bucketed", "packed")],
     )
     assert report["logprob_gap"] < 5e-2
+
+
+@gpu_test(vllm=True)
+def test_a_vision_language_model_with_vllm_is_refused_at_start_up_on_cuda(tmp_path):
+    """vLLM is not given images yet: ``dapo train examples/vision.yaml rollout.engine=vllm``
+    stops before any weights load, naming the model and the fix (the CPU test:
+    ``tests/test_vision.py``)."""
+    cmd = [sys.executable, "-m", "dapo", "train", "examples/vision.yaml", "rollout.engine=vllm"]
+    cmd += [f"output_dir={tmp_path / 'run'}", "logging.tensorboard=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "'builtin:tiny-vlm' is a vision-language model" in said, said[-3000:]
+    assert "Fix: rollout.engine=hf" in said
+    assert not (tmp_path / "run" / "checkpoints").exists()
