@@ -159,16 +159,37 @@ def worker_trl(args: argparse.Namespace, model_dir: Path, probe: Any, tmp: Path)
     }
 
 
-def longest_fit(points: list[tuple[int, float]], budget_mb: float) -> float | None:
-    """The response length whose peak reaches ``budget_mb``, on the line through the last two
-    ``(tokens, peak_mb)`` points (None with fewer than two, or a flat line)."""
+def last_line(points: list[tuple[int, float]]) -> tuple[int, float, float] | None:
+    """The line through the last two ``(tokens, peak_mb)`` points: ``(tokens, peak_mb,
+    slope)`` of the last one and the MB per token (None with fewer than two points)."""
     if len(points) < 2:
         return None
     (t1, m1), (t2, m2) = points[-2:]
-    slope = (m2 - m1) / (t2 - t1)
-    if slope <= 0:
+    return t2, m2, (m2 - m1) / (t2 - t1)
+
+
+def predicted_peak(points: list[tuple[int, float]], tokens: int) -> float | None:
+    """The peak at ``tokens`` on :func:`last_line` (None with fewer than two points)."""
+    line = last_line(points)
+    return None if line is None else line[1] + line[2] * (tokens - line[0])
+
+
+def longest_fit(points: list[tuple[int, float]], budget_mb: float) -> float | None:
+    """The response length whose peak reaches ``budget_mb`` on :func:`last_line` (None with
+    fewer than two points, or a line that does not grow)."""
+    line = last_line(points)
+    if line is None or line[2] <= 0:
         return None
-    return t2 + (budget_mb - m2) / slope
+    return line[0] + (budget_mb - line[1]) / line[2]
+
+
+def measured(records: list[dict[str, Any]], side: str) -> list[tuple[int, float]]:
+    """``(tokens, peak_mb)`` of ``side``'s measured (not skipped) records, in order."""
+    return [
+        (r["tokens"], r["peak_mb"])
+        for r in records
+        if r["side"] == side and r["peak_mb"] is not None
+    ]
 
 
 def summarise(records: list[dict[str, Any]], budget_mb: float) -> dict[str, Any]:
@@ -176,8 +197,7 @@ def summarise(records: list[dict[str, Any]], budget_mb: float) -> dict[str, Any]
     extrapolated longest fit; and the ratios the targets are stated in."""
     out: dict[str, Any] = {}
     for side in ("dapo", "trl"):
-        mine = [r for r in records if r["side"] == side and r.get("peak_mb") is not None]
-        points = [(r["tokens"], r["peak_mb"]) for r in mine]
+        points = measured(records, side)
         marginal = [
             1000 * (m2 - m1) / (t2 - t1)
             for (t1, m1), (t2, m2) in zip(points, points[1:], strict=False)

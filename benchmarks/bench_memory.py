@@ -276,12 +276,7 @@ def run_long(args: argparse.Namespace) -> dict[str, Any]:
         _python(args, Path(tmp) / "build.log", "--build", str(model_dir))
         for tokens in sorted(args.long_responses):
             for side in ("dapo", "trl"):
-                done = [(r["tokens"], r["peak_mb"]) for r in records if r["side"] == side]
-                done = [(t, m) for t, m in done if m is not None]
-                predicted = None
-                if len(done) >= 2:  # the line through the last two, at this length
-                    (t1, m1), (t2, m2) = done[-2:]
-                    predicted = m2 + (m2 - m1) / (t2 - t1) * (tokens - t2)
+                predicted = long.predicted_peak(long.measured(records, side), tokens)
                 if predicted is not None and predicted > args.long_limit_mb:
                     records.append(
                         {

@@ -307,3 +307,19 @@ def test_config_accepts_auto_true_and_false() -> None:
     assert load_config(None, overrides=["train.packing=false"]).train.packing is False
     with pytest.raises(ConfigError, match="train.packing"):
         load_config(None, overrides=["train.packing=sometimes"])
+
+
+def test_varlen_inputs_list_each_segment_s_prefix_then_itself() -> None:
+    """What the CUDA path hands ``varlen_attn`` (built on the CPU here): per segment its keys
+    (the prompt's, then its own), cumulative lengths, and one build per forward."""
+    layout = pack(collate(samples(), 0)).layout
+    index, cu_q, cu_k, max_q, max_k = layout.varlen_inputs(torch.device("cpu"))
+    want: list[int] = []
+    for s in layout.segments:
+        want += [*range(*s.prefix)] if s.prefix else []
+        want += range(s.start, s.end)
+    assert index.tolist() == want
+    assert cu_q.tolist()[-1] == layout.length and cu_k.tolist()[-1] == len(want)
+    assert max_q == max(s.end - s.start for s in layout.segments)
+    assert max_k == max(s.keys for s in layout.segments) > max_q  # a prefix was counted
+    assert layout.varlen_inputs(torch.device("cpu"))[0] is index

@@ -82,7 +82,8 @@ class Layout:
     """The segments of one packed row, in order, covering it exactly."""
 
     segments: tuple[Segment, ...]
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # what every layer of one forward reads: the masks, varlen_attn's indices (built once)
+    _cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def length(self) -> int:
@@ -110,13 +111,43 @@ class Layout:
         """Segment ``i``'s boolean mask ``[own, prefix + own]``: all of the prefix, causal on
         itself (built once per forward and shared by the layers)."""
         seg = self.segments[i]
-        if i not in self._masks:
+        if i not in self._cache:
             assert seg.prefix is not None
             own, pre = seg.end - seg.start, seg.prefix[1] - seg.prefix[0]
             m = torch.ones(own, pre + own, dtype=torch.bool, device=device)
             m[:, pre:] = torch.ones(own, own, dtype=torch.bool, device=device).tril()
-            self._masks[i] = m
-        return self._masks[i]
+            self._cache[i] = m
+        return self._cache[i]
+
+    def varlen_inputs(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """``varlen_attn``'s view of the row: the key positions of each segment (its prefix,
+        then itself) in one index, the cumulative query and key lengths, and their maxima
+        (built once per forward and shared by the layers)."""
+        if "varlen" not in self._cache:
+            empty = torch.empty(0, dtype=torch.long, device=device)
+            key_index = torch.cat(
+                [
+                    torch.cat(
+                        [
+                            torch.arange(*s.prefix, device=device) if s.prefix else empty,
+                            torch.arange(s.start, s.end, device=device),
+                        ]
+                    )
+                    for s in self.segments
+                ]
+            )
+            lengths_q = [s.end - s.start for s in self.segments]
+            lengths_k = [s.keys for s in self.segments]
+            self._cache["varlen"] = (
+                key_index,
+                _cumulative(lengths_q, device),
+                _cumulative(lengths_k, device),
+                max(lengths_q),
+                max(lengths_k),
+            )
+        return self._cache["varlen"]
 
 
 def whole_row(length: int) -> Layout:
@@ -240,6 +271,13 @@ def _varlen() -> Any:
     return varlen_attn
 
 
+@functools.cache
+def _varlen_params(fn: Any) -> frozenset[str]:
+    """The keyword arguments this torch's ``varlen_attn`` takes (its signature changed
+    between releases: ``is_causal`` before ``window_size``)."""
+    return frozenset(inspect.signature(fn).parameters)
+
+
 def _varlen_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -251,28 +289,11 @@ def _varlen_attention(
     """Every segment in one ``varlen_attn`` call (CUDA, flash attention): each segment's keys
     (its prefix, then itself) gathered into one sequence, causal bottom-right aligned."""
     varlen_attn = _varlen()
-    device = query.device
-    key_index = torch.cat(
-        [
-            torch.cat(
-                [
-                    torch.arange(*s.prefix, device=device)
-                    if s.prefix
-                    else torch.empty(0, dtype=torch.long, device=device),
-                    torch.arange(s.start, s.end, device=device),
-                ]
-            )
-            for s in layout.segments
-        ]
-    )
+    key_index, cu_q, cu_k, max_q, max_k = layout.varlen_inputs(query.device)
     q = query[0].transpose(0, 1)  # [T, heads, dim]
     k = key[0].index_select(1, key_index).transpose(0, 1)
     v = value[0].index_select(1, key_index).transpose(0, 1)
-    lengths_q = [s.end - s.start for s in layout.segments]
-    lengths_k = [s.keys for s in layout.segments]
-    cu_q = _cumulative(lengths_q, device)
-    cu_k = _cumulative(lengths_k, device)
-    params = inspect.signature(varlen_attn).parameters
+    params = _varlen_params(varlen_attn)
     extra: dict[str, Any] = {"scale": scaling}
     if "window_size" in params:
         extra["window_size"] = (-1, 0)  # causal
@@ -283,7 +304,7 @@ def _varlen_attention(
     elif gqa:
         groups = query.shape[1] // key.shape[1]
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    out = varlen_attn(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **extra)
+    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **extra)
     return out[None]  # [1, T, heads, dim]
 
 

@@ -43,7 +43,7 @@ class ForwardOptions:
     token_budget: int = 8192  # train.micro_batch_tokens: padded tokens per micro-batch
     logits_chunk_size: int = 1024  # train.logits_chunk_size: positions per output-layer chunk
     shared_prompt: bool = True  # train.shared_prompt_forward
-    packed: bool = False  # train.packing, resolved for the model (dapo.training.packing_choice)
+    packed: bool = False  # train.packing, resolved for the model (dapo.models.packing.choose)
 
 
 def prompt_cache(model: torch.nn.Module) -> SharedPromptCache | None:

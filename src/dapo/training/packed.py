@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dapo.models.inputs import device_of
 from dapo.models.packing import LAYOUT_KEY, Layout, Segment
 from dapo.training.microbatch import MicroBatch, response_widths
 
@@ -74,7 +75,7 @@ def packed_states(
     """The model's output (hidden states under a bypassed head, or logits) at ``row.gather``:
     ``[N, .]``, one per response token of the micro-batch. ``first_pass`` (a DDP wrapper of
     ``model``) runs the forward when given."""
-    device = next(model.parameters()).device
+    device = device_of(model)
     out = (first_pass or model)(
         input_ids=row.input_ids.to(device),
         attention_mask=torch.ones_like(row.input_ids, device=device),  # no mask: see packing
