@@ -97,6 +97,7 @@ test: setup $(VLLM_STAMP) $(REALMODEL_STAMP) browser
 # trainings (slow), vLLM, the real model, the GPU tier, the browser and the benchmark scripts.
 QUICK_TIER := -m "not slow and not realmodel and not gpu" --ignore-glob='tests/test_bench_*.py'
 NO_VLLM_NO_BROWSER := --ignore=tests/test_vllm.py --ignore=tests/test_rollout_server_vllm.py \
+	--ignore=tests/test_vllm_vision.py \
 	--ignore=tests/test_docs_site.py
 
 test-quick: setup

@@ -10,6 +10,7 @@ retries and messages are tested in seconds. ``tests/test_vllm.py`` runs the real
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dapo.data.images import ImagePrompt
 from dapo.errors import RolloutServerError
 from dapo.rollout import Group, SamplingParams
 from dapo.rollout.fingerprint import Fingerprint
@@ -84,6 +86,9 @@ class FakeEngine:
             ]
             for prompts, params in calls
         ]
+
+    def reset_caches(self) -> None:
+        self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         pass
@@ -154,6 +159,52 @@ def test_bad_request_names_the_problem_and_fails_alone(server):
     ):
         eng.generate([[1] * 200], SamplingParams(max_tokens=128))
     assert engine.batches == []  # rejected before reaching the engine
+
+
+def _image_prompt(colour: tuple[int, int, int], size: tuple[int, int] = (5, 3)):
+    from PIL import Image
+
+    from dapo.data.images import ImagePrompt
+
+    image = Image.new("RGB", size, colour)
+    image.putpixel((1, 2), (1, 2, 3))
+    return ImagePrompt([5, 9, 9, 9, 6], [image], None, spans=[(1, 4)], raw=[5, 9, 6])
+
+
+def test_a_prompt_s_images_reach_the_engine_pixel_for_pixel_and_come_back(server):
+    """Over HTTP the server gets each prompt's expanded ids (what the trainer trains on),
+    its unexpanded ids and its images, exactly; the groups come back holding the
+    trainer's own prompt (its images, spans and pixel source)."""
+    _, engine, url = server
+    seen = []
+    real = engine.generate_many
+    engine.generate_many = lambda calls: seen.extend(calls) or real(calls)
+    prompts = [_image_prompt((200, 10, 10)), [7, 8]]
+    groups = client(url).generate(prompts, SamplingParams(n=2, seed=1))
+    ((got, params),) = seen
+    assert isinstance(got[0], ImagePrompt) and not isinstance(got[1], ImagePrompt)
+    assert list(got[0]) == [5, 9, 9, 9, 6] and got[0].raw == (5, 9, 6)
+    assert [im.tobytes() for im in got[0].images] == [im.tobytes() for im in prompts[0].images]
+    assert got[0].digest == prompts[0].digest and got[1] == [7, 8]
+    assert groups[0].prompt_ids.spans == ((1, 4),) and groups[0].prompt_ids.raw == (5, 9, 6)
+    assert groups[0].response_ids == [[5, 1, 0]] * 2
+
+
+@pytest.mark.parametrize(
+    ("images", "needle"),
+    [
+        ([{"raw": [5, 6], "png": ["bm90IGEgcG5n"]}], r"`images\[0\].png\[0\]`: not a base64 PNG"),
+        ([{"raw": [5, 6], "png": []}], r"`images\[0\].png` must be a non-empty list"),
+        ([{"raw": [5, 99], "png": ["x"]}], r"`images\[0\].raw\[1\]` = 99 is not a token id"),
+        ([None, None], r"`images` must be a list with one entry per prompt \(1\)"),
+        ([{"raw": [5]}], r"`images\[0\]` must be null or"),
+    ],
+)
+def test_a_bad_image_entry_gets_a_400_naming_it(server, images, needle):
+    _, engine, url = server
+    status, answer = post(url, "/generate", {"prompts": [[5, 6, 6]], "images": images})
+    assert status == 400 and re.search(needle, answer["error"]), answer
+    assert engine.batches == []
 
 
 def test_weights_go_over_the_weight_channel(server):
@@ -325,7 +376,7 @@ BAD_GENERATE = [  # (body, what the 400 says); the stand-in model has 32 tokens,
     ),
     (
         {"prompts": [[5]], "min_p": 0.1},
-        "unknown field `min_p` in POST /generate; its fields are: prompts, n,",
+        "unknown field `min_p` in POST /generate; its fields are: prompts, images, n,",
     ),
     ({"prompts": "5"}, "`prompts` must be a list of token-id lists"),
     ({"prompts": [[]]}, "`prompts[0]` must be a non-empty list of token ids"),
@@ -652,6 +703,20 @@ def test_the_policy_fingerprint_is_the_model_directorys_also_with_lora(tmp_path)
         served.difference(of_module(bigger, 1))
         == f"vocabulary size {served.vocab_size} on the server, {served.vocab_size + 8} in the trainer"
     )
+
+
+def test_a_vision_model_directory_s_fingerprint_is_its_policy_s(tmp_path):
+    from dapo.models import tiny_vlm
+    from dapo.rollout.fingerprint import of_model_dir, of_module
+
+    processor = tiny_vlm.build_processor()
+    model = tiny_vlm.build_model(processor, seed=0)
+    model.save_pretrained(tmp_path)
+    served = of_model_dir(tmp_path, 1)
+    assert served.parameters and any(
+        n.startswith("model.vision_model") for n, _ in served.parameters
+    )
+    assert of_module(model, 1, name="") == Fingerprint(served.vocab_size, 1, served.parameters)
 
 
 def test_the_trainer_takes_the_key_from_the_config_or_the_environment_and_never_writes_it(

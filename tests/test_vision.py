@@ -240,15 +240,15 @@ def test_an_unsupported_vision_family_is_refused_with_the_reason(tmp_path):
         load_policy(str(tmp_path / "gemma3"))
 
 
-def test_a_vision_model_with_vllm_or_agents_is_refused_at_start_up():
+def test_a_vision_model_with_agents_is_refused_at_start_up_and_every_engine_is_taken():
     from dapo.config import load_config
     from dapo.training.loading import check_vision_run
 
-    with pytest.raises(ConfigError, match="rollout.engine=hf"):
-        check_vision_run(load_config(overrides=["rollout.engine=vllm"]), agent=False)
     with pytest.raises(ConfigError, match="rollout.agent"):
         check_vision_run(load_config(), agent=True)
-    check_vision_run(load_config(), agent=False)  # environments and tools may show images
+    server = ["rollout.engine=vllm-server", "rollout.server_url=http://127.0.0.1:8000"]
+    for overrides in ([], ["rollout.engine=vllm"], server):  # environments and tools may too
+        check_vision_run(load_config(overrides=overrides), agent=False)
 
 
 # --- a run: transcripts, export ------------------------------------------------------------

@@ -151,6 +151,10 @@ def test_joined_sequences_keep_their_images_and_a_sampled_image_token_is_text():
     assert len(opening) + 1 not in {i for a, b in whole.spans for i in range(a, b)}
     assert prompt_key(whole) != prompt_key(list(whole)) and images_of(list(whole)) == ()
     assert whole.__reduce__()[1][4] == whole.spans  # pickled with its spans
+    # The unexpanded form (one placeholder per image, what vLLM expands) follows the joins.
+    assert opening.raw.count(token) == reply.raw.count(token) == 1
+    assert list(whole.raw) == [*opening.raw, *sampled, *reply.raw, 7]
+    assert whole.__reduce__()[1][5] == whole.raw
 
 
 # --- the engine's later-turn prefill and the training forward -----------------------------

@@ -196,10 +196,12 @@ class ImagePrompt(list):
     or a digest of digests for a joined sequence); ``pixels``: where their pixel inputs come
     from; ``spans``: the ``(start, stop)`` token ranges that hold the images' features, in
     order (None: every image token, as a prompt encoded by an older release). An
-    image token outside the spans is text: one the model sampled. Continued with plain ids
-    (``prompt + ids``, as an episode grows) it keeps its images; joined with another
-    ``ImagePrompt`` (either side) it holds both's images, the second's spans shifted. ``key``
-    identifies the sequence by its tokens, images and spans together.
+    image token outside the spans is text: one the model sampled. ``raw``: the same sequence
+    with each image as its one unexpanded placeholder, as an engine that expands images
+    itself (vLLM) takes it (None: not known). Continued with plain ids (``prompt + ids``, as
+    an episode grows) it keeps its images; joined with another ``ImagePrompt`` (either side)
+    it holds both's images, the second's spans shifted. ``key`` identifies the sequence by
+    its tokens, images and spans together.
     """
 
     def __init__(
@@ -209,16 +211,21 @@ class ImagePrompt(list):
         pixels: PixelCache,
         digest: str = "",
         spans: Sequence[tuple[int, int]] | None = None,
+        raw: Sequence[int] | None = None,
     ) -> None:
         super().__init__(ids)
         self.images = tuple(images)
         self.pixels = pixels
         self.digest = digest or image_digest(self.images)
         self.spans = None if spans is None else tuple((int(a), int(b)) for a, b in spans)
+        self.raw = None if raw is None else tuple(int(t) for t in raw)
 
     def __add__(self, other: Sequence[int]) -> ImagePrompt:  # type: ignore[override]
         if not images_of(other):
-            return ImagePrompt([*self, *other], self.images, self.pixels, self.digest, self.spans)
+            raw = None if self.raw is None else [*self.raw, *other]
+            return ImagePrompt(
+                [*self, *other], self.images, self.pixels, self.digest, self.spans, raw
+            )
         return _joined(self, other)  # type: ignore[arg-type]
 
     def __radd__(self, other: Sequence[int]) -> ImagePrompt:
@@ -232,7 +239,8 @@ class ImagePrompt(list):
         return (*self, self.digest, self.spans)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ImagePrompt, (list(self), self.images, self.pixels, self.digest, self.spans))
+        args = (list(self), self.images, self.pixels, self.digest, self.spans, self.raw)
+        return (ImagePrompt, args)
 
 
 def _joined(first: Sequence[int], second: ImagePrompt) -> ImagePrompt:
@@ -241,13 +249,17 @@ def _joined(first: Sequence[int], second: ImagePrompt) -> ImagePrompt:
     shift = len(first)
     moved = None if second.spans is None else [(a + shift, b + shift) for a, b in second.spans]
     if not images_of(first):
-        return ImagePrompt([*first, *second], second.images, second.pixels, second.digest, moved)
+        raw = None if second.raw is None else [*first, *second.raw]
+        ids = [*first, *second]
+        return ImagePrompt(ids, second.images, second.pixels, second.digest, moved, raw)
     head: ImagePrompt = first  # type: ignore[assignment]
     if head.spans is None or moved is None:
         raise ValueError("two image sequences joined without their spans")
     digest = hashlib.sha1(f"{head.digest}+{second.digest}".encode()).hexdigest()[:16]
     images = head.images + second.images
-    return ImagePrompt([*head, *second], images, head.pixels, digest, [*head.spans, *moved])
+    raw = None if head.raw is None or second.raw is None else [*head.raw, *second.raw]
+    spans = [*head.spans, *moved]
+    return ImagePrompt([*head, *second], images, head.pixels, digest, spans, raw)
 
 
 def image_spans(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
@@ -329,15 +341,21 @@ def encode_with_images(
     texts: Sequence[str], images: Sequence[Sequence[Any]], processor: Any, pixels: PixelCache
 ) -> list[ImagePrompt]:
     """Token ids of prompts with images, each image placeholder expanded into the image
-    tokens the processor gives it (no special tokens added, as for text prompts)."""
+    tokens the processor gives it (no special tokens added, as for text prompts), with their
+    unexpanded form (the text's tokens alone) as ``raw``."""
     token = image_token_of(processor)
+    tokenizer = getattr(processor, "tokenizer", processor)
     out = []
     for text, imgs in zip(texts, images, strict=True):
         enc = processor(text=[text], images=[list(imgs)], add_special_tokens=False)
-        ids = enc["input_ids"][0]
-        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-        out.append(ImagePrompt(ids, imgs, pixels, spans=image_spans(ids, token)))
+        ids = _id_list(enc["input_ids"][0])
+        raw = _id_list(tokenizer([text], add_special_tokens=False)["input_ids"][0])
+        out.append(ImagePrompt(ids, imgs, pixels, spans=image_spans(ids, token), raw=raw))
     return out
+
+
+def _id_list(ids: Any) -> list[int]:
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
 
 
 def image_token_of(processor: Any) -> int:
@@ -349,10 +367,39 @@ def image_token_of(processor: Any) -> int:
     return int(token)
 
 
+def png_text(image: Any) -> str:
+    """An image as base64 PNG text (lossless: the pixels come back exactly), to travel in
+    JSON."""
+    import base64
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def image_of_png_text(text: str) -> Any:
+    """The RGB image of :func:`png_text`'s output; ``ValueError`` says why not."""
+    import base64
+    import binascii
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        data = base64.b64decode(text, validate=True)
+        image = Image.open(io.BytesIO(data), formats=["PNG"])
+        image.load()
+    except (binascii.Error, UnidentifiedImageError, OSError, ValueError) as exc:
+        raise ValueError(f"not a base64 PNG image ({type(exc).__name__}: {exc})") from None
+    except Image.DecompressionBombError as exc:
+        raise ValueError(str(exc)) from None
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
 def copy_prompt(prompt: Sequence[int]) -> list[int]:
     """A copy of a prompt's token ids that keeps its images."""
     if isinstance(prompt, ImagePrompt):
-        return ImagePrompt(list(prompt), prompt.images, prompt.pixels, prompt.digest, prompt.spans)
+        p = prompt
+        return ImagePrompt(list(p), p.images, p.pixels, p.digest, p.spans, p.raw)
     return list(prompt)
 
 

@@ -273,12 +273,19 @@ def load_eval_problems(
 
 
 def _make_engine(
-    name: str, model: Any, tokenizer: Any, batch_size: int, max_prompt: int, max_tokens: int
+    name: str,
+    model: Any,
+    tokenizer: Any,
+    batch_size: int,
+    max_prompt: int,
+    max_tokens: int,
+    processor: Any = None,
 ) -> RolloutEngine:
     """The rollout engine (the trainer's factory: same engines, same errors)."""
     rollout = RolloutConfig(engine=name, generation_batch_size=batch_size)
+    length = max_prompt + max_tokens
     try:
-        return make_engine(rollout, model, tokenizer, max_model_len=max_prompt + max_tokens)
+        return make_engine(rollout, model, tokenizer, max_model_len=length, processor=processor)
     except (VLLMUnavailableError, VLLMEngineError) as exc:
         raise EvalError(f"--engine {name}: {exc}") from exc
 
@@ -403,10 +410,13 @@ def _generate_and_score(
     scorer: RewardScorer,
     start: float,
     log: Callable[[str], None],
+    processor: Any = None,
 ) -> _Samples:
     """Sample ``params.n`` responses per problem with ``engine``, a chunk at a time; score them."""
     longest = max(map(len, prompt_ids))
-    rollout = _make_engine(engine, policy, tokenizer, batch_size, longest, params.max_tokens)
+    rollout = _make_engine(
+        engine, policy, tokenizer, batch_size, longest, params.max_tokens, processor
+    )
     k = params.n
     chunk = max(1, batch_size // k)  # problems per engine call: about batch_size sequences
     samples = _Samples()
@@ -521,11 +531,6 @@ def run_evaluation(
         for line in describe_scoring(rewards, [r.data_source for r in problems.records], scorer):
             log(line)
         policy, tokenizer, ctx, vision = load_model(model, log)
-        if vision is not None and engine != "hf":
-            raise EvalError(
-                f"--engine {engine}: {model!r} is a vision-language model and dapo does not "
-                "pass images to vLLM yet; use --engine hf"
-            )
         max_tokens, max_prompt_length = _resolve_lengths(ctx, max_tokens, max_prompt_length, log)
         records, ids, dropped = tokenize_prompts(
             problems.records, tokenizer, max_prompt_length, log, vision
@@ -533,9 +538,11 @@ def run_evaluation(
         params = SamplingParams(
             n=k, temperature=temperature, top_p=top_p, top_k=0, max_tokens=max_tokens, seed=seed
         )
+        processor = None if vision is None else vision[0]
         samples = _generate_and_score(
-            engine, policy, tokenizer, records, ids, params, batch_size, rewards, start, log
-        )
+            engine, policy, tokenizer, records, ids, params, batch_size, rewards, start, log,
+            processor,
+        )  # fmt: skip
     finally:
         rewards.close()
     report = _build_report(

@@ -161,6 +161,7 @@ class Rollouts:
                 seed=cfg.seed,
                 max_model_len=cfg.data.max_prompt_length + r.max_completion_length,
                 state_dict=dict(learner.engine_weights(True)) if merged else None,
+                processor=None if self.vision is None else self.vision[0],
             )
         except (VLLMUnavailableError, VLLMEngineError) as exc:
             raise TrainingError(str(exc)) from exc

@@ -26,6 +26,7 @@ def make_engine(
     max_model_len: int,
     seed: int = 0,
     state_dict: dict[str, torch.Tensor] | None = None,
+    processor: Any = None,
 ) -> RolloutEngine:
     """The engine ``r.engine`` sampling from ``model``, set up by the ``rollout`` section.
 
@@ -33,7 +34,8 @@ def make_engine(
     response tokens) sizes vLLM's context. ``r.vllm_gpu_memory_utilization``, ``r.vllm_sleep``
     and ``r.vllm_quantization`` apply to vLLM on a GPU. ``state_dict``: the weights a separate
     engine (vLLM) starts from, in the base model's names, instead of ``model``'s own (a LoRA
-    policy's merged weights). ``vllm-server`` generates on the rollout server at
+    policy's merged weights). ``processor``: a vision-language policy's, which vLLM needs to
+    read the prompts' images. ``vllm-server`` generates on the rollout server at
     ``r.server_url`` (which must hold ``max_model_len`` and serve a model of ``model``'s
     vocabulary and parameter shapes) with the key ``r.server_api_key`` (default: the
     ``DAPO_SERVER_API_KEY`` environment variable), and starts with the server's weights: push
@@ -66,6 +68,7 @@ def make_engine(
             seed=seed,
             state_dict=state_dict,
             quantization=None if r.vllm_quantization == "none" else r.vllm_quantization,
+            processor=processor,
         )
     if name == "vllm-server":
         from dapo.rollout.fingerprint import of_module

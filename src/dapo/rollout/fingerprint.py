@@ -121,7 +121,7 @@ def of_module(model: torch.nn.Module, eos_token_id: int, name: str | None = None
             params.append((base, tuple(int(d) for d in p.shape)))
     config = model.config
     return Fingerprint(
-        vocab_size=int(config.vocab_size),
+        vocab_size=int(_text_config(config).vocab_size),
         eos_token_id=int(eos_token_id),
         parameters=tuple(params),
         name=name if name is not None else str(getattr(config, "_name_or_path", "")),
@@ -132,17 +132,25 @@ def of_model_dir(path: str | os.PathLike, eos_token_id: int) -> Fingerprint:
     """The fingerprint of a model directory, from its config alone: the transformers model
     is built on the meta device (no memory, no weights read). Parameters are None when
     transformers cannot build the architecture."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(str(path))
     params: tuple[Param, ...] | None
+    vision = getattr(config, "vision_config", None) is not None
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+            model = auto.from_config(config)
         params = tuple((n, tuple(int(d) for d in p.shape)) for n, p in model.named_parameters())
     except (ValueError, ImportError, OSError, TypeError):
         params = None
     vocab = getattr(config, "vocab_size", None)
     if vocab is None:  # a multimodal config keeps it in its text part
-        vocab = config.get_text_config().vocab_size
+        vocab = _text_config(config).vocab_size
     return Fingerprint(int(vocab), int(eos_token_id), params, name=str(path))
+
+
+def _text_config(config: Any) -> Any:
+    """The config that holds the vocabulary (a vision-language model's text part)."""
+    get = getattr(config, "get_text_config", None)
+    return get() if get is not None else config

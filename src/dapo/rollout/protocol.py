@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from dapo.data.images import ImagePrompt, image_of_png_text, images_of, png_text
 from dapo.rollout.base import SamplingParams
 from dapo.rollout.fingerprint import Fingerprint
 
@@ -120,7 +121,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-GENERATE_FIELDS = ("prompts", "n", "temperature", "top_p", "top_k", "max_tokens", "seed")
+GENERATE_FIELDS = ("prompts", "images", "n", "temperature", "top_p", "top_k", "max_tokens", "seed")
 
 
 def parse_generate(body: dict[str, Any], limits: Limits) -> tuple[list[list[int]], SamplingParams]:
@@ -156,32 +157,84 @@ def parse_generate(body: dict[str, Any], limits: Limits) -> tuple[list[list[int]
         raise RequestError(f"`prompts` must be a list of token-id lists, got {_show(prompts)}")
     for i, p in enumerate(prompts):
         _check_prompt(i, p, params.max_tokens, limits)
+    if body.get("images") is not None:
+        prompts = _with_images(prompts, body["images"], limits)
     return prompts, params
+
+
+def image_entries(prompts: list[list[int]]) -> list[dict[str, Any] | None] | None:
+    """The ``images`` field of ``POST /generate`` for ``prompts``: per prompt, None for a
+    text prompt, else its unexpanded token ids (``raw``) and its images as base64 PNGs
+    (``png``); None when no prompt has images."""
+    if not any(images_of(p) for p in prompts):
+        return None
+    return [
+        {"raw": list(p.raw or []), "png": [png_text(im) for im in p.images]}  # type: ignore[attr-defined]
+        if images_of(p)
+        else None
+        for p in prompts
+    ]
+
+
+def _with_images(prompts: list[list[int]], entries: Any, limits: Limits) -> list[list[int]]:
+    """The prompts with their images (:class:`~dapo.data.images.ImagePrompt`): ``prompts[i]``
+    is the expanded form the trainer trains on, ``images[i]`` the unexpanded ids and images
+    that vLLM expands itself (it must arrive at ``prompts[i]``)."""
+    if not isinstance(entries, list) or len(entries) != len(prompts):
+        raise RequestError(
+            f"`images` must be a list with one entry per prompt ({len(prompts)}), null for a "
+            f"text prompt, got {_show(entries)}"
+        )
+    out = []
+    for i, (p, entry) in enumerate(zip(prompts, entries, strict=True)):
+        if entry is None:
+            out.append(p)
+            continue
+        if not isinstance(entry, dict) or set(entry) != {"raw", "png"}:
+            raise RequestError(
+                f"`images[{i}]` must be null or {{'raw': token ids, 'png': base64 PNGs}}, "
+                f"got {_show(entry)}"
+            )
+        _check_ids(f"images[{i}].raw", entry["raw"], 0, limits)
+        pngs = entry["png"]
+        if not isinstance(pngs, list) or not pngs or not all(isinstance(x, str) for x in pngs):
+            raise RequestError(
+                f"`images[{i}].png` must be a non-empty list of base64 PNG strings, got "
+                f"{_show(pngs)}"
+            )
+        images = []
+        for j, text in enumerate(pngs):
+            try:
+                images.append(image_of_png_text(text))
+            except ValueError as exc:
+                raise RequestError(f"`images[{i}].png[{j}]`: {exc}") from None
+        out.append(ImagePrompt(p, images, None, raw=entry["raw"]))  # type: ignore[arg-type]
+    return out
 
 
 def _check_prompt(
     i: int, prompt: Any, max_tokens: int, limits: Limits, field: str = "prompts"
 ) -> None:
+    _check_ids(f"{field}[{i}]", prompt, max_tokens, limits)
+
+
+def _check_ids(name: str, prompt: Any, max_tokens: int, limits: Limits) -> None:
     if not isinstance(prompt, list) or not prompt:
-        raise RequestError(
-            f"`{field}[{i}]` must be a non-empty list of token ids, got {_show(prompt)}"
-        )
+        raise RequestError(f"`{name}` must be a non-empty list of token ids, got {_show(prompt)}")
     if not all(type(t) is int for t in prompt):
         j = next(j for j, t in enumerate(prompt) if type(t) is not int)
-        raise RequestError(
-            f"`{field}[{i}][{j}]` must be an integer token id, got {_show(prompt[j])}"
-        )
+        raise RequestError(f"`{name}[{j}]` must be an integer token id, got {_show(prompt[j])}")
     lo, hi = min(prompt), max(prompt)
     if lo < 0 or hi >= limits.vocab_size:
         bad = lo if lo < 0 else hi
         raise RequestError(
-            f"`{field}[{i}][{prompt.index(bad)}]` = {bad} is not a token id of the served model: "
+            f"`{name}[{prompt.index(bad)}]` = {bad} is not a token id of the served model: "
             f"ids run from 0 to {limits.vocab_size - 1} (vocab_size {limits.vocab_size} in "
             "/health). Is the trainer's tokenizer the served model's?"
         )
     if len(prompt) + max_tokens > limits.max_model_len:
         raise RequestError(
-            f"`{field}[{i}]` has {len(prompt)} tokens: with `max_tokens` = {max_tokens} that is "
+            f"`{name}` has {len(prompt)} tokens: with `max_tokens` = {max_tokens} that is "
             f"{len(prompt) + max_tokens}, over the server's max_model_len of {limits.max_model_len}; "
             "shorten the prompt, lower max_tokens, or restart the server with a larger "
             "--max-model-len"

@@ -298,7 +298,7 @@ class RolloutServer:
         def load() -> float:
             t0 = time.perf_counter()
             self.engine.llm.collective_rpc("dapo_receive_weights", args=(specs,))
-            self.engine.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+            self.engine.reset_caches()  # what the old weights computed (KV, image features)
             self.weight_version = version
             return time.perf_counter() - t0
 

@@ -37,11 +37,12 @@ from urllib.parse import urlparse
 
 import torch
 
+from dapo.data.images import copy_prompt, images_of
 from dapo.errors import RolloutServerError
 from dapo.parallel import distributed as D
 from dapo.rollout.base import Group, SamplingParams
 from dapo.rollout.fingerprint import Fingerprint
-from dapo.rollout.protocol import API_KEY_ENV
+from dapo.rollout.protocol import API_KEY_ENV, image_entries
 from dapo.rollout.weight_channel import (
     WeightGroup,
     address_towards,
@@ -148,17 +149,23 @@ class ServerEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Group]:
         if not prompts:
             return []
-        out = self._request("POST", "/generate", {"prompts": prompts, **asdict(params)})
+        body: dict[str, Any] = {"prompts": [list(p) for p in prompts], **asdict(params)}
+        images = image_entries(prompts)
+        if images is not None:
+            body["images"] = images
+        out = self._request("POST", "/generate", body)
         return [
-            Group(list(p), g["response_ids"], g["logprobs"], g["truncated"])
+            Group(copy_prompt(p), g["response_ids"], g["logprobs"], g["truncated"])
             for p, g in zip(prompts, out["groups"], strict=True)
         ]
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-probs of tokens ``1..`` of each sequence under the served model (``/score``:
-        vLLM's prompt log-probs, temperature 1)."""
+        vLLM's prompt log-probs, temperature 1); text sequences only."""
         if not sequences:
             return []
+        if any(images_of(s) for s in sequences):
+            raise ValueError("the rollout server scores text sequences only (no images)")
         return self._request("POST", "/score", {"sequences": sequences})["logprobs"]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -23,11 +23,18 @@ How it works:
   gate/up itself, and re-runs the kernel preparation that vLLM does after loading, such as
   the weight prepacking of the CPU backend). A tied ``lm_head`` is never loaded by name; its
   prepared form is rebuilt from the updated embedding. The prefix cache is reset, since its
-  KV blocks were computed with the old weights.
+  KV blocks were computed with the old weights, and so is a vision-language model's cache of
+  image features.
 - **Log-probs.** The engine runs with ``logprobs_mode="processed_logprobs"``: the log-prob
   of each sampled token under the distribution it was actually sampled from (after
   temperature, top-k and top-p), as :class:`~dapo.rollout.HFEngine` returns. At temperature
   0 (greedy) that is the plain log-softmax of the logits.
+- **Images.** A vision-language policy's prompts (:class:`~dapo.data.images.ImagePrompt`)
+  go to vLLM in their unexpanded form (one placeholder per image) with the images as
+  vLLM's multi-modal data; vLLM expands them itself, and the prompt it reports must equal
+  dapo's expansion token for token (the training forward's), else the engine raises. The
+  model directory then holds the processor, and vLLM's tokenizer is loaded (its
+  multi-modal processors need one; sampling still returns token ids only).
 - **Sleep.** On a GPU the engine can sleep while the trainer trains (``enable_sleep_mode``):
   :meth:`sleep` frees the accelerator memory of the KV cache, and of the weights (level 1:
   offloaded to CPU memory; level 2: discarded, for when :meth:`load_weights` follows).
@@ -42,18 +49,27 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from dapo.data.images import copy_prompt, images_of
 from dapo.errors import VLLMEngineError, VLLMUnavailableError
 from dapo.models.precision import compute_dtype
+from dapo.models.vision import is_vision_config
 from dapo.rollout.base import Group, SamplingParams
+from dapo.rollout.vllm_images import check_expansion, check_images, request
+from dapo.rollout.vllm_process import (
+    in_process_group,
+    keep_default_group,
+    preserve_torch_settings,
+    quiet_log,
+    refresh_tied_lm_head,
+)
 from dapo.seeding import mix_seed
 
 __all__ = [
@@ -134,6 +150,8 @@ class VLLMEngine:
             ``model``'s own (a LoRA policy's merged weights).
         quantization: vLLM's ``quantization`` (``"fp8"``: the weights, as loaded and at
             every :meth:`load_weights`, quantized to FP8 on a GPU; ``rollout.vllm_quantization``).
+        processor: a vision-language policy's processor (saved beside the weights for vLLM's
+            own image processing); required for one given as a module.
         **llm_kwargs: passed on to ``vllm.LLM``.
     """
 
@@ -153,6 +171,7 @@ class VLLMEngine:
         distributed: bool | None = None,
         state_dict: dict[str, torch.Tensor] | None = None,
         quantization: str | None = None,
+        processor: Any = None,
         **llm_kwargs: Any,
     ) -> None:
         vllm = import_vllm()
@@ -161,8 +180,8 @@ class VLLMEngine:
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = pad_token_id
         self.on_cpu = bool(current_platform.is_cpu())
-        self.distributed = _in_process_group() if distributed is None else distributed
-        if self.distributed and not _in_process_group():
+        self.distributed = in_process_group() if distributed is None else distributed
+        if self.distributed and not in_process_group():
             raise VLLMEngineError(
                 "a vLLM engine per rank needs the trainer's torch.distributed process group: "
                 "initialise it (torchrun) before building the engine"
@@ -170,6 +189,14 @@ class VLLMEngine:
         from_dir = isinstance(model, (str, os.PathLike))
         config = _load_config(model) if from_dir else model.config
         self.tied_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.vision = is_vision_config(config)
+        if self.vision and processor is None and not from_dir:
+            raise VLLMEngineError(
+                f"the policy is a vision-language model ({type(model).__name__}): vLLM needs "
+                "its processor to read the prompts' images; pass processor="
+            )
+        self.model_name = str(model) if from_dir else type(model).__name__
+        self.image_token = getattr(config, "image_token_id", None) if self.vision else None
         dtype = (
             _config_dtype(config) if from_dir else compute_dtype(model)
         )  # bf16-mixed: vLLM samples in bf16
@@ -177,7 +204,7 @@ class VLLMEngine:
             raise VLLMEngineError(f"the policy's dtype {dtype} is not one vLLM runs")
         self.dtype = dtype
         if max_model_len is None:
-            max_model_len = getattr(config, "max_position_embeddings", None)
+            max_model_len = getattr(_text_config(config), "max_position_embeddings", None)
             if max_model_len is None:
                 raise VLLMEngineError("the model config has no context length: give max_model_len")
         self.max_model_len = int(max_model_len)
@@ -202,12 +229,15 @@ class VLLMEngine:
             else:
                 model.save_pretrained(self._dir, safe_serialization=True, state_dict=state_dict)
                 model_dir = self._dir
+            if processor is not None and not from_dir:
+                processor.save_pretrained(self._dir)
             if self.distributed:
                 kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs.update(
                 {
                     "model": model_dir,
-                    "skip_tokenizer_init": True,  # token ids in, token ids out
+                    # token ids in, token ids out; vLLM's image processing needs a tokenizer
+                    "skip_tokenizer_init": not self.vision,
                     "generation_config": "vllm",  # no defaults from generation_config.json
                     "dtype": _DTYPE_NAMES[dtype],
                     "seed": seed,
@@ -237,8 +267,9 @@ class VLLMEngine:
                     kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
             kwargs.update(llm_kwargs)
             with (
-                _preserve_torch_settings(),
+                preserve_torch_settings(),
                 quiet_log("vllm.renderers.base", "Chat template warmup"),
+                quiet_log("vllm.renderers.hf", "chat template content format"),
             ):
                 self.llm = vllm.LLM(**kwargs)
         except BaseException:
@@ -284,7 +315,14 @@ class VLLMEngine:
             self.llm.apply_model(refresh_tied_lm_head)
         self._weights_discarded = False
         if not self._asleep:
-            self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+            self.reset_caches()
+
+    def reset_caches(self) -> None:
+        """Drop what the old weights computed: cached KV blocks, and a vision-language
+        model's cached image features (its vision tower and connector may have changed)."""
+        self.llm.reset_prefix_cache()
+        if self.vision:
+            self.llm.llm_engine.reset_encoder_cache()
 
     # --- sleep ----------------------------------------------------------------------------
 
@@ -315,7 +353,7 @@ class VLLMEngine:
             if tag in self._asleep:
                 self.llm.wake_up(tags=[tag])
                 self._asleep.discard(tag)
-        self.llm.reset_prefix_cache()
+        self.reset_caches()
 
     # --- generation -----------------------------------------------------------------------
 
@@ -327,22 +365,23 @@ class VLLMEngine:
     ) -> list[list[Group]]:
         """Several :meth:`generate` calls in one vLLM batch (the rollout server merges the
         requests of the trainer's ranks this way); each call's groups, in order."""
-        from vllm.inputs import TokensPrompt
-
         for prompts, _ in calls:
             self.check_prompts(prompts)
         if not any(prompts for prompts, _ in calls):
             return [[] for _ in calls]
         self.wake_up()
-        requests, sampling, sizes = [], [], []
+        requests, sampling, sizes, sent = [], [], [], []
         for prompts, params in calls:
             before = len(requests)
             for i, p in enumerate(prompts):
                 for sp in self._sampling(params, i):
-                    requests.append(TokensPrompt(prompt_token_ids=list(p)))
+                    requests.append(request(p))
                     sampling.append(sp)
+                    sent.append(p)
             sizes.append(len(requests) - before)
         outputs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []
+        for p, out in zip(sent, outputs, strict=True):
+            check_expansion(p, out.prompt_token_ids, self.model_name)
         results, start = [], 0
         for (prompts, params), size in zip(calls, sizes, strict=True):
             mine = outputs[start : start + size]
@@ -379,9 +418,14 @@ class VLLMEngine:
             raise ValueError(f"vLLM refuses the sampling parameters: {exc}") from None
 
     def check_prompts(self, prompts: list[list[int]]) -> None:
-        """Raise ``ValueError`` for an empty prompt or one that leaves no room to respond."""
+        """Raise ``ValueError`` for an empty prompt, one that leaves no room to respond, or
+        one whose images vLLM cannot be given (no unexpanded form; a placeholder token
+        sampled as text before an image, which vLLM would take for that image's)."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        for p in prompts:
+            if images_of(p):
+                check_images(p, self.model_name, self.vision, self.image_token)  # type: ignore[arg-type]
         too_long = [len(p) for p in prompts if len(p) >= self.max_model_len]
         if too_long:
             raise ValueError(
@@ -397,7 +441,7 @@ class VLLMEngine:
             )
         groups = []
         for i, p in enumerate(prompts):
-            g = Group(prompt_ids=list(p))
+            g = Group(prompt_ids=copy_prompt(p))
             for c in completions[i * n : (i + 1) * n]:
                 ids, logps = self._response(c)
                 g.response_ids.append(ids)
@@ -427,15 +471,14 @@ class VLLMEngine:
         """Log-probs of tokens ``1..`` of each sequence under the engine's current weights
         (vLLM's ``prompt_logprobs``: raw log-softmax of the logits, no temperature)."""
         from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
 
+        self.check_prompts(sequences)
         self.wake_up()
         sp = VSamplingParams(n=1, temperature=0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], sp, use_tqdm=False
-        )
+        outs = self.llm.generate([request(s) for s in sequences], sp, use_tqdm=False)
         scores = []
         for out, seq in zip(outs, sequences, strict=True):
+            check_expansion(seq, out.prompt_token_ids, self.model_name)
             entries = out.prompt_logprobs[1:]  # the first token has no log-prob
             scores.append([float(e[t].logprob) for e, t in zip(entries, seq[1:], strict=True)])
         return scores
@@ -446,10 +489,10 @@ class VLLMEngine:
         """Release the engine (its memory, vLLM's process group) and its temporary files."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            with contextlib.suppress(Exception), _keep_default_group(self.distributed):
+            with contextlib.suppress(Exception), keep_default_group(self.distributed):
                 llm.llm_engine.engine_core.shutdown()
             del llm
-            with contextlib.suppress(Exception), _keep_default_group(self.distributed):
+            with contextlib.suppress(Exception), keep_default_group(self.distributed):
                 from vllm.distributed import parallel_state
 
                 parallel_state.destroy_model_parallel()
@@ -466,41 +509,6 @@ class VLLMEngine:
 # --- helpers ------------------------------------------------------------------------------
 
 
-def _in_process_group() -> bool:
-    """Whether this process is one rank of several in an initialised process group."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-@contextlib.contextmanager
-def _keep_default_group(distributed: bool) -> Iterator[None]:
-    """Let vLLM's shutdown tear down its own groups but not the trainer's process group.
-
-    Under ``torchrun`` vLLM joins the process group the trainer made, and its shutdown
-    (``EngineCore.shutdown`` -> ``destroy_distributed_environment``) would destroy that
-    default group too; here it destroys vLLM's world group only.
-    """
-    if not distributed:
-        yield
-        return
-    from vllm.distributed import parallel_state
-
-    original = parallel_state.destroy_distributed_environment
-
-    def destroy_vllm_world() -> None:
-        if parallel_state._WORLD is not None:
-            parallel_state._WORLD.destroy()
-        parallel_state._WORLD = None
-        parallel_state._NODE_COUNT = None
-
-    parallel_state.destroy_distributed_environment = destroy_vllm_world
-    try:
-        yield
-    finally:
-        parallel_state.destroy_distributed_environment = original
-
-
 def _load_config(path: str | os.PathLike) -> Any:
     from transformers import AutoConfig
 
@@ -515,68 +523,15 @@ def _config_dtype(config: Any) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def refresh_tied_lm_head(model: torch.nn.Module) -> None:
-    """Rebuild the prepared form of a tied ``lm_head`` from the (updated) embedding.
-
-    ``reload_weights`` never loads a tied ``lm_head`` by name (the checkpoint has no such
-    tensor), so backends that prepare the output projection after loading (the CPU backend
-    prepacks it) would keep the old one. Runs inside the engine's worker.
-    """
-    head = getattr(model, "lm_head", None)
-    method = getattr(head, "quant_method", None)
-    if head is not None and method is not None:
-        method.process_weights_after_loading(head)
+def _text_config(config: Any) -> Any:
+    """The language model's config (a vision-language model's ``text_config``)."""
+    return getattr(config, "text_config", None) or config
 
 
 def _kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    config = _text_config(config)
     layers = getattr(config, "num_hidden_layers", 1)
     heads = getattr(config, "num_attention_heads", 1)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 2 * layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
-
-
-@contextlib.contextmanager
-def _preserve_torch_settings() -> Iterator[None]:
-    """Undo what building a vLLM engine does to torch process-wide.
-
-    vLLM's CPU worker replaces ``torch.set_num_threads`` with a function that refuses to
-    change the thread count, vLLM sets one intra-op thread for serving, and its workers set
-    the float32 matmul precision (``VLLM_FLOAT32_MATMUL_PRECISION``); the trainer shares
-    this process and keeps its own settings.
-    """
-    set_threads = torch.set_num_threads
-    threads = torch.get_num_threads()
-    default_dtype = torch.get_default_dtype()
-    grad = torch.is_grad_enabled()
-    matmul_precision = torch.get_float32_matmul_precision()
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        torch.set_default_dtype(default_dtype)
-        torch.set_grad_enabled(grad)
-        torch.set_float32_matmul_precision(matmul_precision)
-
-
-class _DropMessages(logging.Filter):
-    def __init__(self, text: str) -> None:
-        super().__init__()
-        self.text = text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
-
-
-@contextlib.contextmanager
-def quiet_log(logger_name: str, text: str) -> Iterator[None]:
-    """Drop one expected, harmless vLLM message (e.g. no chat template without a tokenizer)."""
-    log = logging.getLogger(logger_name)
-    flt = _DropMessages(text)
-    log.addFilter(flt)
-    try:
-        yield
-    finally:
-        log.removeFilter(flt)

@@ -155,7 +155,7 @@ class WeightReceiver:
         )
 
     def dapo_receive_weights(self, specs: list) -> None:
-        from dapo.rollout.vllm_engine import quiet_log, refresh_tied_lm_head
+        from dapo.rollout.vllm_process import quiet_log, refresh_tied_lm_head
 
         group = getattr(self, "_dapo_group", None)
         if group is None:

@@ -57,18 +57,11 @@ def load_spec_and_tokenizer(
 
 
 def check_vision_run(cfg: Config, agent: bool) -> None:
-    """Refuse, before any weights load, what a vision-language policy cannot do yet: a
-    rollout engine other than transformers' (vLLM is not given the images), and agents
-    (whose OpenAI-client requests reach the policy as text). Environments and tools may
-    return images (:mod:`dapo.environments.rendering`)."""
+    """Refuse, before any weights load, what a vision-language policy cannot do yet: agents
+    (whose OpenAI-client requests reach the policy as text). Every rollout engine takes
+    images, and environments and tools may return them
+    (:mod:`dapo.environments.rendering`)."""
     name = cfg.model.name_or_path
-    if cfg.rollout.engine != "hf":
-        raise ConfigError(
-            f"rollout.engine={cfg.rollout.engine}: {name!r} is a vision-language model and "
-            "dapo does not pass images to vLLM yet, so its rollouts would not see them. Fix: "
-            "rollout.engine=hf",
-            key="rollout.engine",
-        )
     if agent:
         raise ConfigError(
             f"{name!r} is a vision-language model; agents (rollout.agent) reach the policy "
