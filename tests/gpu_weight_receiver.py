@@ -97,6 +97,9 @@ class StandInEngine:
             reset_prefix_cache=lambda: None,
         )
 
+    def reset_caches(self) -> None:
+        self.llm.reset_prefix_cache()
+
     def generate_many(self, calls: list) -> list:
         raise RuntimeError("the stand-in server does not generate")
 

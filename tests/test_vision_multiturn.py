@@ -11,16 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo.data.images import ImagePrompt, ImageText, images_of, prompt_key
+from dapo.data.images import ImagePrompt, ImageText, copy_prompt, images_of, prompt_key
 from dapo.data.tasks import colour_count
 from dapo.data.tasks.calculator import CHAT_TEMPLATE
 from dapo.environments import ChatRenderer, EnvironmentPool, RenderError, load_environment
 from dapo.environments.base import MalformedOutput, check_messages
 from dapo.environments.tools import ToolCall, call_tool
 from dapo.models.vision import image_token_id, pixel_cache, token_inputs
-from dapo.rollout.base import SamplingParams
+from dapo.rollout.base import Group, SamplingParams
 from dapo.rollout.episodes import run_episodes
 from dapo.rollout.hf_engine import HFEngine
+from dapo.rollout.vllm_images import refusal
 from dapo.training.batch import Sample
 from dapo.training.forward import ForwardOptions, compute_logprobs
 
@@ -273,6 +274,54 @@ def test_episodes_with_image_observations_train_on_what_the_engine_saw(warmed):
         for s in samples
     ]
     assert _gap(compute_logprobs(model, dropped, opts), engine_lp, samples) > 1e-2
+
+
+class _ExpandingEngine:
+    """A stand-in for an engine that expands images itself (vLLM): every turn answers
+    ``reply``; it records the prompts it was given."""
+
+    expands_images = True
+
+    def __init__(self, reply: list[int]) -> None:
+        self.reply, self.prompts = reply, []
+
+    def generate(self, prompts, params):
+        self.prompts.extend(prompts)
+        r, n = self.reply, params.n
+        return [
+            Group(copy_prompt(p), [list(r)] * n, [[-0.5] * len(r)] * n, [False] * n)
+            for p in prompts
+        ]
+
+
+@pytest.mark.parametrize("writes_placeholder", [True, False])
+def test_an_episode_an_engine_cannot_continue_ends_there_and_keeps_its_sample(writes_placeholder):
+    """The policy wrote the image placeholder as text, and the environment answered with an
+    image: an engine that expands images itself would put that image on the written token,
+    so the episode ends before that prompt (``engine_refused``, truncated), the run goes on
+    and the sample is kept; without the written placeholder the episode continues."""
+    processor = tiny_vlm.build_processor()
+    tok = processor.tokenizer
+    renderer = _renderer(processor)
+    spec = load_environment(f"{ENVS}:LookAgain", [], "hermes")
+    records = colour_count.colour_count_records("test", n=2)
+    answer = tok("Answer: 2", add_special_tokens=False)["input_ids"]
+    reply = [*answer, processor.image_token_id, tok.eos_token_id]
+    engine = _ExpandingEngine(reply if writes_placeholder else [*answer, tok.eos_token_id])
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=60, seed=1)
+    with EnvironmentPool(spec, num_workers=1) as pool:
+        groups = run_episodes(engine, tok, records, params, pool, max_turns=3, renderer=renderer)
+    stats = [e for g in groups for e in g.episode_stats]
+    if writes_placeholder:
+        assert len(engine.prompts) == 2  # the openings only
+        assert all(e["end"] == "engine_refused" for e in stats)
+        assert all(t for g in groups for t in g.truncated)
+        assert all("sampled the placeholder as text" in e["failure"] for e in stats)
+        assert all(len(images_of(r)) == 1 for g in groups for r in g.response_ids)  # kept
+    else:
+        assert len(engine.prompts) == 2 + 4  # then each episode's second turn
+        assert all(e["end"] == "done" for e in stats)
+        assert all(refusal(p) is None for p in engine.prompts)
 
 
 # --- runs -----------------------------------------------------------------------------------

@@ -144,6 +144,7 @@ _EPISODE_PANELS = (
             _Series("env/ended_budget", "token budget", "C4"),
             _Series("env/ended_env_failure", "environment failure", "C3"),
             _Series("env/ended_bad_tool_call", "bad tool call", "C5"),
+            _Series("env/ended_engine_refused", "engine refused", "C6"),
         ),
         "share of episodes",
         left_share=True,

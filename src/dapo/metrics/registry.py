@@ -244,7 +244,9 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric(
         "env/ended_{reason}",
-        "Share of episodes that ended this way: done, max_turns, budget, env_failure or bad_tool_call.",
+        "Share of episodes that ended this way: done, max_turns, budget, env_failure, "
+        "bad_tool_call or engine_refused (vLLM cannot take an image placeholder the policy "
+        "wrote as text before a later image).",
         "multi-turn",
     ),
     # agents (rollout.agent)

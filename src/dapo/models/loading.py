@@ -244,5 +244,8 @@ def _load_hint(what: str, name: str, exc: Exception) -> str:
 
 
 def context_length(model: torch.nn.Module) -> int | None:
-    """The model's maximum number of positions, when its config says."""
-    return getattr(model.config, "max_position_embeddings", None)
+    """The model's maximum number of positions, when its config says (a vision-language
+    model's in its text part)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None)

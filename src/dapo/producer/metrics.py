@@ -7,6 +7,7 @@ import re
 import torch
 
 from dapo.handover import ScoredGroup
+from dapo.rollout.episodes import END_REASONS
 
 
 def group_metrics(groups: list[ScoredGroup], scored: bool = True) -> dict[str, float]:
@@ -75,7 +76,7 @@ def episode_metrics(episodes: list[dict]) -> dict[str, float]:
         out["agent/segments_mean"] = mean([float(e["segments"]) for e in agents])
         out["agent/tool_calls"] = mean([float(e["tool_calls"]) for e in agents])
         out["perf/agent_s"] = sum(float(e["agent_seconds"]) for e in agents)
-    for end in ("done", "max_turns", "budget", "env_failure", "bad_tool_call"):
+    for end in END_REASONS:
         out[f"env/ended_{end}"] = mean([float(e["end"] == end) for e in episodes])
     return out
 

@@ -28,8 +28,9 @@ sampling with its own budget would have given.
 
 End reasons (``episode_stats[i]["end"]``): ``done`` (the environment ended it),
 ``max_turns``, ``budget`` (both ``truncated``), ``env_failure`` (the environment raised,
-hung, died or returned malformed output; ``failure`` says which) and ``bad_tool_call``
-(the model wrote a tool call that does not parse).
+hung, died or returned malformed output; ``failure`` says which), ``bad_tool_call``
+(the model wrote a tool call that does not parse) and ``engine_refused`` (``truncated``: an
+engine that expands images itself, vLLM, cannot take the next prompt; ``failure`` says why).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from dapo.environments import (
 from dapo.rollout.base import Group, RolloutEngine, SamplingParams
 from dapo.seeding import mix_seed
 
-END_REASONS = ("done", "max_turns", "budget", "env_failure", "bad_tool_call")
+END_REASONS = ("done", "max_turns", "budget", "env_failure", "bad_tool_call", "engine_refused")
 _TURN_SEED = 0x7475726E  # "turn": the seed stream of turns after the first
 
 
@@ -128,6 +129,9 @@ def run_episodes(
             left = max(budget - len(e.ids) for e in live)
             seed = mix_seed(params.seed, _TURN_SEED, turn)
             turn_params = replace(params, n=1, max_tokens=left, seed=seed)
+            live = _sendable(engine, live, openings, pool)
+            if not live:
+                break
             out = engine.generate([openings[e.group] + e.ids for e in live], turn_params)
             samples = [_sampled(g, 0) for g in out]
         stepping, cut = [], []
@@ -216,6 +220,26 @@ def _images(record: Any) -> list[Any]:
     """A prompt record's images (a mapping's ``images``), for its opening's image parts."""
     images = record.get("images") if isinstance(record, dict) else getattr(record, "images", None)
     return list(images or [])
+
+
+def _sendable(
+    engine: Any, live: list[_Episode], openings: list[list[int]], pool: EnvironmentPool
+) -> list[_Episode]:
+    """The episodes whose next prompt the engine can take. An engine that expands images
+    itself (vLLM) cannot take an image placeholder the policy wrote as text before a later
+    image: such an episode ends there (``engine_refused``, truncated; its sample is kept)."""
+    if not getattr(engine, "expands_images", False):
+        return live
+    from dapo.rollout.vllm_images import refusal
+
+    refused = [(e, refusal(openings[e.group] + e.ids)) for e in live]
+    ended = [e for e, why in refused if why is not None]
+    if ended:
+        pool.end([e.pool_id for e in ended])
+        for e, why in refused:
+            if why is not None:
+                _end(e, "engine_refused", failure=why, truncated=True)
+    return [e for e, why in refused if why is None]
 
 
 def _end(e: _Episode, reason: str, *, failure: str | None = None, truncated: bool = False) -> None:

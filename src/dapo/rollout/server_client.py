@@ -85,6 +85,8 @@ class ServerEngine:
         retries: re-tries of a refused or dropped connection (1 s, 2 s, 4 s, ... apart).
     """
 
+    expands_images = True  # the server's vLLM expands the prompts' images itself
+
     def __init__(
         self,
         url: str,

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from dapo.data.images import copy_prompt, images_of
+from dapo.data.images import copy_prompt
 from dapo.errors import VLLMEngineError, VLLMUnavailableError
 from dapo.models.precision import compute_dtype
 from dapo.models.vision import is_vision_config
@@ -155,6 +155,8 @@ class VLLMEngine:
         **llm_kwargs: passed on to ``vllm.LLM``.
     """
 
+    expands_images = True  # prompts with images go in unexpanded (vllm_images.request)
+
     def __init__(
         self,
         model: torch.nn.Module | str | os.PathLike,
@@ -196,7 +198,6 @@ class VLLMEngine:
                 "its processor to read the prompts' images; pass processor="
             )
         self.model_name = str(model) if from_dir else type(model).__name__
-        self.image_token = getattr(config, "image_token_id", None) if self.vision else None
         dtype = (
             _config_dtype(config) if from_dir else compute_dtype(model)
         )  # bf16-mixed: vLLM samples in bf16
@@ -424,8 +425,7 @@ class VLLMEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         for p in prompts:
-            if images_of(p):
-                check_images(p, self.model_name, self.vision, self.image_token)  # type: ignore[arg-type]
+            check_images(p, self.model_name, self.vision)
         too_long = [len(p) for p in prompts if len(p) >= self.max_model_len]
         if too_long:
             raise ValueError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dapo.data.images import ImagePrompt, images_of
+from dapo.data.images import images_of
 from dapo.errors import VLLMEngineError
 
 
@@ -28,24 +28,41 @@ def request(prompt: list[int]) -> Any:
     return TokensPrompt(prompt_token_ids=list(raw), multi_modal_data={"image": list(images)})
 
 
-def check_images(prompt: ImagePrompt, model: str, vision: bool, image_token: int | None) -> None:
-    """Raise ``ValueError`` where a prompt's images cannot be given to vLLM: a text model,
-    no unexpanded form, or an image placeholder the policy sampled as text (vLLM would put
-    an image where it stands)."""
-    if not vision:
-        raise ValueError(f"a prompt has {len(prompt.images)} image(s) but {model} is a text model")
-    if prompt.raw is None:
-        raise ValueError(
+def refusal(prompt: list[int]) -> str | None:
+    """Why a prompt's images cannot be given to an engine that expands them itself (None:
+    they can): no unexpanded form, or an image placeholder the policy sampled as text, on
+    which vLLM would put an image (the placeholder is the token the prompt's image spans
+    hold)."""
+    images = images_of(prompt)
+    if not images:
+        return None
+    raw, spans = prompt.raw, prompt.spans  # type: ignore[attr-defined]
+    if raw is None:
+        return (
             "a prompt with images has no unexpanded form for vLLM (it was built without "
             "dapo.data.images.encode_with_images)"
         )
-    placeholders = prompt.raw.count(image_token) if image_token is not None else None
-    if placeholders is not None and placeholders != len(prompt.images):
+    if spans:
+        placeholders = raw.count(prompt[spans[0][0]])
+        if placeholders != len(images):
+            return (
+                f"a prompt holds {placeholders} image placeholder tokens for {len(images)} "
+                "image(s): the policy sampled the placeholder as text, and vLLM would put an "
+                "image there; rollout.engine=hf keeps such tokens as text"
+            )
+    return None
+
+
+def check_images(prompt: list[int], model: str, vision: bool) -> None:
+    """Raise ``ValueError`` where a prompt's images cannot be given to vLLM (a text model,
+    or :func:`refusal`'s reasons)."""
+    if images_of(prompt) and not vision:
         raise ValueError(
-            f"a prompt holds {placeholders} image placeholder tokens for {len(prompt.images)} "
-            "image(s): the policy sampled the placeholder as text, and vLLM would put an "
-            "image there; rollout.engine=hf keeps such tokens as text"
+            f"a prompt has {len(images_of(prompt))} image(s) but {model} is a text model"
         )
+    why = refusal(prompt)
+    if why is not None:
+        raise ValueError(why)
 
 
 def check_expansion(prompt: list[int], seen: list[int] | None, model: str) -> None:
