@@ -50,39 +50,48 @@ def test_pass_at_k_rejects_impossible_inputs(n: int, c: int, k: int) -> None:
 # --------------------------------------------------------------------------- maj@k
 
 
+def _judged(answers, truth):
+    """Correctness as a strict scorer gives it: the raw answer equals the truth."""
+    return [a == truth for a in answers]
+
+
 def test_majority_correct_and_wrong() -> None:
-    assert majority_correct(["5", "5", "3"], "5")
-    assert not majority_correct(["3", "3", "5"], "5")
-    assert majority_correct(["7"], "7")
-    assert not majority_correct(["8"], "7")
+    for answers, right in ((["5", "5", "3"], True), (["3", "3", "5"], False), (["7"], False)):
+        assert majority_correct(answers, _judged(answers, "5")) is right
+    assert majority_correct(["7"], [True])
 
 
 def test_majority_ties_go_to_first_occurrence() -> None:
-    assert majority_correct(["5", "3"], "5")
-    assert not majority_correct(["3", "5"], "5")
+    assert majority_correct(["5", "3"], _judged(["5", "3"], "5"))
+    assert not majority_correct(["3", "5"], _judged(["3", "5"], "5"))
     assert majority_answer(["3", "5", "5", "3"]) == "3"
-    assert not majority_correct(["3", "5", "5", "3"], "5")
-    assert majority_correct(["5", "3", "3", "5", "9"], "5")
+    assert not majority_correct(["3", "5", "5", "3"], _judged(["3", "5", "5", "3"], "5"))
+    assert majority_correct(["5", "3", "3", "5", "9"], _judged(["5", "3", "3", "5", "9"], "5"))
 
 
 def test_majority_none_answers_do_not_vote() -> None:
     # None is the most common entry but is not an answer: the single "5" wins.
-    assert majority_correct([None, None, "5"], "5")
+    assert majority_correct([None, None, "5"], [False, False, True])
     assert majority_answer([None, "4", None]) == "4"
     assert majority_answer([None, None]) is None
-    assert not majority_correct([None, None], "5")
-    assert not majority_correct([], "5")
+    assert not majority_correct([None, None], [True, True])  # no votes: wrong
+    assert not majority_correct([], [])
     # an answer that normalises to nothing ("$") does not vote either
     assert majority_answer(["$", "$", "2"]) == "2"
+    with pytest.raises(ValueError, match="2 answers but 1 correctness"):
+        majority_correct(["1", "2"], [True])
 
 
-def test_majority_votes_are_normalised() -> None:
+def test_majority_votes_are_normalised_and_the_winner_judged_by_the_scorer() -> None:
     # Without normalisation "3" (2 votes) would beat two different spellings of 1/2.
     answers = ["\\frac12", "3", "\\frac{1}{2}", "3", "$\\frac{1}{2}$"]
     assert majority_answer(answers) == "\\frac{1}{2}"
-    assert majority_correct(answers, "\\frac{1}{2}")
-    assert majority_correct(["\\boxed{42}", "42", "41"], "42")
-    assert majority_correct(["1,000", "1000", "7"], "1000")
+    # The winner's first response ("\\frac12") decides: right if the scorer took it...
+    assert majority_correct(answers, [True, False, True, False, True])
+    # ...wrong if the scorer (the paper's strict one) rejected that spelling, even though
+    # the normalised vote equals the normalised truth.
+    assert not majority_correct(answers, [False, False, True, False, True])
+    assert not majority_correct(["1,000", "1000", "7"], [False, True, False])
 
 
 # --------------------------------------------------------------------------- summarize
@@ -91,10 +100,9 @@ def test_majority_votes_are_normalised() -> None:
 def test_summarize_per_source_and_overall() -> None:
     correct = [[True, False], [False, False], [True, True]]
     answers = [["1", "2"], [None, "7"], ["4", "4"]]
-    truths = ["1", "3", "4"]
     sources = ["A", "A", "B"]
     truncated = [[False, True], [False, False], [True, True]]
-    out = summarize(correct, answers, truths, sources, k=2, truncated=truncated)
+    out = summarize(correct, answers, sources, k=2, truncated=truncated)
     overall, a, b = out["overall"], out["by_source"]["A"], out["by_source"]["B"]
     assert set(out["by_source"]) == {"A", "B"}
     assert overall == pytest.approx(
@@ -110,7 +118,7 @@ def test_summarize_per_source_and_overall() -> None:
 
 
 def test_summarize_more_samples_than_k_uses_the_unbiased_estimator() -> None:
-    out = summarize([[True, True, False, False, False]], [["9"] * 5], ["9"], ["s"], k=2)
+    out = summarize([[True, True, False, False, False]], [["9"] * 5], ["s"], k=2)
     assert out["overall"]["pass@2"] == pytest.approx(0.7)
     assert out["overall"]["avg@2"] == pytest.approx(0.4)
     assert "truncated" not in out["overall"]
@@ -118,11 +126,11 @@ def test_summarize_more_samples_than_k_uses_the_unbiased_estimator() -> None:
 
 def test_summarize_rejects_ragged_input() -> None:
     with pytest.raises(ValueError, match="fewer than k"):
-        summarize([[True]], [["1"]], ["1"], ["s"], k=2)
+        summarize([[True]], [["1"]], ["s"], k=2)
     with pytest.raises(ValueError, match="answers"):
-        summarize([[True, False]], [["1"]], ["1"], ["s"], k=2)
+        summarize([[True, False]], [["1"]], ["s"], k=2)
     with pytest.raises(ValueError, match="sources"):
-        summarize([[True]], [["1"]], ["1"], [], k=1)
+        summarize([[True]], [["1"]], [], k=1)
 
 
 # --------------------------------------------------------------------------- scoring glue
@@ -179,6 +187,28 @@ def test_score_groups_and_trainer_evaluate_use_the_scorer_and_answers() -> None:
     assert ev["truncated"] == pytest.approx(0.25)
     expected_len = sum(len(t) for ts in texts for t in ts) / 4
     assert ev["response_length"] == pytest.approx(expected_len)
+
+
+def test_maj_at_k_judges_the_winner_with_the_paper_s_scorer() -> None:
+    """dapo_math (verl's math_dapo) rejects `12.` for 12, and the lenient normaliser reads it
+    as 12: two such answers outvote one right `12`. The scorer's verdict on the winner
+    decides maj@k, as it decides avg@k (a normalised-string comparison counted it right)."""
+    from dapo.data import PromptRecord
+    from dapo.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    texts = [["Answer: 12.", "Answer: 12.", "Answer: 12"]]
+    records = [PromptRecord("Add 5+7.", "12", "math_dapo")]
+    engine = _ScriptedEngine(tok, texts, [[False] * 3])
+    ids = [tok(r.prompt, add_special_tokens=False)["input_ids"] for r in records]
+    with RewardScorer(num_workers=0) as scorer:
+        groups = engine.generate(ids, SamplingParams(n=3))
+        correct, answers = score_groups(groups, records, tok, scorer)
+    assert correct == [[False, False, True]]  # the paper's rules
+    assert majority_answer(answers[0]) == majority_answer(["12"])  # one vote of three
+    out = summarize(correct, answers, ["math_dapo"], k=3)["overall"]
+    assert out["avg@3"] == pytest.approx(1 / 3) and out["pass@3"] == 1.0
+    assert out["maj@3"] == 0.0
 
 
 # --------------------------------------------------------------------------- data

@@ -198,7 +198,8 @@ _EVAL_DESCRIPTION = """\
 Sample k responses per problem and report avg@k (mean accuracy over the k samples),
 pass@k (unbiased estimator 1 - C(n-c,k)/C(n,k)) and maj@k (majority vote over the
 extracted, normalised `Answer:` values; responses without one do not vote; ties go to
-the answer seen first), per data_source and overall. A data set that repeats each
+the answer seen first; the winner is right when the scorer judged its first response
+right), per data_source and overall. A data set that repeats each
 problem r times (e.g. AIME 2024: 30 problems x 32 rows) is scored as 30 problems with
 k samples each; k defaults to r. Responses are scored by each data source's scorer,
 named at start (--scorer picks one for all). Writes a JSON report.

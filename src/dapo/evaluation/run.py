@@ -20,8 +20,9 @@ The metric math is in pure functions (:func:`pass_at_k`, :func:`majority_correct
   :func:`~dapo.rewards.normalize_final_answer`. Responses with no extractable (or an
   empty normalised) answer do not vote. **Ties are broken by first occurrence**: among
   the answers with the highest count, the one that appears first in sample order wins.
-  The problem counts as correct when the winning answer equals the normalised ground
-  truth (no votes at all: wrong).
+  The problem counts as correct when the scorer judged the first response that gave the
+  winning answer correct (no votes at all: wrong), so maj@k and avg@k agree on what a
+  correct answer is.
 
 Each metric is averaged over problems, per ``data_source`` and overall. Correctness of a
 response (avg@k, pass@k) comes from :class:`~dapo.rewards.RewardScorer` with the
@@ -132,7 +133,6 @@ def _summarize(samples: _Samples, records: Sequence[PromptRecord], k: int) -> di
     return summarize(
         samples.correct,
         samples.answers,
-        [r.ground_truth for r in records],
         [r.data_source for r in records],
         k,
         truncated=samples.truncated,

@@ -42,14 +42,22 @@ def majority_answer(answers: Sequence[str | None]) -> str | None:
     return next(v for v in votes if counts[v] == best)  # first occurrence among the tied
 
 
-def majority_correct(answers: Sequence[str | None], ground_truth: str) -> bool:
-    """Whether the majority answer (see :func:`majority_answer`) equals the ground truth.
+def majority_correct(answers: Sequence[str | None], correct: Sequence[bool]) -> bool:
+    """Whether the majority answer (see :func:`majority_answer`) is correct, as the scorer
+    judged the first response that gave it (``correct[j]`` of response ``j``).
 
-    Answers and ground truth are compared after :func:`normalize_final_answer`; ``None``
-    (no extractable answer) does not vote; ties are broken by first occurrence.
+    Votes are grouped by :func:`normalize_final_answer` (two spellings of one answer count
+    together); ``None`` (no extractable answer) does not vote; ties are broken by first
+    occurrence. The verdict is the data source's scorer's, as for avg@k and pass@k, not a
+    comparison of normalised strings: so maj@k never counts an answer the scorer rejects.
     """
+    if len(answers) != len(correct):
+        raise ValueError(f"{len(answers)} answers but {len(correct)} correctness values")
     winner = majority_answer(answers)
-    return winner is not None and winner == normalize_final_answer(str(ground_truth))
+    if winner is None:
+        return False
+    first = next(j for j, a in enumerate(answers) if _vote(a) == winner)
+    return bool(correct[first])
 
 
 def mean_or_nan(values: Sequence[float]) -> float:
@@ -59,7 +67,6 @@ def mean_or_nan(values: Sequence[float]) -> float:
 def summarize(
     correct: Sequence[Sequence[bool]],
     answers: Sequence[Sequence[str | None]],
-    ground_truths: Sequence[str],
     sources: Sequence[str],
     k: int,
     truncated: Sequence[Sequence[bool]] | None = None,
@@ -77,7 +84,6 @@ def summarize(
     m = len(correct)
     lengths = {
         "answers": len(answers),
-        "ground_truths": len(ground_truths),
         "sources": len(sources),
     }
     if truncated is not None:
@@ -109,7 +115,7 @@ def summarize(
                 str(sources[i]),
                 c / len(row),
                 pass_at_k(len(row), c, k),
-                float(majority_correct(list(answers[i])[:k], ground_truths[i])),
+                float(majority_correct(list(answers[i])[:k], row[:k])),
                 trunc,
             )
         )
