@@ -546,3 +546,43 @@ def test_two_rank_run_resumes_from_its_checkpoint(
         for i, st in o1["state"].items():
             assert all(torch.equal(v, o2["state"][i][k]) for k, v in st.items())
         assert int(o1["state"][0]["step"]) == 6  # 3 steps x 2 updates
+
+
+def test_a_vision_model_trains_alike_under_ddp_and_fsdp(tmp_path: Path) -> None:
+    """Two steps of examples/vision.yaml on 2 ranks under DDP and under FSDP2: the same
+    weights at the end. Under FSDP2 the root's embeddings, connector and vision tower are
+    shards outside its forward, so the images are merged inside it (a forward pre-hook);
+    DDP merges them before its forward. The connector and the language model moved, the
+    frozen vision tower did not."""
+    from safetensors.torch import load_file
+
+    from dapo.models import tiny_vlm
+
+    finals = {}
+    for mode in ("ddp", "fsdp"):
+        out = tmp_path / mode
+        args = [
+            "-m", "dapo", "train", "examples/vision.yaml", f"output_dir={out}",
+            "evaluate=false", "train.steps=2", "train.prompts_per_step=4",
+            "rollout.num_generations=4", "train.mini_batch_size=2",
+            "algorithm.dynamic_sampling=false", "logging.tensorboard=false",
+            "logging.dashboard=false", f"train.data_parallel={mode}",
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = forked(args, HERE.parent, env, timeout=600, ranks=2)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert f"data parallel: {mode} (" in proc.stdout
+        (weights,) = (out / "final_model").glob("*.safetensors")
+        finals[mode] = load_file(weights)
+    (start,) = tiny_vlm.ensure_builtin_vlm(log=lambda _: None).glob("*.safetensors")
+    initial = load_file(start)
+    assert finals["ddp"].keys() == finals["fsdp"].keys() == initial.keys()
+    for name, value in finals["ddp"].items():
+        torch.testing.assert_close(finals["fsdp"][name], value, atol=1e-6, rtol=0)
+
+    def moved(part: str) -> float:
+        diffs = [(v - initial[n]).abs().max().item() for n, v in finals["fsdp"].items()]
+        return max(d for (n, _), d in zip(finals["fsdp"].items(), diffs, strict=True) if part in n)
+
+    assert moved("connector") > 1e-5 and moved("text_model") > 1e-5
+    assert moved("vision_model") == 0.0

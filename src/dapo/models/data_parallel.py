@@ -13,6 +13,7 @@ import torch
 
 from dapo.errors import TrainingError
 from dapo.models.precision import mixed_precision_dtype
+from dapo.models.vision import images_in_forward, is_vision_config
 from dapo.parallel import sharding
 from dapo.parallel.distributed import DistInfo
 
@@ -34,6 +35,8 @@ def wrap_data_parallel(
     why_not = None if choice == "ddp" else sharding.fsdp_support(info)
     if choice != "ddp" and why_not is None:
         mixed = mixed_precision_dtype(model)
+        if is_vision_config(getattr(model, "config", None)):
+            images_in_forward(model)  # its embeddings are whole only inside its forward
         sharding.shard_model(model, info, param_dtype=mixed)
         mp = "; bf16 parameters in forward/backward, fp32 gradient reduction" if mixed else ""
         log(f"data parallel: fsdp (FSDP2 fully_shard, parameters sharded{mp}; {where})")

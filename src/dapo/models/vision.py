@@ -37,6 +37,8 @@ REFUSED = {
     "llava": "its image features replace its image tokens only at a prompt's first forward "
     "in some versions, and dapo has no tested layout for it",
 }
+# The forward keyword that carries a batch's image rows to images_in_forward's pre-hook.
+IMAGE_ROWS = "dapo_image_rows"
 # What the model takes from a prompt's image processor output.
 INPUT_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw")
 
@@ -133,6 +135,18 @@ def token_inputs(
     spans = [spans_of(r, token) for r in rows]
     if not any(spans):
         return {"input_ids": ids}
+    if getattr(model, "_dapo_images_in_forward", False):  # the forward's own pre-hook does it
+        return {"input_ids": ids, IMAGE_ROWS: (rows, offsets)}
+    return _embedded(model, ids, rows, offsets, spans)
+
+
+def _embedded(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    rows: Sequence[Sequence[int]],
+    offsets: Sequence[int],
+    spans: Sequence[tuple[tuple[int, int], ...]],
+) -> dict[str, torch.Tensor]:
     lm = causal_lm(model)
     embeds = lm.get_input_embeddings()(ids)
     given = [r if s else [] for r, s in zip(rows, spans, strict=True)]
@@ -147,6 +161,29 @@ def token_inputs(
             "image tokens do not match the images (a sequence's spans are wrong)"
         )
     return {"inputs_embeds": embeds.masked_scatter(mask[..., None], features.to(embeds.dtype))}
+
+
+def images_in_forward(model: torch.nn.Module) -> None:
+    """Make ``model`` merge its images into its input embeddings inside its own forward:
+    :func:`token_inputs` then passes the rows (``image_rows=``) and a forward pre-hook
+    embeds them. Needed where the parameters are whole only during the forward: a root
+    sharded with FSDP2 holds its embeddings, connector and vision tower as shards outside
+    it, and gradients of work done outside it would miss its gradient reduction. FSDP's
+    own pre-hook (registered first) has gathered them when this one runs."""
+
+    def embed(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        given = kwargs.pop(IMAGE_ROWS, None)
+        if given is None:
+            return None
+        rows, offsets = given
+        ids = kwargs.pop("input_ids")
+        spans = [spans_of(r, image_token_id(module)) for r in rows]
+        kwargs.update(_embedded(module, ids, rows, offsets, spans))
+        return args, kwargs
+
+    if not getattr(model, "_dapo_images_in_forward", False):
+        model.register_forward_pre_hook(embed, with_kwargs=True)
+        model._dapo_images_in_forward = True  # type: ignore[assignment]
 
 
 def image_features(
