@@ -12,7 +12,9 @@ with ``--n`` responses each through the parts of a rollout step, twice:
 Each part is timed ``--repeats`` times (medians): ``generate`` (the engine, sampling
 ``--max-tokens`` tokens), ``old_logprobs`` (a no-grad forward of the step's samples) and
 ``update`` (the policy's forward and backward). The pixels are computed afresh for every
-repeat (the image processor's cost counts too). Prints a table and ``--json OUT`` writes
+repeat (the image processor's cost counts too). ``--engine vllm`` generates with the vLLM
+engine instead (the vllm extra): its caches of image features and of processed images are
+dropped before every repeat, as a weight sync and new prompts drop them in training. Prints a table and ``--json OUT`` writes
 ``{"settings", "results": {part: {"visual_s", "text_s", "median_visual_s",
 "median_text_s", "ratio"}}, "step": {...}}`` (``ratio``: visual over text).
 """
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
+    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="for generate")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.threads:
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from dapo.data.tasks import colour_count
     from dapo.models import load_policy, resolve_model_path
     from dapo.models.vision import load_processor, pixel_cache
-    from dapo.rollout.base import SamplingParams
+    from dapo.rollout.base import SamplingParams, close_engine
     from dapo.rollout.hf_engine import HFEngine
     from dapo.training.batch import Sample
     from dapo.training.forward import ForwardOptions, compute_logprobs, response_logprobs
@@ -75,7 +78,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     image_token = model.config.image_token_id
     filler = tok.convert_tokens_to_ids("x")
     text = [[filler if t == image_token else t for t in p] for p in visual]
-    engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id)
+    if args.engine == "vllm":
+        from dapo.rollout.vllm_engine import VLLMEngine
+
+        engine: Any = VLLMEngine(
+            model, tok.eos_token_id, max_model_len=256, processor=processor,
+            mm_processor_cache_gb=0,  # no cache of processed images across repeats
+        )  # fmt: skip
+    else:
+        engine = HFEngine(model, tok.eos_token_id, tok.pad_token_id)
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0)
     opts = ForwardOptions(tok.pad_token_id)
 
@@ -84,7 +95,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not isinstance(prompts[0], ImagePrompt):
             return prompts
         cache = pixel_cache(processor)
-        return [ImagePrompt(list(p), p.images, cache, p.digest) for p in prompts]
+        if args.engine == "vllm":
+            engine.reset_caches()  # its image features, as after a weight sync
+        return [ImagePrompt(list(p), p.images, cache, p.digest, p.spans, p.raw) for p in prompts]
 
     def samples_of(prompts: list) -> list:
         groups = engine.generate(prompts, params)
@@ -125,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "settings": {
             "model": "builtin:tiny-vlm",
+            "engine": args.engine,
             "prompts": args.prompts,
             "n": args.n,
             "max_tokens": args.max_tokens,
@@ -146,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"| step | {step['visual']:.4f} | {step['text']:.4f} | {step['ratio']:.2f}x |")
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
+    close_engine(engine)
     return report
 
 
