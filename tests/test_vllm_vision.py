@@ -157,7 +157,7 @@ def test_prompts_vllm_cannot_be_given_are_refused_with_the_reason(setup):
         engine.generate([turn], params)
 
 
-def _run(out: Path, *overrides: str, in_step: bool = True) -> list[dict]:
+def _run(out: Path, *overrides: str, in_step: bool = True, ranks: int = 1) -> list[dict]:
     """Two steps of examples/vision.yaml (builtin:tiny-vlm) with ``overrides``; the metrics
     of its steps, checked: the engine is kept in sync, and (``in_step``) sampled the tokens
     with the trainer's log-probs."""
@@ -178,7 +178,7 @@ def _run(out: Path, *overrides: str, in_step: bool = True) -> list[dict]:
         *overrides,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = forked(cmd, Path(__file__).parents[1], env, timeout=600, vllm=True)
+    proc = forked(cmd, Path(__file__).parents[1], env, timeout=600, vllm=True, ranks=ranks)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     steps = [r for r in rows if "rollout/logprob_mismatch" in r]
@@ -190,8 +190,11 @@ def _run(out: Path, *overrides: str, in_step: bool = True) -> list[dict]:
     return steps
 
 
-def test_a_run_with_the_vllm_engine_trains_in_agreement_with_it(tmp_path):
-    _run(tmp_path / "run", "rollout.engine=vllm")
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_run_with_the_vllm_engine_trains_in_agreement_with_it(tmp_path, ranks):
+    """In one process, and on 2 ranks each with its own engine (started from placeholder
+    weights and the processor, then given the full weights)."""
+    _run(tmp_path / "run", "rollout.engine=vllm", "train.mini_batch_size=2", ranks=ranks)
 
 
 def test_a_streaming_run_with_the_vllm_engine_samples_one_version_behind(tmp_path):
