@@ -211,6 +211,40 @@ def test_maj_at_k_judges_the_winner_with_the_paper_s_scorer() -> None:
     assert out["maj@3"] == 0.0
 
 
+def test_each_scorer_s_answers_vote_as_it_reads_them() -> None:
+    from dapo.rewards.math import boxed_or_answer, gsm8k_answer
+
+    assert gsm8k_answer("so #### 1,000") == gsm8k_answer("\\boxed{1000.0}") == "1000"
+    assert gsm8k_answer("Answer: 2.5") == "2.5" and gsm8k_answer("no number") is None
+    assert boxed_or_answer("thus \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
+    assert boxed_or_answer("\\boxed{3}\nAnswer: 4") == "4"  # the Answer: line first
+    assert boxed_or_answer("nothing") is None
+    with RewardScorer(num_workers=0) as scorer:
+        assert scorer.answer_reader("openai/gsm8k") is gsm8k_answer
+        assert scorer.answer_reader("HuggingFaceH4/MATH-500") is boxed_or_answer
+        assert scorer.answer_reader("math_dapo")("x\nAnswer: 7") == "7"
+        assert scorer.answer_reader("codeforces")("```python\nprint(1)\n```") is None
+
+
+def test_maj_at_k_of_gsm8k_responses_votes_on_their_hash_answers() -> None:
+    """GSM8K responses end ``#### N`` and have no ``Answer:`` line: read with the DAPO
+    line alone they cast no vote, and maj@k was 0 however right they were."""
+    from dapo.data import PromptRecord
+    from dapo.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    texts = [["so #### 1,000", "#### 7", "#### 1000"]]
+    records = [PromptRecord("How many?", "#### 1000", "openai/gsm8k")]
+    engine = _ScriptedEngine(tok, texts, [[False] * 3])
+    ids = [tok(r.prompt, add_special_tokens=False)["input_ids"] for r in records]
+    with RewardScorer(num_workers=0) as scorer:
+        groups = engine.generate(ids, SamplingParams(n=3))
+        correct, answers = score_groups(groups, records, tok, scorer)
+    assert correct == [[True, False, True]] and answers == [["1000", "7", "1000"]]
+    out = summarize(correct, answers, ["openai/gsm8k"], k=3)["overall"]
+    assert out["maj@3"] == 1.0 and out["avg@3"] == pytest.approx(2 / 3)
+
+
 # --------------------------------------------------------------------------- data
 
 

@@ -15,9 +15,10 @@ The metric math is in pure functions (:func:`pass_at_k`, :func:`majority_correct
   over the k samples).
 - **pass@k**: the unbiased estimator ``1 - C(n-c, k) / C(n, k)`` of "at least one of k
   samples is correct" (with ``n == k``: 1 if any sample is correct, else 0).
-- **maj@k**: majority vote over the answers of the first ``k`` responses, extracted with
-  :func:`~dapo.rewards.extract_answer` (the DAPO ``Answer:`` line) and normalised with
-  :func:`~dapo.rewards.normalize_final_answer`. Responses with no extractable (or an
+- **maj@k**: majority vote over the answers of the first ``k`` responses, read as the
+  data source's scorer reads them (the DAPO ``Answer:`` line; ``#### N`` for ``gsm8k``; a
+  ``\\boxed{}`` where ``math_verify`` has no ``Answer:`` line; none for code) and normalised
+  with :func:`~dapo.rewards.normalize_final_answer`. Responses with no extractable (or an
   empty normalised) answer do not vote. **Ties are broken by first occurrence**: among
   the answers with the highest count, the one that appears first in sample order wins.
   The problem counts as correct when the scorer judged the first response that gave the
@@ -52,7 +53,6 @@ from dapo.evaluation.stats import mean_or_nan, summarize
 from dapo.rewards import (
     RewardScorer,
     ScoreRequest,
-    extract_answer,
     normalize_final_answer,
     scorer_for_source,
 )
@@ -88,7 +88,11 @@ def score_groups(
         for t, ids in zip(group_texts, g.response_ids, strict=True)
     ]
     _, correct, _ = scorer.score_grouped(requests, [len(t) for t in texts])
-    answers = [[extract_answer(t) for t in group_texts] for group_texts in texts]
+    answers = [
+        [read(t) for t in group_texts]
+        for r, group_texts in zip(records, texts, strict=True)
+        for read in [scorer.answer_reader(r.data_source)]
+    ]
     return correct, answers
 
 

@@ -447,6 +447,28 @@ def gsm8k_score(response: str, ground_truth: str) -> float:
     return 1.0 if gold is not None and got is not None and got == gold else -1.0
 
 
+def gsm8k_answer(response: str) -> str | None:
+    """The number :func:`gsm8k_score` reads (``#### N``, else ``\\boxed{N}``, else
+    ``Answer: N``) written canonically (``1,000`` and ``1000.0`` are ``1000``), or None."""
+    answer = _last(_HASHES_RE, response) or _last(_BOXED_NUMBER_RE, response)
+    got = _number(answer if answer is not None else extract_answer(response))
+    if got is None:
+        return None
+    return str(int(got)) if got.is_integer() else repr(got)
+
+
+def boxed_or_answer(response: str) -> str | None:
+    """The ``Answer:`` line, else the last ``\\boxed{...}``'s content in the last 300
+    characters (what :func:`math_verify_score` reads first), or None."""
+    answer = extract_answer(response)
+    if answer is not None:
+        return answer
+    tail = response[-_ANSWER_TAIL_CHARS:]
+    start = tail.rfind("\\boxed{")
+    close = _matching_brace(tail, start + len("\\boxed")) if start >= 0 else None
+    return None if close is None else tail[start + len("\\boxed{") : close].strip() or None
+
+
 SCORERS: dict[str, Callable[..., Any]] = {
     "dapo_math": dapo_math_score,
     "dapo_math_lenient": dapo_math_lenient_score,
@@ -476,6 +498,16 @@ SOURCE_SCORERS: dict[str, str] = {
             "olympiads",
         )
     },
+}
+
+# The answer each built-in scorer reads from a response, for maj@k's votes (the code
+# scorer reads a program: no vote).
+ANSWER_READERS: dict[str, Callable[[str], str | None]] = {
+    "dapo_math": extract_answer,
+    "dapo_math_lenient": extract_answer,
+    "math_verify": boxed_or_answer,
+    "gsm8k": gsm8k_answer,
+    "code": lambda _response: None,
 }
 
 # What each built-in scorer reads and how it compares: the start-up lines name the scorer

@@ -18,7 +18,13 @@ from typing import Any
 from dapo.errors import ConfigError, RewardFunctionWarning
 from dapo.rewards.code import UNISOLATED_WARNING, CodeSettings, check_rows
 from dapo.rewards.inprocess import ThreadRunner
-from dapo.rewards.math import SCORER_FORMS, SCORERS, scorer_for_source
+from dapo.rewards.math import (
+    ANSWER_READERS,
+    SCORER_FORMS,
+    SCORERS,
+    extract_answer,
+    scorer_for_source,
+)
 from dapo.rewards.pool import WorkerPool
 from dapo.rewards.results import ScoreRequest, ScoreResult
 from dapo.rewards.user import (
@@ -419,6 +425,16 @@ class RewardScorer:
 
     def _pool(self) -> WorkerPool | None:
         return next((r for r, _ in self._runners if isinstance(r, WorkerPool)), None)
+
+    def answer_reader(self, data_source: str) -> Callable[[str], str | None]:
+        """How maj@k reads a response's answer for ``data_source``: as its built-in scorer
+        reads it (``#### N`` for gsm8k, a ``\\boxed{}`` for math_verify), the ``Answer:``
+        line for functions of yours; the code scorer's responses give none."""
+        ids = self._fn_ids(data_source)
+        names = {self._plan.sources[i] for i in ids}
+        if len(names) == 1 and (name := next(iter(names))) in ANSWER_READERS:
+            return ANSWER_READERS[name]  # type: ignore[index]
+        return extract_answer
 
     def _fn_ids(self, data_source: str) -> tuple[int, ...]:
         if self._plan.fixed_ids is not None:
