@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,17 @@ def _precision() -> str:
     from dapo.models.precision import cpu_has_native_bf16
 
     return "bf16-mixed" if torch.cuda.is_available() or cpu_has_native_bf16() else "fp32"
+
+
+def _measured(probe: Any, step: Callable[[], Any], precision: str) -> tuple[dict[str, Any], Any]:
+    """Run one update ``step`` between the memory probe's start and stop: the record of its
+    memory before, its peak and its seconds, and what the step returned."""
+    before = probe.start()
+    start = time.perf_counter()
+    out = step()
+    seconds = time.perf_counter() - start
+    peak = probe.stop()
+    return {"before_mb": before, "peak_mb": peak, "seconds": seconds, "precision": precision}, out
 
 
 def worker_dapo(args: argparse.Namespace, model_dir: Path, probe: Any) -> dict[str, Any]:
@@ -78,17 +90,8 @@ def worker_dapo(args: argparse.Namespace, model_dir: Path, probe: Any) -> dict[s
     samples = [
         Sample(prompt, r, 1.0 if i % 2 else -1.0, [1.0] * len(r)) for i, r in enumerate(responses)
     ]
-    before = probe.start()
-    start = time.perf_counter()
-    result = learner.optimizer_step(samples)
-    seconds = time.perf_counter() - start
-    return {
-        "before_mb": before,
-        "peak_mb": probe.stop(),
-        "seconds": seconds,
-        "precision": precision,
-        "grad_norm": result.grad_norm,
-    }
+    record, result = _measured(probe, lambda: learner.optimizer_step(samples), precision)
+    return {**record, "grad_norm": result.grad_norm}
 
 
 def worker_trl(args: argparse.Namespace, model_dir: Path, probe: Any, tmp: Path) -> dict[str, Any]:
@@ -143,20 +146,15 @@ def worker_trl(args: argparse.Namespace, model_dir: Path, probe: Any, tmp: Path)
         "advantages": torch.tensor([(-1.0) ** (i + 1) for i in range(args.long_count)]),
         "num_items_in_batch": torch.tensor(float(completion.numel())),
     }
-    before = probe.start()
-    start = time.perf_counter()
-    with trainer.compute_loss_context_manager():
-        loss = trainer.compute_loss(model, inputs)
-    trainer.accelerator.backward(loss)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad()
-    seconds = time.perf_counter() - start
-    return {
-        "before_mb": before,
-        "peak_mb": probe.stop(),
-        "seconds": seconds,
-        "precision": precision,
-    }
+
+    def step() -> None:
+        with trainer.compute_loss_context_manager():
+            loss = trainer.compute_loss(model, inputs)
+        trainer.accelerator.backward(loss)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad()
+
+    return _measured(probe, step, precision)[0]
 
 
 def last_line(points: list[tuple[int, float]]) -> tuple[int, float, float] | None:

@@ -189,21 +189,26 @@ def test_score_groups_and_trainer_evaluate_use_the_scorer_and_answers() -> None:
     assert ev["response_length"] == pytest.approx(expected_len)
 
 
-def test_maj_at_k_judges_the_winner_with_the_paper_s_scorer() -> None:
-    """dapo_math (verl's math_dapo) rejects `12.` for 12, and the lenient normaliser reads it
-    as 12: two such answers outvote one right `12`. The scorer's verdict on the winner
-    decides maj@k, as it decides avg@k (a normalised-string comparison counted it right)."""
+def _scored(texts: list[str], truth: str, source: str):
+    """One problem's responses ``texts``, scored as ``dapo eval`` scores them:
+    ``(correct, answers)``."""
     from dapo.data import PromptRecord
     from dapo.models.tiny import build_tokenizer
 
     tok = build_tokenizer()
-    texts = [["Answer: 12.", "Answer: 12.", "Answer: 12"]]
-    records = [PromptRecord("Add 5+7.", "12", "math_dapo")]
-    engine = _ScriptedEngine(tok, texts, [[False] * 3])
+    records = [PromptRecord("How many?", truth, source)]
+    engine = _ScriptedEngine(tok, [texts], [[False] * len(texts)])
     ids = [tok(r.prompt, add_special_tokens=False)["input_ids"] for r in records]
     with RewardScorer(num_workers=0) as scorer:
-        groups = engine.generate(ids, SamplingParams(n=3))
-        correct, answers = score_groups(groups, records, tok, scorer)
+        groups = engine.generate(ids, SamplingParams(n=len(texts)))
+        return score_groups(groups, records, tok, scorer)
+
+
+def test_maj_at_k_judges_the_winner_with_the_paper_s_scorer() -> None:
+    """dapo_math (verl's math_dapo) rejects `12.` for 12, and the lenient normaliser reads it
+    as 12: two such answers outvote one right `12`. The scorer's verdict on the winner
+    decides maj@k, as it decides avg@k (a normalised-string comparison counted it right)."""
+    correct, answers = _scored(["Answer: 12.", "Answer: 12.", "Answer: 12"], "12", "math_dapo")
     assert correct == [[False, False, True]]  # the paper's rules
     assert majority_answer(answers[0]) == majority_answer(["12"])  # one vote of three
     out = summarize(correct, answers, ["math_dapo"], k=3)["overall"]
@@ -229,17 +234,9 @@ def test_each_scorer_s_answers_vote_as_it_reads_them() -> None:
 def test_maj_at_k_of_gsm8k_responses_votes_on_their_hash_answers() -> None:
     """GSM8K responses end ``#### N`` and have no ``Answer:`` line: read with the DAPO
     line alone they cast no vote, and maj@k was 0 however right they were."""
-    from dapo.data import PromptRecord
-    from dapo.models.tiny import build_tokenizer
-
-    tok = build_tokenizer()
-    texts = [["so #### 1,000", "#### 7", "#### 1000"]]
-    records = [PromptRecord("How many?", "#### 1000", "openai/gsm8k")]
-    engine = _ScriptedEngine(tok, texts, [[False] * 3])
-    ids = [tok(r.prompt, add_special_tokens=False)["input_ids"] for r in records]
-    with RewardScorer(num_workers=0) as scorer:
-        groups = engine.generate(ids, SamplingParams(n=3))
-        correct, answers = score_groups(groups, records, tok, scorer)
+    correct, answers = _scored(
+        ["so #### 1,000", "#### 7", "#### 1000"], "#### 1000", "openai/gsm8k"
+    )
     assert correct == [[True, False, True]] and answers == [["1000", "7", "1000"]]
     out = summarize(correct, answers, ["openai/gsm8k"], k=3)["overall"]
     assert out["maj@3"] == 1.0 and out["avg@3"] == pytest.approx(2 / 3)

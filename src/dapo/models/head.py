@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from dapo.models.vision import text_config
+
 # Config fields of heads that scale or cap the logits after the output layer (Gemma 2's
 # soft-capping, Cohere's and Granite's scales): such models keep their own head.
 _LOGIT_TRANSFORMS = (
@@ -38,7 +40,7 @@ def output_head(model: nn.Module) -> nn.Linear | None:
     if type(head) is not nn.Linear:
         return None
     config = getattr(model, "config", None)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     for name in _LOGIT_TRANSFORMS:
         if getattr(text, name, None) not in (None, 1, 1.0):
             return None

@@ -13,7 +13,12 @@ import torch
 from dapo.errors import ModelError
 from dapo.models.activation_checkpointing import checkpoint_layers
 from dapo.models.cache import BUILTIN_MODEL, BUILTIN_MODELS, BUILTIN_VLM
-from dapo.models.vision import freeze_vision_tower, is_vision_config, vision_refusal
+from dapo.models.vision import (
+    freeze_vision_tower,
+    is_vision_config,
+    text_config,
+    vision_refusal,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -220,8 +225,7 @@ def hidden_size(model: str | torch.nn.Module, *, trust_remote_code: bool = False
             config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
         except Exception:  # noqa: BLE001 - unknown size: the caller decides without it
             return None
-    config = getattr(config, "get_text_config", lambda: config)()
-    size = getattr(config, "hidden_size", None)
+    size = getattr(text_config(config), "hidden_size", None)
     return size if isinstance(size, int) else None
 
 
@@ -246,6 +250,4 @@ def _load_hint(what: str, name: str, exc: Exception) -> str:
 def context_length(model: torch.nn.Module) -> int | None:
     """The model's maximum number of positions, when its config says (a vision-language
     model's in its text part)."""
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "max_position_embeddings", None)
+    return getattr(text_config(model.config), "max_position_embeddings", None)

@@ -48,6 +48,13 @@ def is_vision_config(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def text_config(config: Any) -> Any:
+    """The language model's config: a vision-language model's text part, a text model's
+    own (or whatever ``config`` is, when it is no transformers config)."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
 def vision_refusal(config: Any) -> str | None:
     """Why dapo cannot train this vision-language model (None: it can)."""
     kind = getattr(config, "model_type", "?")
@@ -136,7 +143,7 @@ def token_inputs(
     if not any(spans):
         return {"input_ids": ids}
     if getattr(model, "_dapo_images_in_forward", False):  # the forward's own pre-hook does it
-        return {"input_ids": ids, IMAGE_ROWS: (rows, offsets)}
+        return {"input_ids": ids, IMAGE_ROWS: (rows, offsets, spans)}
     return _embedded(model, ids, rows, offsets, spans)
 
 
@@ -165,8 +172,8 @@ def _embedded(
 
 def images_in_forward(model: torch.nn.Module) -> None:
     """Make ``model`` merge its images into its input embeddings inside its own forward:
-    :func:`token_inputs` then passes the rows (``image_rows=``) and a forward pre-hook
-    embeds them. Needed where the parameters are whole only during the forward: a root
+    :func:`token_inputs` then passes the rows, their offsets and spans (``dapo_image_rows=``)
+    and a forward pre-hook embeds them. Needed where the parameters are whole only during the forward: a root
     sharded with FSDP2 holds its embeddings, connector and vision tower as shards outside
     it, and gradients of work done outside it would miss its gradient reduction. FSDP's
     own pre-hook (registered first) has gathered them when this one runs."""
@@ -175,10 +182,7 @@ def images_in_forward(model: torch.nn.Module) -> None:
         given = kwargs.pop(IMAGE_ROWS, None)
         if given is None:
             return None
-        rows, offsets = given
-        ids = kwargs.pop("input_ids")
-        spans = [spans_of(r, image_token_id(module)) for r in rows]
-        kwargs.update(_embedded(module, ids, rows, offsets, spans))
+        kwargs.update(_embedded(module, kwargs.pop("input_ids"), *given))
         return args, kwargs
 
     if not getattr(model, "_dapo_images_in_forward", False):

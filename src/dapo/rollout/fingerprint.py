@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from dapo.models.vision import is_vision_config, text_config
+
 # (name, shape) of one parameter, as ``named_parameters()`` of the transformers model
 # names it (the names the weight pushes use).
 Param = tuple[str, tuple[int, ...]]
@@ -121,7 +123,7 @@ def of_module(model: torch.nn.Module, eos_token_id: int, name: str | None = None
             params.append((base, tuple(int(d) for d in p.shape)))
     config = model.config
     return Fingerprint(
-        vocab_size=int(_text_config(config).vocab_size),
+        vocab_size=int(text_config(config).vocab_size),
         eos_token_id=int(eos_token_id),
         parameters=tuple(params),
         name=name if name is not None else str(getattr(config, "_name_or_path", "")),
@@ -136,21 +138,14 @@ def of_model_dir(path: str | os.PathLike, eos_token_id: int) -> Fingerprint:
 
     config = AutoConfig.from_pretrained(str(path))
     params: tuple[Param, ...] | None
-    vision = getattr(config, "vision_config", None) is not None
     try:
         with torch.device("meta"):
-            auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+            auto = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
             model = auto.from_config(config)
         params = tuple((n, tuple(int(d) for d in p.shape)) for n, p in model.named_parameters())
     except (ValueError, ImportError, OSError, TypeError):
         params = None
     vocab = getattr(config, "vocab_size", None)
     if vocab is None:  # a multimodal config keeps it in its text part
-        vocab = _text_config(config).vocab_size
+        vocab = text_config(config).vocab_size
     return Fingerprint(int(vocab), int(eos_token_id), params, name=str(path))
-
-
-def _text_config(config: Any) -> Any:
-    """The config that holds the vocabulary (a vision-language model's text part)."""
-    get = getattr(config, "get_text_config", None)
-    return get() if get is not None else config

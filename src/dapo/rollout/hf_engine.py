@@ -25,6 +25,7 @@ from dapo.choices import CUDA_GRAPHS
 from dapo.data.images import copy_prompt
 from dapo.models.inputs import device_of
 from dapo.models.precision import GenerationWeights, autocast
+from dapo.models.vision import text_config
 from dapo.parallel.sharding import full_params, is_fsdp
 from dapo.rollout import buffers
 from dapo.rollout.attention import generation_attention
@@ -50,7 +51,7 @@ def unsupported_reason(model: torch.nn.Module, length: int) -> str | None:
     config = getattr(model, "config", None)
     if config is None:
         return "the model has no transformers config"
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
     window = getattr(text, "sliding_window", None)
     if getattr(text, "use_sliding_window", True) is False:

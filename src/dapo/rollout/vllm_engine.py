@@ -60,7 +60,7 @@ import torch
 from dapo.data.images import copy_prompt
 from dapo.errors import VLLMEngineError, VLLMUnavailableError
 from dapo.models.precision import compute_dtype
-from dapo.models.vision import is_vision_config
+from dapo.models.vision import is_vision_config, text_config
 from dapo.rollout.base import Group, SamplingParams
 from dapo.rollout.vllm_images import check_expansion, check_images, request
 from dapo.rollout.vllm_process import (
@@ -205,7 +205,7 @@ class VLLMEngine:
             raise VLLMEngineError(f"the policy's dtype {dtype} is not one vLLM runs")
         self.dtype = dtype
         if max_model_len is None:
-            max_model_len = getattr(_text_config(config), "max_position_embeddings", None)
+            max_model_len = getattr(text_config(config), "max_position_embeddings", None)
             if max_model_len is None:
                 raise VLLMEngineError("the model config has no context length: give max_model_len")
         self.max_model_len = int(max_model_len)
@@ -523,13 +523,8 @@ def _config_dtype(config: Any) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def _text_config(config: Any) -> Any:
-    """The language model's config (a vision-language model's ``text_config``)."""
-    return getattr(config, "text_config", None) or config
-
-
 def _kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    config = _text_config(config)
+    config = text_config(config)
     layers = getattr(config, "num_hidden_layers", 1)
     heads = getattr(config, "num_attention_heads", 1)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
